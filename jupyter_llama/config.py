@@ -1,0 +1,136 @@
+"""Settings shared by the core: environment variables, sizes and durations.
+
+Every setting has an environment variable ``JUPYTER_LLAMA_<NAME>``; the server extension
+exposes the same settings as traitlets whose defaults come from here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+ENV_PREFIX = "JUPYTER_LLAMA_"
+
+
+class ConfigError(ValueError):
+    """A setting's value could not be understood; the message names the setting."""
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """Bytes from ``"8GiB"``, ``"8G"``, ``"8000MB"``, ``"512MiB"`` or a plain number of bytes.
+
+    KiB/MiB/GiB are binary and KB/MB/GB decimal; a bare K, M, G or T is read as binary, as
+    ``free -g`` and llama.cpp's MiB figures mean it. ``what`` names the setting in errors.
+    """
+    if isinstance(text, bool):
+        raise ConfigError(f"{what}: expected a size such as 8GiB, got {text!r}")
+    if isinstance(text, (int, float)):
+        if text < 0:
+            raise ConfigError(f"{what}: a size cannot be negative ({text})")
+        return int(text)
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ConfigError(f"{what}: {text!r} is not a size; write bytes or a number with a unit, e.g. 8GiB, 512MiB, 8000MB")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    if unit in ("k", "m", "g", "t"):  # bare letters: binary, like `free -g` and llama.cpp's MiB figures
+        unit += "ib"
+    if unit not in _SIZE_UNITS:
+        raise ConfigError(f"{what}: unknown unit {m.group(2)!r} in {text!r}; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")
+    return int(number * _SIZE_UNITS[unit])
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_DURATION_SCALE = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value, what: str = "keep_alive") -> float:
+    """Seconds from an Ollama-style duration.
+
+    Numbers are seconds; strings are Go-style durations (``"10m"``, ``"1h30m"``, ``"250ms"``)
+    or a bare number of seconds (``"300"``, ``"-1"``). Negative means forever (returned as
+    ``math.inf``); zero means at once.
+    """
+    if isinstance(value, bool) or value is None:
+        raise ConfigError(f"{what}: expected a number of seconds or a duration like '5m', got {value!r}")
+    if isinstance(value, (int, float)):
+        if math.isnan(value):
+            raise ConfigError(f"{what}: NaN is not a duration")
+        return math.inf if value < 0 else float(value)
+    text = str(value).strip()
+    try:
+        number = float(text)
+    except ValueError:
+        pass
+    else:
+        return math.inf if number < 0 else number
+    negative = text.startswith("-")
+    body = text[1:] if negative else text
+    pos, total = 0, 0.0
+    for m in _DURATION_PART.finditer(body):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _DURATION_SCALE[m.group(2)]
+        pos = m.end()
+    if pos != len(body) or not body:
+        raise ConfigError(f"{what}: {value!r} is not a duration; use seconds (300), or units like '10m', '1h30m', '-1' for forever")
+    if negative:
+        return math.inf
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "forever"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    m, s = divmod(int(round(seconds)), 60)
+    if m < 60:
+        return f"{m}m{s:02d}s" if s else f"{m}m"
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m"
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(ENV_PREFIX + name)
+    return default if value is None or value == "" else value
+
+
+def env_int(name: str, default: int) -> int:
+    value = env(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{ENV_PREFIX}{name}: expected a whole number, got {value!r}") from None
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    value = env(name)
+    if value is None:
+        return default
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{ENV_PREFIX}{name}: expected 1/0, true/false, yes/no or on/off, got {value!r}")
+
+
+def cache_dir() -> Path:
+    """Per-user, per-machine cache (engine builds): ``$XDG_CACHE_HOME/jupyter-llama``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jupyter-llama"

@@ -1,0 +1,166 @@
+"""Load options and the llama-server command line they become.
+
+The manager decides *what* to load; llama.cpp decides *how* to place it. So ``-ngl`` is
+passed only when the user sets ``num_gpu`` (REFERENCE section 1): ``num_gpu > 0`` gives
+``-ngl N``, ``0`` gives ``-ngl 0`` (CPU only), and ``None``/``-1`` (automatic) passes
+nothing, leaving llama.cpp's ``--fit`` to choose the split.
+
+Secrets never go on the command line (any local user can read another process's argv):
+the per-child API key travels in the child's environment as ``LLAMA_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+FLASH_ATTN = ("auto", "on", "off")
+
+# Verbosity 4 makes libllama print its INFO lines: the memory figures we read back.
+LOG_ARGS = ("--log-verbosity", "4", "--no-log-prefix", "--no-log-timestamps")
+
+
+class LoadOptionsError(ValueError):
+    """A load option has a value llama-server would refuse; the message says which."""
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Everything that decides how a child is started. Changing any of these needs a reload.
+
+    ``None`` means automatic: the option is not passed and llama.cpp picks the value.
+    Sampling options (temperature, top_k, ...) are per request and deliberately absent.
+    """
+
+    num_ctx: int | None = None  # -c; None = model's training context (fit may shrink it)
+    num_parallel: int | None = None  # -np; None = llama-server's auto (4 slots, unified KV)
+    num_gpu: int | None = None  # -ngl; None or -1 = automatic placement by llama.cpp
+    main_gpu: int | None = None  # -mg
+    num_batch: int | None = None  # -b
+    num_ubatch: int | None = None  # -ub
+    num_thread: int | None = None  # -t
+    use_mmap: bool | None = None  # False gives --no-mmap
+    flash_attn: str | None = None  # -fa on|off|auto
+    cache_type_k: str | None = None  # -ctk
+    cache_type_v: str | None = None  # -ctv
+    kv_unified: bool | None = None  # -kvu / -no-kvu
+    mmproj: str | None = None  # --mmproj FILE (multimodal projector)
+    mmproj_offload: bool = True  # False gives --no-mmproj-offload
+    embedding: bool = False  # --embedding (embedding models)
+    fit_target_mib: tuple[int, ...] | None = None  # --fit-target: free MiB llama.cpp must leave per device
+
+    def __post_init__(self):
+        def positive(name, allow_zero=False):
+            v = getattr(self, name)
+            if v is None:
+                return
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise LoadOptionsError(f"{name} must be a whole number, got {v!r}")
+            if v < 0 or (v == 0 and not allow_zero):
+                raise LoadOptionsError(f"{name} must be {'0 or more' if allow_zero else 'at least 1'}, got {v}")
+
+        if self.num_gpu is not None and self.num_gpu < 0:
+            object.__setattr__(self, "num_gpu", None)  # -1 is Ollama's "automatic"
+        if self.num_ctx == 0:
+            object.__setattr__(self, "num_ctx", None)  # 0 is "automatic" in Ollama's API too
+        positive("num_ctx")
+        positive("num_parallel")
+        positive("num_gpu", allow_zero=True)
+        positive("main_gpu", allow_zero=True)
+        positive("num_batch")
+        positive("num_ubatch")
+        positive("num_thread")
+        for name in ("cache_type_k", "cache_type_v"):
+            v = getattr(self, name)
+            if v is not None and v not in KV_CACHE_TYPES:
+                raise LoadOptionsError(f"{name} {v!r} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPES)}")
+        if self.flash_attn is not None:
+            fa = {True: "on", False: "off"}.get(self.flash_attn, self.flash_attn)
+            if fa not in FLASH_ATTN:
+                raise LoadOptionsError(f"flash_attn must be one of on, off, auto, got {self.flash_attn!r}")
+            object.__setattr__(self, "flash_attn", fa)
+        if self.num_ctx is not None and self.num_ctx < 16:
+            raise LoadOptionsError(f"num_ctx {self.num_ctx} is too small; use at least 16 tokens")
+        if self.fit_target_mib is not None:
+            object.__setattr__(self, "fit_target_mib", tuple(int(x) for x in self.fit_target_mib))
+
+    @property
+    def gpu_automatic(self) -> bool:
+        return self.num_gpu is None
+
+    def replace(self, **changes) -> "LoadOptions":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LoadOptions":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise LoadOptionsError(f"unknown load option(s): {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+    def differences(self, other: "LoadOptions") -> list[str]:
+        """Names of options whose values differ (what a reload event reports)."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+@dataclass
+class LaunchSpec:
+    """A ready-to-exec child: argv without secrets, plus the environment that carries them."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    api_key: str = ""
+
+
+def build_argv(binary: str | os.PathLike, model: str | os.PathLike, options: LoadOptions, *,
+               port: int, host: str = "127.0.0.1", alias: str | None = None) -> list[str]:
+    """The llama-server command line for ``model`` under ``options`` (no secrets in it)."""
+    o = options
+    argv = [str(binary), "--model", str(Path(model)), "--host", host, "--port", str(port)]
+    if alias:
+        argv += ["--alias", alias]
+    if o.num_ctx is not None:
+        argv += ["-c", str(o.num_ctx)]
+    if o.num_parallel is not None:
+        argv += ["-np", str(o.num_parallel)]
+    if o.num_gpu is not None:
+        argv += ["-ngl", str(o.num_gpu)]
+    if o.main_gpu is not None:
+        argv += ["-mg", str(o.main_gpu)]
+    if o.num_batch is not None:
+        argv += ["-b", str(o.num_batch)]
+    if o.num_ubatch is not None:
+        argv += ["-ub", str(o.num_ubatch)]
+    if o.num_thread is not None:
+        argv += ["-t", str(o.num_thread)]
+    if o.use_mmap is False:
+        argv += ["--no-mmap"]
+    if o.flash_attn is not None:
+        argv += ["-fa", o.flash_attn]
+    if o.cache_type_k is not None:
+        argv += ["-ctk", o.cache_type_k]
+    if o.cache_type_v is not None:
+        argv += ["-ctv", o.cache_type_v]
+    if o.kv_unified is True:
+        argv += ["-kvu"]
+    elif o.kv_unified is False:
+        argv += ["-no-kvu"]
+    if o.mmproj:
+        argv += ["--mmproj", str(o.mmproj)]
+        if not o.mmproj_offload:
+            argv += ["--no-mmproj-offload"]
+    if o.embedding:
+        argv += ["--embedding"]
+    if o.fit_target_mib is not None and o.gpu_automatic:
+        argv += ["--fit-target", ",".join(str(x) for x in o.fit_target_mib)]
+    # No web UI in a managed child; the manager is the front end.
+    argv += ["--no-webui", *LOG_ARGS]
+    return argv
