@@ -35,7 +35,7 @@ class LoadOptions:
     Sampling options (temperature, top_k, ...) are per request and deliberately absent.
     """
 
-    num_ctx: int | None = None  # -c; None = model's training context (fit may shrink it)
+    num_ctx: int | None = None  # context per request; None = training context (fit may shrink it)
     num_parallel: int | None = None  # -np; None = llama-server's auto (4 slots, unified KV)
     num_gpu: int | None = None  # -ngl; None or -1 = automatic placement by llama.cpp
     main_gpu: int | None = None  # -mg
@@ -88,6 +88,15 @@ class LoadOptions:
             object.__setattr__(self, "fit_target_mib", tuple(int(x) for x in self.fit_target_mib))
 
     @property
+    def total_ctx(self) -> int | None:
+        """The ``-c`` value: ``num_ctx`` is the context *each request* gets (Ollama's meaning),
+        so with ``P`` explicit slots the child needs ``num_ctx * P`` cells. With automatic
+        slots llama-server shares one unified cache in which every request may use all of it."""
+        if self.num_ctx is None:
+            return None
+        return self.num_ctx * (self.num_parallel or 1)
+
+    @property
     def gpu_automatic(self) -> bool:
         return self.num_gpu is None
 
@@ -128,7 +137,7 @@ def build_argv(binary: str | os.PathLike, model: str | os.PathLike, options: Loa
     if alias:
         argv += ["--alias", alias]
     if o.num_ctx is not None:
-        argv += ["-c", str(o.num_ctx)]
+        argv += ["-c", str(o.total_ctx)]
     if o.num_parallel is not None:
         argv += ["-np", str(o.num_parallel)]
     if o.num_gpu is not None:

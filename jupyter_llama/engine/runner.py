@@ -1,0 +1,459 @@
+"""One llama-server child: started, watched, talked to and stopped by us.
+
+A :class:`Runner` owns exactly one child process. It starts it with the argv of
+:mod:`.launch`, reads its log as it arrives into a :class:`~.logparse.LogParser` (which
+yields the memory llama.cpp actually allocated), waits for ``/health``, streams
+completions and chats through one shared ``httpx.AsyncClient``, and always reaps the
+child on :meth:`Runner.stop`.
+
+Children never outlive the manager: each runs in its own process group, is started under
+``setpriv --pdeathsig KILL`` (or ``prctl(PR_SET_PDEATHSIG)`` when setpriv is missing) so
+the kernel kills it when its parent dies even by SIGKILL, and an ``atexit`` hook stops the
+ones still running at a normal interpreter exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import time
+import weakref
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+
+from ..memory.report import MemoryReport
+from .launch import LoadOptions, build_argv
+from .logparse import LogParser
+
+CRASH_MESSAGE = ("model runner has unexpectedly stopped, this may be due to resource limitations "
+                 "or an internal error")
+
+HEALTH_POLL_S = 0.05  # fast polls while starting; the log's "listening" line usually wins
+HEALTH_TIMEOUT_S = 0.5
+
+
+class EngineError(RuntimeError):
+    """Something went wrong with a llama-server child; the message is for the user."""
+
+
+class LoadError(EngineError):
+    """The child failed to start. Carries its exit code and its last error lines."""
+
+    def __init__(self, message: str, *, exit_code: int | None = None, log_lines: list[str] | None = None,
+                 oom: bool = False):
+        self.exit_code = exit_code
+        self.log_lines = list(log_lines or [])
+        self.oom = oom
+        detail = "\n".join(f"  | {ln}" for ln in self.log_lines[-10:])
+        super().__init__(message + (f"\nlast lines of the llama-server log:\n{detail}" if detail else ""))
+
+
+class RunnerCrashed(EngineError):
+    """The child died while serving a request."""
+
+
+class RequestError(EngineError):
+    """The child answered a request with an HTTP error; ``status`` is its status code."""
+
+    def __init__(self, status: int, message: str):
+        self.status = status
+        super().__init__(message)
+
+
+_LIVE: "weakref.WeakSet[Runner]" = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_live_children() -> None:
+    for r in list(_LIVE):
+        r.kill_now()
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+_SETPRIV = shutil.which("setpriv")
+
+
+def _pdeathsig_preexec() -> None:  # pragma: no cover - runs in the forked child
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+_shared_client: httpx.AsyncClient | None = None
+_shared_loop: asyncio.AbstractEventLoop | None = None
+
+
+def shared_client() -> httpx.AsyncClient:
+    """One AsyncClient per event loop for all children (connection pooling, no proxies)."""
+    global _shared_client, _shared_loop
+    loop = asyncio.get_running_loop()
+    if _shared_client is None or _shared_loop is not loop or _shared_client.is_closed:
+        _shared_client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            trust_env=False,  # children are on loopback; never route them through a proxy
+        )
+        _shared_loop = loop
+    return _shared_client
+
+
+class Runner:
+    """A llama-server child for one model file under one set of load options."""
+
+    def __init__(self, model_path: str | os.PathLike, options: LoadOptions | None = None, *,
+                 binary: str | os.PathLike, name: str | None = None, load_timeout: float = 300.0,
+                 extra_args: list[str] | None = None, log_lines: int = 2000,
+                 client: httpx.AsyncClient | None = None):
+        self.model_path = str(model_path)
+        self.options = options or LoadOptions()
+        self.binary = str(binary)
+        self.name = name or Path(self.model_path).name
+        self.load_timeout = load_timeout
+        self.extra_args = list(extra_args or [])
+        self.parser = LogParser(max_lines=log_lines)
+        self._client = client
+        self.proc: asyncio.subprocess.Process | None = None
+        self.port: int | None = None
+        self.api_key = ""
+        self.argv: list[str] = []
+        self.state = "new"  # new -> starting -> ready -> stopping -> stopped | failed
+        self.started_at: float | None = None
+        self.ready_at: float | None = None
+        self.returncode: int | None = None
+        self._last_output = time.monotonic()
+        self._reader: asyncio.Task | None = None
+        self._ready_line = asyncio.Event()
+        self._exited = asyncio.Event()
+        self._stop_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    @property
+    def load_duration(self) -> float | None:
+        if self.started_at is None or self.ready_at is None:
+            return None
+        return self.ready_at - self.started_at
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        return self._client or shared_client()
+
+    def memory(self) -> MemoryReport:
+        """What llama.cpp actually allocated, as read from this child's log."""
+        return self.parser.report()
+
+    def __repr__(self) -> str:
+        return f"<Runner {self.name} pid={self.pid} port={self.port} {self.state}>"
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self) -> "Runner":
+        """Start the child and wait until it answers ``/health``; raise :class:`LoadError` if not."""
+        if self.state != "new":
+            raise EngineError(f"runner for {self.name} was already started ({self.state})")
+        if not os.path.isfile(self.model_path):
+            self.state = "failed"
+            raise LoadError(f"model file {self.model_path} does not exist")
+        self.state = "starting"
+        for attempt in range(3):
+            try:
+                await self._spawn()
+                await self._wait_ready()
+                return self
+            except _PortTaken:
+                await self._reap()
+                self.parser = LogParser(max_lines=self.parser.lines.maxlen or 2000)
+                self._ready_line = asyncio.Event()
+                self._exited = asyncio.Event()
+                continue
+            except BaseException:
+                await self.stop()
+                self.state = "failed"
+                raise
+        self.state = "failed"
+        raise LoadError(f"could not find a free port for {self.name} after 3 tries")
+
+    async def _spawn(self) -> None:
+        self.port = _free_port()
+        self.api_key = secrets.token_urlsafe(24)
+        self.argv = build_argv(self.binary, self.model_path, self.options, port=self.port, alias=self.name)
+        self.argv += self.extra_args
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+        env["LLAMA_API_KEY"] = self.api_key  # never on the command line
+        argv, preexec = self.argv, None
+        if _SETPRIV:
+            argv = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]
+        else:  # pragma: no cover - Debian always has setpriv (util-linux)
+            preexec = _pdeathsig_preexec
+        self.started_at = time.monotonic()
+        self._last_output = self.started_at
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=preexec,
+            limit=1 << 20)
+        _LIVE.add(self)
+        self._reader = asyncio.create_task(self._read_log(), name=f"llama-log-{self.name}")
+
+    async def _read_log(self) -> None:
+        assert self.proc and self.proc.stdout
+        stream = self.proc.stdout
+        try:
+            while True:
+                try:
+                    raw = await stream.readline()
+                except ValueError:  # a line longer than the limit: take what is there
+                    raw = await stream.read(1 << 20)
+                if not raw:
+                    break
+                self._last_output = time.monotonic()
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                self.parser.feed(line)
+                if self.parser.ready and not self._ready_line.is_set():
+                    self._ready_line.set()
+        finally:
+            self.returncode = await self.proc.wait()
+            self._exited.set()
+            _LIVE.discard(self)
+
+    async def _wait_ready(self) -> None:
+        deadline_gap = self.load_timeout
+        exited = asyncio.ensure_future(self._exited.wait())
+        ready_line = asyncio.ensure_future(self._ready_line.wait())
+        try:
+            while True:
+                if self._exited.is_set():
+                    await asyncio.sleep(0)  # let the reader drain the last lines
+                    if any("address already in use" in ln.lower() or "couldn't bind" in ln.lower()
+                           for ln in list(self.parser.lines)[-20:]):
+                        raise _PortTaken()
+                    raise LoadError(
+                        f"llama-server exited while loading {self.name} (exit code {self.returncode})",
+                        exit_code=self.returncode, log_lines=self.parser.last_error_lines(),
+                        oom=self.parser.oom)
+                if await self._health_ok():
+                    self.ready_at = time.monotonic()
+                    self.state = "ready"
+                    return
+                if time.monotonic() - self._last_output > deadline_gap:
+                    raise LoadError(
+                        f"llama-server stalled while loading {self.name}: no output and no answer on /health "
+                        f"for {deadline_gap:.0f}s (load timeout; set JUPYTER_LLAMA_LOAD_TIMEOUT to wait longer)",
+                        log_lines=list(self.parser.lines)[-10:])
+                # Wake on exit, on the log's "listening" line, or at the next poll tick.
+                waiters = {exited} if ready_line.done() else {exited, ready_line}
+                await asyncio.wait(waiters, timeout=HEALTH_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+            ready_line.cancel()
+
+    async def _health_ok(self) -> bool:
+        try:
+            r = await self.client.get(self.url + "/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError:
+            return False
+        if r.status_code != 200:
+            return False
+        try:
+            return r.json().get("status") == "ok"
+        except ValueError:
+            return False
+
+    async def health(self) -> bool:
+        """True when the child is alive and answers ``/health`` with ok."""
+        return self.alive and await self._health_ok()
+
+    # ------------------------------------------------------------------ requests
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def _crash_error(self) -> RunnerCrashed:
+        code = self.returncode if self.returncode is not None else (self.proc.returncode if self.proc else None)
+        tail = self.parser.last_error_lines(5)
+        detail = f" (exit code {code})" if code is not None else ""
+        if tail:
+            detail += "; last log lines: " + " | ".join(tail)
+        return RunnerCrashed(f"{CRASH_MESSAGE}{detail}")
+
+    async def _after_transport_error(self, exc: Exception) -> EngineError:
+        # Give the reader a moment to notice the exit, so the message carries the exit code.
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._exited.wait()), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        if not self.alive:
+            self.state = "failed" if self.state != "stopping" else self.state
+            return self._crash_error()
+        return EngineError(f"request to {self.name} failed: {exc!r}")
+
+    def _check_ready(self) -> None:
+        if self.state != "ready" or not self.alive:
+            if self.proc is not None and not self.alive and self.state != "stopped":
+                raise self._crash_error()
+            raise EngineError(f"runner for {self.name} is not ready ({self.state})")
+
+    async def post(self, path: str, payload: dict, timeout: float | None = None) -> dict:
+        """A non-streaming request; returns the decoded JSON body."""
+        self._check_ready()
+        try:
+            r = await self.client.post(self.url + path, json=payload, headers=self._headers(), timeout=timeout)
+        except httpx.HTTPError as e:
+            raise await self._after_transport_error(e) from None
+        if r.status_code >= 400:
+            raise RequestError(r.status_code, _error_text(r.text, r.status_code))
+        return r.json()
+
+    async def get(self, path: str) -> Any:
+        self._check_ready()
+        try:
+            r = await self.client.get(self.url + path, headers=self._headers())
+        except httpx.HTTPError as e:
+            raise await self._after_transport_error(e) from None
+        if r.status_code >= 400:
+            raise RequestError(r.status_code, _error_text(r.text, r.status_code))
+        return r.json()
+
+    async def stream_sse(self, path: str, payload: dict) -> AsyncIterator[dict]:
+        """POST with ``stream: true``; yield each server-sent event's JSON object.
+
+        Closing the iterator (or cancelling its consumer) closes the connection, which
+        makes llama-server stop generating for it.
+        """
+        self._check_ready()
+        body = dict(payload, stream=True)
+        try:
+            async with self.client.stream("POST", self.url + path, json=body, headers=self._headers()) as r:
+                if r.status_code >= 400:
+                    text = (await r.aread()).decode("utf-8", "replace")
+                    raise RequestError(r.status_code, _error_text(text, r.status_code))
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        if line.startswith("error:"):
+                            raise RequestError(500, _error_text(line[6:].strip(), 500))
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    event = json.loads(data)
+                    if isinstance(event, dict) and "error" in event and len(event) == 1:
+                        raise RequestError(500, _error_text(data, 500))
+                    yield event
+        except httpx.HTTPError as e:
+            raise await self._after_transport_error(e) from None
+
+    def completion(self, prompt: str, **params) -> AsyncIterator[dict]:
+        """Stream llama-server's native ``/completion`` chunks (``content``, ``stop``, ``timings``)."""
+        return self.stream_sse("/completion", {"prompt": prompt, **params})
+
+    def chat(self, messages: list[dict], **params) -> AsyncIterator[dict]:
+        """Stream OpenAI-style ``/v1/chat/completions`` chunks."""
+        return self.stream_sse("/v1/chat/completions", {"messages": messages, **params})
+
+    async def complete_text(self, prompt: str, **params) -> tuple[str, dict]:
+        """Convenience: the whole completion text and the final chunk's timings."""
+        parts, timings = [], {}
+        async for chunk in self.completion(prompt, **params):
+            parts.append(chunk.get("content", ""))
+            if chunk.get("stop"):
+                timings = chunk.get("timings", {})
+        return "".join(parts), timings
+
+    # ------------------------------------------------------------------ stop
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Stop gracefully (SIGTERM to its group), then forcefully (SIGKILL); always reap."""
+        async with self._stop_lock:
+            if self.proc is None:
+                self.state = "stopped" if self.state != "failed" else self.state
+                return
+            if self.state not in ("failed",):
+                self.state = "stopping"
+            if self.proc.returncode is None:
+                self._signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout)
+                except asyncio.TimeoutError:
+                    self._signal(signal.SIGKILL)
+            await self._reap()
+            if self.state != "failed":
+                self.state = "stopped"
+
+    async def _reap(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.returncode is None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), 10)
+            except asyncio.TimeoutError:
+                self._signal(signal.SIGKILL)
+                await self.proc.wait()
+        self.returncode = self.proc.returncode
+        if self._reader is not None:
+            try:
+                await asyncio.wait_for(self._reader, 5)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._reader.cancel()
+        # Release the pipe's file descriptor now rather than at garbage collection.
+        transport = getattr(self.proc, "_transport", None)
+        if transport is not None:
+            transport.close()
+        _LIVE.discard(self)
+
+    def _signal(self, sig: int) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)  # its own group: any helper it forked goes too
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            try:
+                os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill_now(self) -> None:
+        """Synchronous last resort (atexit, finalisers): SIGKILL the child's group."""
+        self._signal(signal.SIGKILL)
+
+
+class _PortTaken(Exception):
+    """The port we picked was taken before the child bound it; try another."""
+
+
+def _error_text(body: str, status: int) -> str:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.strip()[:500] or f"HTTP {status}"
+    err = data.get("error", data) if isinstance(data, dict) else data
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    return str(err)

@@ -1,0 +1,226 @@
+"""The runner against real llama-server children on synthetic models."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from jupyter_llama.engine.launch import LoadOptions, build_argv
+from jupyter_llama.engine.runner import LoadError, Runner, RunnerCrashed
+from jupyter_llama.memory.report import COMPUTE, KV, MiB, OUTPUT, WEIGHTS
+
+pytestmark = pytest.mark.engine
+
+STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K.gguf"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_start_health_and_text(start_runner, tiny_model):
+    r = await start_runner(tiny_model)
+    assert r.state == "ready" and r.alive
+    assert await r.health()
+    text, timings = await r.complete_text("Once upon a time", n_predict=12, temperature=0)
+    assert text.strip(), "a synthetic model still returns text"
+    assert timings["predicted_n"] >= 1
+    # The child is reachable only with its own key.
+    async with httpx.AsyncClient(trust_env=False) as c:
+        denied = await c.post(r.url + "/completion", json={"prompt": "x", "n_predict": 1})
+    assert denied.status_code == 401
+
+
+async def test_api_key_never_on_command_line(start_runner, tiny_model):
+    r = await start_runner(tiny_model)
+    with open(f"/proc/{r.pid}/cmdline", "rb") as f:
+        cmdline = f.read().decode()
+    assert r.api_key and r.api_key not in cmdline
+    assert "--api-key" not in cmdline
+    assert "--host\x00127.0.0.1" in cmdline
+    with open(f"/proc/{r.pid}/environ", "rb") as f:
+        assert f"LLAMA_API_KEY={r.api_key}".encode() in f.read()
+
+
+async def test_parsed_memory_equals_the_childs_own_log(start_runner, tiny_model):
+    r = await start_runner(tiny_model, LoadOptions(num_ctx=1024, num_parallel=1))
+    rep = r.memory()
+    log = "\n".join(r.parser.lines)
+
+    def mib(pattern: str) -> float:
+        values = [float(v) for v in re.findall(pattern, log)]
+        assert values, f"no line matches {pattern!r} in the child's log"
+        return sum(values)
+
+    assert rep.total(component=WEIGHTS) == pytest.approx(mib(r"model buffer size =\s+([\d.]+) MiB") * MiB, abs=8)
+    assert rep.total(component=KV) == pytest.approx(mib(r"KV buffer size =\s+([\d.]+) MiB") * MiB, abs=8)
+    assert rep.total(component=COMPUTE) == pytest.approx(mib(r"compute buffer size =\s+([\d.]+) MiB") * MiB, abs=8)
+    assert rep.total(component=OUTPUT) == pytest.approx(mib(r"output buffer size =\s+([\d.]+) MiB") * MiB, abs=8)
+    assert rep.devices == ["cpu"]
+    assert rep.n_ctx == 1024
+
+
+async def test_kv_grows_linearly_with_context(start_runner, tiny_model):
+    kv = {}
+    for ctx in (512, 1024, 2048):
+        r = await start_runner(tiny_model, LoadOptions(num_ctx=ctx, num_parallel=1))
+        kv[ctx] = r.memory().total(component=KV)
+        await r.stop()
+    assert kv[512] > 0
+    assert kv[1024] == pytest.approx(2 * kv[512], rel=0.01)
+    assert kv[2048] == pytest.approx(4 * kv[512], rel=0.01)
+
+
+async def test_num_gpu_argv_and_offload_report(start_runner, tiny_model, engine):
+    auto = build_argv(engine.path, tiny_model, LoadOptions(), port=1)
+    cpu = build_argv(engine.path, tiny_model, LoadOptions(num_gpu=0), port=1)
+    some = build_argv(engine.path, tiny_model, LoadOptions(num_gpu=3), port=1)
+    assert "-ngl" not in auto  # automatic: llama.cpp's --fit decides
+    assert cpu[cpu.index("-ngl") + 1] == "0"
+    assert some[some.index("-ngl") + 1] == "3"
+    assert LoadOptions(num_gpu=-1).num_gpu is None  # Ollama's -1 is automatic
+
+    r_auto = await start_runner(tiny_model, LoadOptions(num_ctx=512))
+    r_cpu = await start_runner(tiny_model, LoadOptions(num_ctx=512, num_gpu=0))
+    for r in (r_auto, r_cpu):
+        offload_lines = [ln for ln in r.parser.lines if "offloaded" in ln and "layers to GPU" in ln]
+        if engine.backend in (None, "cpu") and not any("using device" in ln for ln in r.parser.lines):
+            # A plain CPU build prints no offload lines at all (REFERENCE section 2).
+            assert offload_lines == [] and r.parser.layers_offloaded is None
+        else:
+            m = re.search(r"offloaded (\d+)/(\d+) layers", offload_lines[-1])
+            assert (r.parser.layers_offloaded, r.parser.layers_total) == (int(m.group(1)), int(m.group(2)))
+        assert r.memory().gpu_total == 0  # nothing on a GPU on this machine
+
+
+async def test_child_killed_mid_stream_gives_clear_error(start_runner, tiny_model):
+    r = await start_runner(tiny_model)
+    got = []
+    with pytest.raises(RunnerCrashed, match="unexpectedly stopped"):
+        async for chunk in r.completion("Tell me a story", n_predict=100000, temperature=1.0, ignore_eos=True):
+            got.append(chunk)
+            if len(got) == 3:
+                os.kill(r.pid, signal.SIGKILL)
+    assert len(got) >= 3
+    assert not r.alive
+
+
+async def test_corrupt_gguf_fails_with_the_childs_last_lines(start_runner, tiny_model, tmp_path):
+    bad = tmp_path / "corrupt.gguf"
+    data = Path(tiny_model).read_bytes()
+    bad.write_bytes(data[: len(data) // 3])  # header intact, tensor data cut off
+    with pytest.raises(LoadError) as info:
+        await start_runner(bad)
+    err = info.value
+    assert err.exit_code not in (None, 0)
+    assert err.log_lines, "the error carries the child's last log lines"
+    assert "exited while loading" in str(err)
+    assert "corrupt.gguf" in str(err) or any("corrupt.gguf" in ln for ln in err.log_lines)
+
+
+async def test_missing_model_file_is_a_clear_error(engine, tmp_path):
+    r = Runner(tmp_path / "nope.gguf", binary=engine.path)
+    with pytest.raises(LoadError, match="does not exist"):
+        await r.start()
+    assert r.proc is None
+
+
+async def test_cancelled_consumer_stops_generation(start_runner, tiny_model):
+    r = await start_runner(tiny_model, LoadOptions(num_ctx=2048, num_parallel=1))
+    stream = r.completion("Go on forever", n_predict=100000, ignore_eos=True)
+    async for i, _ in _enumerate(stream):
+        if i == 2:
+            break
+    await stream.aclose()
+    # With one slot, a fresh request is served only once the abandoned one was stopped.
+    t0 = time.monotonic()
+    text, timings = await asyncio.wait_for(r.complete_text("Hi", n_predict=4), 60)
+    assert timings["predicted_n"] >= 1
+    assert time.monotonic() - t0 < 60
+
+
+async def _enumerate(aiter):
+    i = 0
+    async for x in aiter:
+        yield i, x
+        i += 1
+
+
+def test_sigkill_of_parent_leaves_no_child(engine, tiny_model, tmp_path):
+    script = textwrap.dedent(f"""
+        import asyncio, sys
+        from jupyter_llama.engine.runner import Runner
+        from jupyter_llama.engine.launch import LoadOptions
+        async def main():
+            r = Runner({str(tiny_model)!r}, LoadOptions(num_ctx=512), binary={engine.path!r})
+            await r.start()
+            print(r.pid, flush=True)
+            await asyncio.sleep(600)
+        asyncio.run(main())
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child_pid = None
+    try:
+        line = parent.stdout.readline()
+        child_pid = int(line)
+        assert _pid_alive(child_pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 2.0
+        while _pid_alive(child_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _pid_alive(child_pid), "llama-server outlived its SIGKILLed parent"
+    finally:
+        parent.kill()
+        parent.wait()
+        if child_pid and _pid_alive(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
+
+
+async def test_twenty_cycles_leave_no_process_and_no_fd(engine, tiny_model):
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    # One warm-up cycle so lazily created things (the shared HTTP client) exist already.
+    r = Runner(tiny_model, LoadOptions(num_ctx=256, num_parallel=1), binary=engine.path)
+    await r.start()
+    await r.stop()
+    before = fds()
+    pids = []
+    for _ in range(20):
+        r = Runner(tiny_model, LoadOptions(num_ctx=256, num_parallel=1), binary=engine.path)
+        try:
+            await r.start()
+            pids.append(r.pid)
+        finally:
+            await r.stop()
+    assert not any(_pid_alive(p) for p in pids)
+    assert fds() <= before
+
+
+@pytest.mark.skipif(not STORIES.is_file(), reason=f"real model not present at {STORIES}")
+async def test_real_english_from_stories260k(start_runner):
+    r = await start_runner(STORIES, LoadOptions(num_ctx=512))
+    text, _ = await r.complete_text("Once upon a time, there was a little", n_predict=40, temperature=0, seed=1)
+    words = re.findall(r"[A-Za-z]+", text)
+    common = {"the", "a", "and", "was", "he", "she", "to", "it", "they", "her", "his", "of", "in", "with", "said"}
+    assert len(words) >= 10 and sum(w.lower() in common for w in words) >= 3, text
