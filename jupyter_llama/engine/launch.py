@@ -50,6 +50,7 @@ class LoadOptions:
     mmproj: str | None = None  # --mmproj FILE (multimodal projector)
     mmproj_offload: bool = True  # False gives --no-mmproj-offload
     embedding: bool = False  # --embedding (embedding models)
+    fit: bool | None = None  # llama.cpp's own fitting of unset options to free memory (-fit on|off)
     fit_target_mib: tuple[int, ...] | None = None  # --fit-target: free MiB llama.cpp must leave per device
 
     def __post_init__(self):
@@ -168,7 +169,9 @@ def build_argv(binary: str | os.PathLike, model: str | os.PathLike, options: Loa
             argv += ["--no-mmproj-offload"]
     if o.embedding:
         argv += ["--embedding"]
-    if o.fit_target_mib is not None and o.gpu_automatic:
+    if o.fit is not None:
+        argv += ["-fit", "on" if o.fit else "off"]
+    if o.fit_target_mib is not None and o.gpu_automatic and o.fit is not False:
         argv += ["--fit-target", ",".join(str(x) for x in o.fit_target_mib)]
     # No web UI in a managed child; the manager is the front end.
     argv += ["--no-webui", *LOG_ARGS]

@@ -32,8 +32,8 @@ SOURCES = (COARSE, DETAILED, LLAMA_CPP, ACTUAL)
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 
-_BACKEND_RE = re.compile(r"^(CUDA|ROCm|HIP|Vulkan|Metal|SYCL|MUSA|CANN|OpenCL)(\d*)(?:_(\w+))?$", re.I)
-_CANONICAL = {"cuda": "cuda", "rocm": "rocm", "hip": "rocm", "vulkan": "vulkan", "metal": "metal",
+_BACKEND_RE = re.compile(r"^(CUDA|ROCm|HIP|Vulkan|Metal|MTL|SYCL|MUSA|CANN|OpenCL)(\d*)(?:_(\w+))?$", re.I)
+_CANONICAL = {"mtl": "metal", "cuda": "cuda", "rocm": "rocm", "hip": "rocm", "vulkan": "vulkan", "metal": "metal",
               "sycl": "sycl", "musa": "musa", "cann": "cann", "opencl": "opencl"}
 
 

@@ -21,7 +21,6 @@ from jupyter_llama.memory.report import COMPUTE, KV, MiB, OUTPUT, WEIGHTS
 
 pytestmark = pytest.mark.engine
 
-STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K.gguf"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -217,9 +216,8 @@ async def test_twenty_cycles_leave_no_process_and_no_fd(engine, tiny_model):
     assert fds() <= before
 
 
-@pytest.mark.skipif(not STORIES.is_file(), reason=f"real model not present at {STORIES}")
-async def test_real_english_from_stories260k(start_runner):
-    r = await start_runner(STORIES, LoadOptions(num_ctx=512))
+async def test_real_english_from_stories260k(start_runner, stories_model):
+    r = await start_runner(stories_model, LoadOptions(num_ctx=512))
     text, _ = await r.complete_text("Once upon a time, there was a little", n_predict=40, temperature=0, seed=1)
     words = re.findall(r"[A-Za-z]+", text)
     common = {"the", "a", "and", "was", "he", "she", "to", "it", "they", "her", "his", "of", "in", "with", "said"}

@@ -1,0 +1,445 @@
+"""Deterministic synthetic llama-architecture GGUF models.
+
+``write_synthetic(path, SynthShape(...))`` writes a small (or not so small) model with
+random weights that llama.cpp's ``llama-server`` loads and answers with text. Same
+shape and seed, same bytes.
+
+How it stays usable with random weights
+---------------------------------------
+* Vocabulary: a SentencePiece ("llama") vocabulary: ``<unk>``, ``<s>``, ``</s>``, the
+  ChatML control tokens ``<|im_start|>``/``<|im_end|>``, the 256 byte-fallback tokens
+  ``<0x00>``..``<0xFF>`` (any input text tokenizes), then plain ASCII pieces (``▁``, the
+  printable characters, common words, syllables) with decreasing scores.
+* Random weights would sample random tokens, and a lone byte token such as ``<0xE3>``
+  decodes to half a UTF-8 character; control tokens end the reply or render as nothing.
+  So the weights carry a fixed "channel": element 0 of every token embedding is a
+  constant, no layer ever writes to element 0 (row 0 of ``attn_output`` and
+  ``ffn_down`` is zero), so after the final norm element 0 is a large positive value
+  for every position, and the output row of every control and byte token has a large
+  negative weight there. Those tokens sit hundreds of logits below the plain pieces
+  and are never sampled; the model only ever emits whole ASCII pieces (valid UTF-8).
+  Generation ends at ``n_predict``/``max_tokens`` or the context size, not at EOS.
+* ``tokenizer.chat_template`` is a small ChatML template, so ``/v1/chat/completions``
+  works; ``<|im_end|>`` is recognised by llama.cpp as an end-of-generation token.
+
+Speed: weights are produced straight from raw PCG64 output with bit masks (no normal
+sampling, no float quantisation): float types get random mantissas and signs under a
+fixed exponent; Q8_0/Q4_0 get random quants under a valid f16 scale per block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+
+__all__ = ["SynthShape", "write_synthetic", "MIN_VOCAB", "TYPES", "CHAT_TEMPLATE", "special_token_ids"]
+
+TYPES = ("f32", "f16", "q8_0", "q4_0")
+
+_GGML_TYPE = {
+    "f32": GGMLQuantizationType.F32,
+    "f16": GGMLQuantizationType.F16,
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+}
+_FILE_TYPE = {
+    "f32": LlamaFileType.ALL_F32,
+    "f16": LlamaFileType.MOSTLY_F16,
+    "q8_0": LlamaFileType.MOSTLY_Q8_0,
+    "q4_0": LlamaFileType.MOSTLY_Q4_0,
+}
+_QBLOCK = 32  # elements per Q8_0 / Q4_0 block
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_SPECIALS = [
+    ("<unk>", TokenType.UNKNOWN),
+    ("<s>", TokenType.CONTROL),
+    ("</s>", TokenType.CONTROL),
+    ("<|im_start|>", TokenType.CONTROL),
+    ("<|im_end|>", TokenType.CONTROL),
+]
+UNK_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(5)
+_BYTE_BASE = len(_SPECIALS)
+_FIRST_PIECE = _BYTE_BASE + 256
+_SPACE = "\u2581"  # SentencePiece's word-boundary mark
+_CHARS = [_SPACE] + [chr(c) for c in range(0x21, 0x7F)]
+MIN_VOCAB = _FIRST_PIECE + len(_CHARS)  # specials, bytes and single characters: 356
+
+_WORDS = (
+    "the of and to in is was for that on as with by he it at from his an are were which this be or "
+    "has had not first one their its new after who they two her she been other when there all during "
+    "into school time may years more most only over city some world would where later up such used many "
+    "can state about national out known university united then made also year people what system because "
+    "part work called between several while large number three under both found day well since before "
+    "these team town based general second him film water like through could light river small music "
+    "house long great early place play game local name will high each model data token word text hello "
+    "llama server memory layer cache graph tensor weight value note book cell plot line point level"
+).split()
+
+
+def special_token_ids() -> dict[str, int]:
+    """Ids of the control tokens in every synthetic vocabulary."""
+    return {"unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID, "im_start": IM_START_ID, "im_end": IM_END_ID}
+
+
+def _pieces():
+    """Endless stream of distinct plain ASCII pieces, most 'useful' first."""
+    yield from _CHARS
+    seen = set(_CHARS)
+
+    def fresh(p):
+        if p not in seen:
+            seen.add(p)
+            return True
+        return False
+
+    for w in _WORDS:
+        if fresh(_SPACE + w):
+            yield _SPACE + w
+    cons = "bcdfghjklmnprstvwxyz"
+    vows = "aeiou"
+    syll = [c + v for c in cons for v in vows]
+    for s in syll:
+        for p in (s, _SPACE + s):
+            if fresh(p):
+                yield p
+    for w in _WORDS:
+        if fresh(w):
+            yield w
+    for s in syll:
+        for c in cons:
+            for p in (s + c, _SPACE + s + c):
+                if fresh(p):
+                    yield p
+    for s1 in syll:
+        for s2 in syll:
+            for p in (s1 + s2, _SPACE + s1 + s2):
+                if fresh(p):
+                    yield p
+    i = 0
+    while True:
+        p = f"{_SPACE}w{i}"
+        if fresh(p):
+            yield p
+        i += 1
+
+
+def _vocabulary(n: int) -> tuple[list[str], list[float], list[int]]:
+    tokens = [t for t, _ in _SPECIALS] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [int(tt) for _, tt in _SPECIALS] + [int(TokenType.BYTE)] * 256
+    scores = [0.0] * len(tokens)
+    gen = _pieces()
+    for i in range(n - len(tokens)):
+        tokens.append(next(gen))
+        types.append(int(TokenType.NORMAL))
+        scores.append(float(-i))
+    return tokens, scores, types
+
+
+@dataclass
+class SynthShape:
+    layers: int = 4
+    embd: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    ff: int | None = None  # default: 8/3 * embd rounded up to a multiple of 32
+    vocab: int = 512
+    ctx: int = 2048
+    type: str = "f32"  # f32 | f16 | q8_0 | q4_0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def n_ff(self) -> int:
+        if self.ff is not None:
+            return self.ff
+        return max(_QBLOCK, int(math.ceil(self.embd * 8 / 3 / _QBLOCK)) * _QBLOCK)
+
+    @property
+    def head_dim(self) -> int:
+        return self.embd // self.heads
+
+    def validate(self) -> None:
+        def positive_int(name: str, v) -> None:
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if v < 1:
+                raise ValueError(f"{name} must be at least 1, got {v}")
+            if v >= 2**32:
+                raise ValueError(f"{name} must be below 2**32 (a GGUF uint32), got {v}")
+
+        for name in ("layers", "embd", "heads", "kv_heads", "vocab", "ctx"):
+            positive_int(name, getattr(self, name))
+        if self.ff is not None:
+            positive_int("ff", self.ff)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.type, str) or self.type.lower() not in TYPES:
+            raise ValueError(f"unknown type {self.type!r}; choose one of {', '.join(TYPES)}")
+        self.type = self.type.lower()
+        if self.embd % self.heads:
+            raise ValueError(f"heads ({self.heads}) must divide embd ({self.embd})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head dimension embd/heads = {self.head_dim} must be even (rotary embedding)")
+        if self.vocab < MIN_VOCAB:
+            raise ValueError(f"vocab must be at least {MIN_VOCAB} (control, byte and character tokens), got {self.vocab}")
+        if self.type in ("q8_0", "q4_0"):
+            for name, v in (("embd", self.embd), ("ff", self.n_ff)):
+                if v % _QBLOCK:
+                    raise ValueError(f"{name} ({v}) must be a multiple of {_QBLOCK} for type {self.type}")
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _rng(seed: int, index: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, index, 0x5EED])))
+
+
+def _raw(rng: np.random.Generator, nbytes: int) -> np.ndarray:
+    """nbytes of random uint8, from raw generator output (fast)."""
+    words = rng.bit_generator.random_raw((nbytes + 7) // 8)
+    return words.view(np.uint8)[:nbytes]
+
+
+def _exp2_floor(std: float) -> int:
+    # Magnitudes uniform in [2^e, 2^(e+1)) have rms 1.53 * 2^e; pick e so rms <= std.
+    return int(math.floor(math.log2(std / 1.53)))
+
+
+def _float_matrix(rng, rows: int, cols: int, std: float, dtype: str) -> np.ndarray:
+    """rows x cols of random sign/mantissa under a fixed exponent (|x| in [2^e, 2^(e+1)))."""
+    e = _exp2_floor(std)
+    n = rows * cols
+    if dtype == "f16":
+        bits = _raw(rng, 2 * n).view(np.uint16)
+        bits &= np.uint16(0x83FF)  # sign + mantissa
+        bits |= np.uint16((e + 15) << 10)
+        return bits.view(np.float16).reshape(rows, cols)
+    bits = _raw(rng, 4 * n).view(np.uint32)
+    bits &= np.uint32(0x807FFFFF)
+    bits |= np.uint32((e + 127) << 23)
+    return bits.view(np.float32).reshape(rows, cols)
+
+
+def _q8_0_matrix(rng, rows: int, cols: int, std: float) -> np.ndarray:
+    nb = cols // _QBLOCK
+    blocks = _raw(rng, rows * nb * 34).reshape(rows, nb, 34)
+    d = np.float16(std / 73.9)  # uniform int8 has rms ~73.9
+    blocks[:, :, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+    return blocks
+
+
+def _q4_0_matrix(rng, rows: int, cols: int, std: float) -> np.ndarray:
+    nb = cols // _QBLOCK
+    blocks = _raw(rng, rows * nb * 18).reshape(rows, nb, 18)
+    d = np.float16(std / 4.64)  # uniform nibble - 8 has rms ~4.64
+    blocks[:, :, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+    return blocks
+
+
+def _matrix(rng, rows: int, cols: int, std: float, wtype: str) -> np.ndarray:
+    if wtype == "q8_0":
+        return _q8_0_matrix(rng, rows, cols, std)
+    if wtype == "q4_0":
+        return _q4_0_matrix(rng, rows, cols, std)
+    return _float_matrix(rng, rows, cols, std, wtype)
+
+
+def _set_row_zero(m: np.ndarray, row: int, wtype: str) -> None:
+    if wtype in ("q8_0", "q4_0"):
+        m[row, :, 0:2] = 0  # scale 0: every element of the row is 0
+    else:
+        m[row, :] = 0
+
+
+def _set_col0(m: np.ndarray, values: np.ndarray, wtype: str) -> None:
+    """Set element 0 of every row to values[row] (exactly representable choices only)."""
+    values = np.asarray(values, dtype=np.float32)
+    if wtype == "q8_0":
+        blk = m[:, 0, :]  # (rows, 34): first block of each row
+        big = np.abs(values) > 0
+        # rows with a value: scale so that q = +-127 gives it; rest of the block zero
+        d = np.where(big, np.abs(values) / 127.0, 0).astype(np.float16)
+        q = blk[:, 2:].view(np.int8)
+        rows_big = np.nonzero(big)[0]
+        if rows_big.size:
+            blk[rows_big, 0:2] = d[rows_big].view(np.uint8).reshape(-1, 2)
+            q[rows_big, :] = 0
+            q[rows_big, 0] = np.where(values[rows_big] > 0, 127, -127).astype(np.int8)
+        rows_zero = np.nonzero(~big)[0]
+        q[rows_zero, 0] = 0
+    elif wtype == "q4_0":
+        blk = m[:, 0, :]  # (rows, 18)
+        big = np.abs(values) > 0
+        rows_big = np.nonzero(big)[0]
+        if rows_big.size:
+            v = values[rows_big]
+            # positive: nibble 15 -> +7d ; negative: nibble 0 -> -8d
+            d = np.where(v > 0, v / 7.0, -v / 8.0).astype(np.float16)
+            blk[rows_big, 0:2] = d.view(np.uint8).reshape(-1, 2)
+            blk[rows_big, 2:] = 0x88  # every element 0
+            blk[rows_big, 2] = np.where(v > 0, 0x8F, 0x80).astype(np.uint8)
+        rows_zero = np.nonzero(~big)[0]
+        blk[rows_zero, 2] = (blk[rows_zero, 2] & 0xF0) | 0x08
+    else:
+        m[:, 0] = values.astype(m.dtype)
+
+
+def _norm_weight(n: int) -> np.ndarray:
+    return np.ones(n, dtype=np.float32)
+
+
+# ----------------------------------------------------------------------------- file
+
+
+def _tensor_plan(s: SynthShape):
+    """(name, ggml numpy shape (rows, cols), kind) in file order."""
+    E, V, F = s.embd, s.vocab, s.n_ff
+    q = s.heads * s.head_dim
+    kv = s.kv_heads * s.head_dim
+    plan = [("token_embd.weight", (V, E), "embd")]
+    for i in range(s.layers):
+        b = f"blk.{i}."
+        plan += [
+            (b + "attn_norm.weight", (E,), "norm"),
+            (b + "attn_q.weight", (q, E), "in"),
+            (b + "attn_k.weight", (kv, E), "in"),
+            (b + "attn_v.weight", (kv, E), "in"),
+            (b + "attn_output.weight", (E, q), "out"),
+            (b + "ffn_norm.weight", (E,), "norm"),
+            (b + "ffn_gate.weight", (F, E), "in"),
+            (b + "ffn_up.weight", (F, E), "in"),
+            (b + "ffn_down.weight", (E, F), "out"),
+        ]
+    plan += [("output_norm.weight", (E,), "norm"), ("output.weight", (V, E), "output")]
+    return plan
+
+
+def _nbytes(shape, wtype: str) -> int:
+    n = int(np.prod(shape))
+    if len(shape) == 1 or wtype == "f32":
+        return 4 * n
+    if wtype == "f16":
+        return 2 * n
+    if wtype == "q8_0":
+        return n // _QBLOCK * 34
+    return n // _QBLOCK * 18
+
+
+def _make_tensor(s: SynthShape, index: int, shape, kind: str) -> np.ndarray:
+    if kind == "norm":
+        return _norm_weight(shape[0])
+    rows, cols = shape
+    wtype = s.type
+    rng = _rng(s.seed, index)
+    E = s.embd
+    if kind == "embd":
+        # element std 1; element 0 carries a constant sqrt(E) that no layer touches
+        m = _matrix(rng, rows, cols, 1.0, wtype)
+        _set_col0(m, np.full(rows, math.sqrt(E), dtype=np.float32), wtype)
+        return m
+    if kind == "output":
+        # logits of plain pieces ~ N(0, 3^2); control and byte tokens pushed far down
+        m = _matrix(rng, rows, cols, 3.0 / math.sqrt(E), wtype)
+        col0 = np.zeros(rows, dtype=np.float32)
+        col0[:_FIRST_PIECE] = -64.0
+        _set_col0(m, col0, wtype)
+        return m
+    m = _matrix(rng, rows, cols, 0.7 / math.sqrt(cols), wtype)
+    if kind == "out":
+        _set_row_zero(m, 0, wtype)  # never write residual element 0
+    return m
+
+
+def write_synthetic(path: os.PathLike | str, shape: SynthShape | None = None, **overrides) -> Path:
+    """Write a synthetic llama GGUF to ``path`` atomically; return the path."""
+    s = shape if shape is not None else SynthShape()
+    if overrides:
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(SynthShape)}
+        if unknown:
+            raise ValueError(f"unknown shape field(s): {', '.join(sorted(unknown))}")
+        s = dataclasses.replace(s, **overrides)
+    else:
+        s = dataclasses.replace(s)  # validates a shape mutated after construction
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    # a unique name beside the target (same filesystem, so the rename is atomic);
+    # created by the writer with the usual umask-derived permissions
+    tmp = str(out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        _write(tmp, s)
+        os.replace(tmp, out)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return out
+
+
+def _write(tmp: str, s: SynthShape) -> None:
+    w = GGUFWriter(tmp, "llama")
+    name = f"synthetic-llama-{s.layers}x{s.embd}-{s.type}-seed{s.seed}"
+    w.add_name(name)
+    w.add_description("Synthetic random-weight llama model written by jupyter_llama.models.synth")
+    w.add_file_type(int(_FILE_TYPE[s.type]))
+    if s.type in ("q8_0", "q4_0"):
+        w.add_quantization_version(2)
+    w.add_context_length(s.ctx)
+    w.add_embedding_length(s.embd)
+    w.add_block_count(s.layers)
+    w.add_feed_forward_length(s.n_ff)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_vocab_size(s.vocab)
+
+    tokens, scores, types = _vocabulary(s.vocab)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_unk_token_id(UNK_ID)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    plan = _tensor_plan(s)
+    for tname, tshape, kind in plan:
+        if kind == "norm":
+            w.add_tensor_info(tname, tshape, np.dtype(np.float32), _nbytes(tshape, "f32"))
+        else:
+            w.add_tensor_info(
+                tname, tshape, np.dtype(np.float32), _nbytes(tshape, s.type), raw_dtype=_GGML_TYPE[s.type]
+            )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for index, (_tname, tshape, kind) in enumerate(plan):
+        w.write_tensor_data(_make_tensor(s, index, tshape, kind))
+    w.close()

@@ -1,0 +1,92 @@
+"""Shared fixtures and helpers (rootdir conftest; the tests tree has no __init__.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STORIES = ROOT.parent / "shared" / "models" / "stories260K.gguf"
+
+# Where a llama-server may be found before the engine's own discovery is wired in.
+_FALLBACK_SERVER = "/tmp/llbuild/bin/llama-server"
+
+
+def find_test_server() -> tuple[str | None, str]:
+    """(path to a runnable llama-server, or None; a reason for the skip message).
+
+    Looks at ``JUPYTER_LLAMA_SERVER`` first, then a local build at
+    ``/tmp/llbuild/bin/llama-server``. To be replaced by the engine's discovery
+    (``jupyter_llama.engine.binary``).
+    """
+    env = os.environ.get("JUPYTER_LLAMA_SERVER")
+    if env:
+        p = Path(env)
+        if p.is_file() and os.access(p, os.X_OK):
+            return str(p), f"JUPYTER_LLAMA_SERVER={env}"
+        return None, f"JUPYTER_LLAMA_SERVER={env} is not an executable file"
+    p = Path(_FALLBACK_SERVER)
+    if p.is_file() and os.access(p, os.X_OK):
+        return str(p), str(p)
+    return None, (
+        f"no llama-server: set JUPYTER_LLAMA_SERVER or build one (`jupyter-llama engine build`); "
+        f"{_FALLBACK_SERVER} is absent"
+    )
+
+
+@pytest.fixture(scope="session")
+def llama_server_binary() -> str:
+    """Path of a llama-server binary; skips the test when there is none."""
+    path, reason = find_test_server()
+    if path is None:
+        pytest.skip(reason)
+    return path
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The llama-server this suite runs, found the way users' code finds it."""
+    from jupyter_llama.engine.binary import EngineBroken, EngineNotFound, find_engine
+
+    try:
+        return find_engine()
+    except (EngineNotFound, EngineBroken) as e:
+        if os.environ.get("JUPYTER_LLAMA_REQUIRE_ENGINE") == "1":
+            pytest.fail(f"no usable llama-server, but `make test` requires one: {e}")
+        pytest.skip(f"no usable llama-server: {e}")
+
+
+@pytest.fixture(scope="session")
+def make_model(tmp_path_factory):
+    """Write (once per session per name and shape) a synthetic llama GGUF; returns its path."""
+    from jupyter_llama.models.synth import SynthShape, write_synthetic
+
+    made: dict[tuple, Path] = {}
+    root = tmp_path_factory.mktemp("synth")
+
+    def make(name: str = "model", **shape) -> Path:
+        key = (name, tuple(sorted(shape.items())))
+        if key not in made:
+            made[key] = write_synthetic(root / f"{name}-{len(made)}.gguf", SynthShape(**shape))
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A small synthetic llama GGUF (4 blocks, 128 wide, GQA 4/2), made once per session."""
+    from jupyter_llama.models.synth import SynthShape, write_synthetic
+
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    return write_synthetic(path, SynthShape(layers=4, embd=128, heads=4, kv_heads=2, ctx=4096, seed=1))
+
+
+@pytest.fixture(scope="session")
+def stories_model() -> Path:
+    """The real tiny trained model from ../shared/models (skips when this checkout lacks it)."""
+    if not STORIES.is_file():
+        pytest.skip(f"{STORIES} is absent (it lives beside the project, not in it)")
+    return STORIES

@@ -1,0 +1,287 @@
+"""Synthetic llama GGUFs: determinism, types, shape checks, and a real llama-server on them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from jupyter_llama.models import synth
+from jupyter_llama.models.gguf_info import read_gguf_info
+from jupyter_llama.models.synth import MIN_VOCAB, SynthShape, special_token_ids, write_synthetic
+
+SMALL = dict(layers=2, embd=64, heads=4, kv_heads=2, vocab=400, ctx=1024)
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def test_same_shape_and_seed_same_bytes(tmp_path):
+    a = write_synthetic(tmp_path / "a.gguf", SynthShape(**SMALL, type="q4_0", seed=5))
+    b = write_synthetic(tmp_path / "b.gguf", type="q4_0", seed=5, **SMALL)
+    assert a.read_bytes() == b.read_bytes()
+    c = write_synthetic(tmp_path / "c.gguf", SynthShape(**SMALL, type="q4_0", seed=6))
+    assert c.read_bytes() != a.read_bytes()
+    assert c.stat().st_size == a.stat().st_size
+
+
+def test_defaults(tmp_path):
+    s = SynthShape()
+    assert (s.layers, s.embd, s.heads, s.kv_heads, s.vocab, s.ctx, s.type, s.seed) == (4, 128, 4, 2, 512, 2048, "f32", 0)
+    assert s.n_ff == 352  # 8/3 * 128 rounded up to a multiple of 32
+    info = read_gguf_info(write_synthetic(tmp_path / "d.gguf"))
+    assert info.feed_forward_length == 352 and info.vocab_size == 512
+
+
+@pytest.mark.parametrize(
+    "wtype,ggml,file_type",
+    [("f32", "F32", "F32"), ("f16", "F16", "F16"), ("q8_0", "Q8_0", "Q8_0"), ("q4_0", "Q4_0", "Q4_0")],
+)
+def test_each_type_reads_back(tmp_path, wtype, ggml, file_type):
+    s = SynthShape(layers=3, embd=128, heads=4, kv_heads=1, ff=256, vocab=MIN_VOCAB, ctx=4096, type=wtype, seed=1)
+    path = write_synthetic(tmp_path / f"{wtype}.gguf", s)
+    info = read_gguf_info(path)
+    assert info.file_type == file_type
+    assert (info.block_count, info.embedding_length, info.feed_forward_length) == (3, 128, 256)
+    assert (info.head_count, info.head_count_kv, info.context_length, info.vocab_size) == (4, 1, 4096, MIN_VOCAB)
+    for t in info.tensors:
+        assert t.ggml_type == ("F32" if len(t.shape) == 1 else ggml), t.name
+    md = info.metadata
+    assert md["llama.rope.dimension_count"] == 32
+    assert md["llama.attention.layer_norm_rms_epsilon"] > 0
+    assert md["tokenizer.ggml.bos_token_id"] == special_token_ids()["bos"]
+    assert md["tokenizer.ggml.eos_token_id"] == special_token_ids()["eos"]
+
+
+def test_write_is_atomic_and_leaves_no_temporary(tmp_path, monkeypatch):
+    target = tmp_path / "sub" / "m.gguf"
+    write_synthetic(target, **SMALL)
+    good = target.read_bytes()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["m.gguf"]
+
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(synth, "_make_tensor", boom)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        write_synthetic(target, **SMALL, seed=9)
+    assert target.read_bytes() == good  # the old file is untouched
+    assert sorted(p.name for p in target.parent.iterdir()) == ["m.gguf"]
+
+
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(embd=100, heads=3), "heads (3) must divide embd (100)"),
+        (dict(heads=4, kv_heads=3), "kv_heads (3) must divide heads (4)"),
+        (dict(type="q5_k"), "unknown type 'q5_k'"),
+        (dict(vocab=100), f"vocab must be at least {MIN_VOCAB}"),
+        (dict(layers=0), "layers must be at least 1"),
+        (dict(embd=-8), "embd must be at least 1"),
+        (dict(ctx=1.5), "ctx must be an integer"),
+        (dict(embd=80, heads=4, kv_heads=2, type="q8_0"), "embd (80) must be a multiple of 32 for type q8_0"),
+        (dict(ff=100, type="q4_0"), "ff (100) must be a multiple of 32"),
+        (dict(embd=12, heads=4, kv_heads=2), "must be even"),
+        (dict(seed=-1), "seed must be a non-negative integer"),
+    ],
+)
+def test_shape_errors(kw, needle):
+    with pytest.raises(ValueError) as ei:
+        SynthShape(**kw)
+    assert needle in str(ei.value)
+
+
+def test_shape_errors_through_write(tmp_path):
+    with pytest.raises(ValueError, match="must divide"):
+        write_synthetic(tmp_path / "x.gguf", heads=5)
+    with pytest.raises(ValueError, match="unknown shape field"):
+        write_synthetic(tmp_path / "x.gguf", colour="red")
+    assert not list(tmp_path.iterdir())
+
+
+def test_hundred_megabyte_model_reads_back(tmp_path):
+    # How long this takes is measured by bench/synth_speed.py, never asserted here.
+    path = write_synthetic(tmp_path / "big.gguf", layers=8, embd=1024, heads=8, kv_heads=4, type="q8_0")
+    assert path.stat().st_size > 90_000_000
+    info = read_gguf_info(path)
+    assert info.block_count == 8 and info.embedding_length == 1024 and info.quantization == "Q8_0"
+
+
+# ----------------------------------------------------------------------------- llama-server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
+        self.proc, self.url, self.log = proc, url, log
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+@pytest.fixture
+def start_server(llama_server_binary, tmp_path):
+    """Start llama-server children on models; each one is stopped by its PID after the test."""
+    started: list[Server] = []
+
+    def start(model: Path, ctx: int = 512) -> Server:
+        port = _free_port()
+        log = tmp_path / f"server-{len(started)}.log"
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(
+                [
+                    llama_server_binary, "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+                    "-c", str(ctx), "--no-webui", "--log-verbosity", "4", "--no-log-prefix", "--no-log-timestamps",
+                ],
+                stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+            )
+        srv = Server(proc, f"http://127.0.0.1:{port}", log)
+        started.append(srv)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"llama-server exited with {proc.returncode} while loading:\n{srv.log_tail()}")
+            try:
+                r = httpx.get(srv.url + "/health", timeout=0.5)
+                if r.status_code == 200 and r.json().get("status") == "ok":
+                    return srv
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        pytest.fail(f"llama-server did not become healthy in 120 s:\n{srv.log_tail()}")
+
+    yield start
+    for srv in started:
+        if srv.proc.poll() is None:
+            os.kill(srv.proc.pid, 15)
+            try:
+                srv.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(srv.proc.pid, 9)
+                srv.proc.wait(timeout=10)
+        assert srv.proc.poll() is not None
+
+
+def completion(srv: Server, **body) -> httpx.Response:
+    return httpx.post(srv.url + "/completion", json=body, timeout=60)
+
+
+def chat(srv: Server, **body) -> httpx.Response:
+    body.setdefault("messages", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, ünïcödé ✓"}])
+    return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def chat_stream(srv: Server, **body) -> tuple[int, str, list[dict]]:
+    """(status, concatenated delta content, chunks) of a streamed chat completion."""
+    body.setdefault("messages", [{"role": "user", "content": "Hello"}])
+    body["stream"] = True
+    chunks: list[dict] = []
+    text = ""
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        status = r.status_code
+        if status != 200:
+            r.read()
+            return status, r.text, chunks
+        done = False
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                done = True
+                continue
+            chunk = json.loads(payload)
+            chunks.append(chunk)
+            for choice in chunk.get("choices", []):
+                text += (choice.get("delta") or {}).get("content") or ""
+        assert done, "stream did not end with [DONE]"
+    return status, text, chunks
+
+
+def _printable(text: str) -> bool:
+    return all(32 <= ord(c) < 127 for c in text)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("wtype", ["f32", "f16", "q8_0", "q4_0"])
+def test_llama_server_answers_with_text(tmp_path, start_server, wtype):
+    model = write_synthetic(tmp_path / f"{wtype}.gguf", layers=2, embd=128, heads=4, kv_heads=2, vocab=512, type=wtype)
+    srv = start_server(model)
+
+    r = completion(srv, prompt="Hello", n_predict=16)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["content"] and _printable(body["content"])
+    assert body["tokens_predicted"] == 16
+
+    r = chat(srv, max_tokens=16)
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]
+    assert msg["message"]["role"] == "assistant"
+    assert msg["message"]["content"] and _printable(msg["message"]["content"])
+    assert msg["finish_reason"] == "length"
+
+    status, text, chunks = chat_stream(srv, max_tokens=16)
+    assert status == 200, text
+    assert text and _printable(text)
+    assert chunks[-1]["choices"] == [] or chunks[-1]["choices"][0].get("finish_reason") in ("length", None)
+
+
+@pytest.mark.engine
+def test_only_plain_pieces_are_ever_sampled(tmp_path, start_server):
+    """Hot, unfiltered sampling still yields printable text and never stops on its own."""
+    model = write_synthetic(tmp_path / "m.gguf", layers=4, embd=128, heads=4, kv_heads=2, type="q8_0", seed=2)
+    srv = start_server(model, ctx=1024)
+    hot = dict(temperature=2.0, top_k=0, top_p=1.0, min_p=0.0)
+    texts = set()
+    for seed in range(4):
+        r = completion(srv, prompt="Once upon a time", n_predict=64, seed=seed, **hot)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["tokens_predicted"] == 64 and body["stop_type"] == "limit"
+        assert body["content"] and _printable(body["content"])
+        texts.add(body["content"])
+    assert len(texts) == 4  # different seeds, different text
+    r = chat(srv, max_tokens=48, seed=1, **hot)
+    assert r.status_code == 200 and _printable(r.json()["choices"][0]["message"]["content"])
+
+
+@pytest.mark.engine
+def test_control_and_byte_tokens_do_not_break_the_server(tmp_path, start_server):
+    """Forced control tokens (end of turn, BOS) and lone UTF-8 lead bytes still give HTTP 200."""
+    model = write_synthetic(tmp_path / "m.gguf", **SMALL)
+    srv = start_server(model)
+    ids = special_token_ids()
+    lead_byte = synth._BYTE_BASE + 0xE3  # "<0xE3>": the first byte of a 3-byte UTF-8 character
+
+    r = chat(srv, max_tokens=8, logit_bias=[[ids["im_end"], 1000]])
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    assert r.json()["choices"][0]["message"]["content"] == ""
+
+    r = completion(srv, prompt="Hello", n_predict=8, logit_bias=[[ids["eos"], 1000]])
+    assert r.status_code == 200 and r.json()["stop_type"] == "eos"
+
+    for bias in ([[ids["bos"], 1000]], [[lead_byte, 1000]]):
+        r = chat(srv, max_tokens=8, logit_bias=bias)
+        assert r.status_code == 200, r.text
+        status, _text, _ = chat_stream(srv, max_tokens=8, logit_bias=bias)
+        assert status == 200
+
+    # and normal text right after
+    r = chat(srv, max_tokens=8)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
