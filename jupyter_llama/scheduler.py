@@ -1,0 +1,908 @@
+"""The scheduler: one place that decides what is loaded, whether it fits, what to evict.
+
+It follows Ollama's rules (REFERENCE section 5) and goes past them where its users asked:
+
+* Load and evict decisions are serialised (one lock held for the whole decision and load:
+  no two loads race for the same memory). A request for a loaded model whose load options
+  match goes straight to its runner without touching the lock; concurrent requests for a
+  model that is loading wait for that one load.
+* Memory-aware everywhere, on GPUs and on CPU-only machines alike: before a load a runner
+  is charged at its prediction, after it at the figures parsed from its log. The charges
+  on a device never exceed its budget.
+* Pinned models (negative keep_alive) are evicted only when nothing else can make room,
+  and then only when ``evict_pinned`` is set; otherwise the load fails naming them.
+* Every decision is an :class:`Event` with its numbers, kept in a bounded history that
+  callers can subscribe to (``%llama explain`` and the lab panel read it).
+
+No HTTP and no Jupyter here: the server, the magics and the tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Awaitable, Callable
+
+from . import config
+from .config import ConfigError, format_duration, parse_duration
+from .engine.launch import LoadOptions
+from .engine.runner import EngineError, LoadError, Runner
+from .memory import devices as devmod
+from .memory.estimate import estimate_coarse
+from .memory.report import ACTUAL, COARSE, DETAILED, HOST, MemoryReport, MiB, format_bytes, is_gpu
+from .models.gguf_info import GGUFError, GGUFInfo, read_gguf_info
+
+# ----------------------------------------------------------------------------- errors
+
+
+class SchedulerError(RuntimeError):
+    """Base of the errors the API turns into HTTP statuses (see ``status``)."""
+
+    status = 500
+
+
+class ModelNotFound(SchedulerError):
+    status = 404
+
+    def __init__(self, name: str, hint: str = ""):
+        self.name = name
+        super().__init__(f'model "{name}" not found, try pulling it first' + (f" ({hint})" if hint else ""))
+
+
+class ServerBusy(SchedulerError):
+    status = 503
+
+
+class DoesNotFit(SchedulerError):
+    status = 507
+
+
+class PinnedInTheWay(DoesNotFit):
+    pass
+
+
+class LoadFailed(SchedulerError):
+    status = 500
+
+
+class BadRequest(SchedulerError):
+    status = 400
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@dataclass
+class ModelRef:
+    """A resolved model: the name the user gave and the files behind it."""
+
+    name: str
+    path: str
+    info: GGUFInfo
+    mmproj: str | None = None
+    digest: str | None = None
+
+    @property
+    def key(self) -> str:  # runners are keyed by model file, as in Ollama
+        return self.path
+
+
+Resolver = Callable[[str], Awaitable[ModelRef]]
+
+
+class FileResolver:
+    """Resolves a name that is a path to a GGUF file (the registry plugs in a richer one).
+
+    Metadata is read in a worker thread and cached by (path, size, mtime).
+    """
+
+    def __init__(self):
+        self._cache: dict[str, tuple[tuple[int, int], ModelRef]] = {}
+
+    async def __call__(self, name: str) -> ModelRef:
+        path = os.path.abspath(os.path.expanduser(name))
+        try:
+            st = os.stat(path)
+        except OSError:
+            raise ModelNotFound(name) from None
+        stamp = (st.st_size, st.st_mtime_ns)
+        hit = self._cache.get(path)
+        if hit and hit[0] == stamp:
+            return hit[1]
+        try:
+            info = await asyncio.to_thread(read_gguf_info, path)
+        except GGUFError as e:
+            raise BadRequest(str(e)) from None
+        ref = ModelRef(name=name, path=path, info=info)
+        self._cache[path] = (stamp, ref)
+        return ref
+
+
+# ----------------------------------------------------------------------------- events
+
+
+@dataclass
+class Event:
+    """One scheduling decision, with the numbers behind it."""
+
+    seq: int
+    time: float  # epoch seconds
+    kind: str  # fit, load, loaded, reuse, reload, evict, unload, expire, oom_retry, crash, error, busy
+    model: str | None
+    message: str
+    data: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class EventLog:
+    """A bounded history of events with live subscribers."""
+
+    def __init__(self, maxlen: int = 1000):
+        self.history: collections.deque[Event] = collections.deque(maxlen=maxlen)
+        self._seq = 0
+        self._subscribers: set[asyncio.Queue] = set()
+
+    def emit(self, kind: str, model: str | None, message: str, **data) -> Event:
+        self._seq += 1
+        ev = Event(self._seq, time.time(), kind, model, message, data)
+        self.history.append(ev)
+        for q in list(self._subscribers):
+            if q.full():  # a slow subscriber loses its oldest events, never blocks us
+                q.get_nowait()
+            q.put_nowait(ev)
+        return ev
+
+    def recent(self, model: str | None = None, limit: int = 50, since: int = 0) -> list[Event]:
+        out = [e for e in self.history if e.seq > since and (model is None or e.model == model)]
+        return out[-limit:]
+
+    def listen(self, maxsize: int = 1000) -> "Subscription":
+        """Start receiving events now (registered before this returns, so nothing is missed)."""
+        return Subscription(self, maxsize)
+
+    async def subscribe(self, maxsize: int = 1000) -> AsyncIterator[Event]:
+        with self.listen(maxsize) as sub:
+            while True:
+                yield await sub.get()
+
+
+class Subscription:
+    """A live feed of events; use as a context manager, ``await get()`` each one."""
+
+    def __init__(self, log: EventLog, maxsize: int):
+        self._log = log
+        self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize)
+        log._subscribers.add(self.queue)
+
+    async def get(self) -> Event:
+        return await self.queue.get()
+
+    def close(self) -> None:
+        self._log._subscribers.discard(self.queue)
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+@dataclass
+class SchedulerSettings:
+    binary: str = ""
+    keep_alive: float = 300.0  # seconds; inf = forever
+    max_loaded_models: int = 0  # 0 = 3 x max(GPUs, 1)
+    max_queue: int = 512
+    load_timeout: float = 300.0
+    fit_estimator: str = "detailed"  # or "coarse"
+    safety_margin: float = 0.10  # added to the detailed estimate when fitting
+    evict_pinned: bool = False
+    num_parallel: int | None = None  # default slots per runner (None: llama-server's auto)
+    budgets: devmod.Budgets = field(default_factory=devmod.Budgets)
+    recovery_timeout: float = 5.0  # after an unload, wait up to this for GPU memory to come back
+    recovery_poll: float = 0.25
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides) -> "SchedulerSettings":
+        environ = os.environ if environ is None else environ
+        get = lambda k: environ.get(config.ENV_PREFIX + k) or None  # noqa: E731
+        s = cls()
+        if get("KEEP_ALIVE"):
+            s.keep_alive = parse_duration(get("KEEP_ALIVE"), "JUPYTER_LLAMA_KEEP_ALIVE")
+        for attr, key in (("max_loaded_models", "MAX_LOADED_MODELS"), ("max_queue", "MAX_QUEUE")):
+            if get(key):
+                try:
+                    setattr(s, attr, int(get(key)))
+                except ValueError:
+                    raise ConfigError(f"JUPYTER_LLAMA_{key}: expected a whole number, got {get(key)!r}") from None
+        if get("LOAD_TIMEOUT"):
+            s.load_timeout = parse_duration(get("LOAD_TIMEOUT"), "JUPYTER_LLAMA_LOAD_TIMEOUT")
+        if get("FIT_ESTIMATOR"):
+            s.fit_estimator = get("FIT_ESTIMATOR")
+        if get("EVICT_PINNED"):
+            s.evict_pinned = get("EVICT_PINNED").strip().lower() in ("1", "true", "yes", "on")
+        if get("NUM_PARALLEL"):
+            s.num_parallel = int(get("NUM_PARALLEL"))
+        s.budgets = devmod.budgets_from_env(environ)
+        for k, v in overrides.items():
+            setattr(s, k, v)
+        s.validate()
+        return s
+
+    def validate(self) -> None:
+        if self.fit_estimator not in (COARSE, DETAILED):
+            raise ConfigError(f"fit estimator must be 'coarse' or 'detailed', got {self.fit_estimator!r}")
+        if self.max_queue < 1:
+            raise ConfigError(f"JUPYTER_LLAMA_MAX_QUEUE must be at least 1, got {self.max_queue}")
+        if self.max_loaded_models < 0:
+            raise ConfigError(f"JUPYTER_LLAMA_MAX_LOADED_MODELS must be 0 (automatic) or more, got {self.max_loaded_models}")
+
+
+# ----------------------------------------------------------------------------- loaded runners
+
+
+@dataclass
+class Loaded:
+    """A model with a runner (loading, ready or unloading), as ``ps`` shows it."""
+
+    ref: ModelRef
+    options: LoadOptions
+    keep_alive: float
+    predictions: dict[str, MemoryReport]
+    fit_source: str
+    runner: Runner | None = None
+    state: str = "loading"  # loading -> ready -> unloading -> gone
+    refcount: int = 0
+    loaded_at: float | None = None
+    expires_at: float | None = None  # epoch seconds; None while busy or pinned
+    unload_when_idle: str | None = None  # a reason, when an unload waits for requests to finish
+    ready: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+    timer: asyncio.TimerHandle | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    load_duration: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.ref.name
+
+    @property
+    def pinned(self) -> bool:
+        return math.isinf(self.keep_alive)
+
+    @property
+    def actual(self) -> MemoryReport | None:
+        if self.runner is None or self.state not in ("ready", "unloading"):
+            return None
+        rep = self.runner.memory()
+        return rep if rep.total() > 0 else None
+
+    @property
+    def charge(self) -> MemoryReport:
+        """What this runner counts against budgets: actual once known, else the prediction."""
+        return self.actual or self.predictions[self.fit_source]
+
+    def matches(self, requested: LoadOptions) -> list[str]:
+        """Options that differ from what the request asks; automatic (None) values match anything."""
+        diffs = []
+        for f in dataclasses.fields(LoadOptions):
+            if f.name == "fit_target_mib":  # set by the scheduler, not the caller
+                continue
+            want = getattr(requested, f.name)
+            if want is None:
+                continue
+            if want != getattr(self.options, f.name):
+                diffs.append(f.name)
+        return diffs
+
+    def info(self) -> dict:
+        actual = self.actual
+        charge = self.charge
+        return {
+            "name": self.name, "path": self.ref.path, "digest": self.ref.digest, "state": self.state,
+            "options": self.options.to_dict(), "keep_alive": None if self.pinned else self.keep_alive,
+            "pinned": self.pinned, "refcount": self.refcount, "expires_at": self.expires_at,
+            "pid": self.runner.pid if self.runner else None,
+            "load_duration": self.load_duration,
+            "context_length": (actual.n_ctx if actual and actual.n_ctx else self.options.total_ctx),
+            "layers_offloaded": actual.layers_offloaded if actual else None,
+            "layers_total": actual.layers_total if actual else None,
+            "size": charge.total(), "size_vram": charge.gpu_total,
+            "memory": {k: v.to_dict() for k, v in self.predictions.items()} | (
+                {ACTUAL: actual.to_dict()} if actual else {}),
+        }
+
+
+class Lease:
+    """A request's hold on a ready runner. Release it (or use ``async with``) when done."""
+
+    def __init__(self, scheduler: "Scheduler", loaded: Loaded, load_duration: float):
+        self._scheduler = scheduler
+        self.loaded = loaded
+        self.runner: Runner = loaded.runner  # type: ignore[assignment]
+        self.load_duration = load_duration
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._scheduler._release(self.loaded)
+
+    async def __aenter__(self) -> "Lease":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()
+
+
+# ----------------------------------------------------------------------------- the scheduler
+
+
+Predictor = Callable[[ModelRef, LoadOptions, list[str]], dict[str, MemoryReport]]
+
+
+def default_predictor(ref: ModelRef, options: LoadOptions, gpus: list[str]) -> dict[str, MemoryReport]:
+    """Every prediction we can make for this load: coarse always, detailed when available."""
+    preds = {COARSE: estimate_coarse(ref.info, options, gpus)}
+    try:
+        from .memory.estimate import estimate_detailed  # type: ignore[attr-defined]
+    except ImportError:
+        return preds
+    preds[DETAILED] = estimate_detailed(ref.info, options, gpus)
+    return preds
+
+
+class Scheduler:
+    """Loads, fits, evicts and unloads llama-server runners. See the module docstring."""
+
+    def __init__(self, settings: SchedulerSettings, *, resolver: Resolver | None = None,
+                 predictor: Predictor = default_predictor,
+                 inventory: Callable[[], devmod.Inventory] | None = None,
+                 default_options: LoadOptions | None = None):
+        if not settings.binary:
+            raise ConfigError("scheduler needs the path of a llama-server binary (settings.binary)")
+        self.settings = settings
+        self.resolver = resolver or FileResolver()
+        self.predictor = predictor
+        self._inventory_fn = inventory or (lambda: devmod.inventory())
+        self.default_options = default_options or LoadOptions()
+        self.loaded: dict[str, Loaded] = {}
+        self.events = EventLog()
+        self._lock = asyncio.Lock()
+        self._pending = 0
+        self._in_flight = 0
+        self._closed = False
+        self._tasks: set[asyncio.Task] = set()
+
+    # -------------------------------------------------------------- public API
+
+    @property
+    def in_flight(self) -> int:
+        """Requests holding a runner right now (the idle culler's notion of activity)."""
+        return self._in_flight
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def max_loaded(self, n_gpus: int) -> int:
+        return self.settings.max_loaded_models or 3 * max(n_gpus, 1)
+
+    async def acquire(self, name: str, options: LoadOptions | None = None, keep_alive=None) -> Lease:
+        """Get a ready runner for ``name`` under ``options``, loading (and evicting) as needed."""
+        if self._closed:
+            raise SchedulerError("the scheduler is shutting down")
+        ka = None if keep_alive is None else parse_duration(keep_alive)
+        options = options or LoadOptions()
+        ref = await self.resolver(name)
+        lo = self.loaded.get(ref.key)
+        if lo is not None and lo.state == "ready" and not lo.unload_when_idle and not lo.matches(options) \
+                and lo.runner is not None and lo.runner.alive:
+            return self._lease(lo, ka, 0.0)  # fast path: no queue, no lock
+        if self._pending >= self.settings.max_queue:
+            self.events.emit("busy", ref.name, f"queue full ({self._pending} waiting, limit "
+                             f"{self.settings.max_queue}): request refused", pending=self._pending,
+                             max_queue=self.settings.max_queue)
+            raise ServerBusy(f"server busy, please try again later (queue limit {self.settings.max_queue} reached; "
+                             "raise JUPYTER_LLAMA_MAX_QUEUE to allow more waiting requests)")
+        self._pending += 1
+        t0 = time.monotonic()
+        try:
+            while True:
+                lo = self.loaded.get(ref.key)
+                if lo is not None and lo.state == "loading":
+                    await asyncio.shield(lo.ready)  # one load, however many wait for it
+                    continue
+                if lo is not None and lo.state == "ready" and not lo.unload_when_idle and not lo.matches(options):
+                    if await self._healthy(lo):
+                        return self._lease(lo, ka, time.monotonic() - t0)
+                async with self._lock:
+                    if self._closed:
+                        raise SchedulerError("the scheduler is shutting down")
+                    lo = self.loaded.get(ref.key)
+                    if lo is not None and lo.state == "ready" and not lo.unload_when_idle \
+                            and not lo.matches(options) and await self._healthy(lo):
+                        continue  # someone loaded it while we waited for the lock
+                    if lo is not None:
+                        await self._retire_for_reload(lo, options)
+                    lo = await self._load(ref, options, ka)
+                return self._lease(lo, ka, time.monotonic() - t0)
+        finally:
+            self._pending -= 1
+
+    def use(self, name: str, options: LoadOptions | None = None, keep_alive=None):
+        """``async with scheduler.use(name) as lease:`` — acquire and always release."""
+        sched = self
+
+        class _Use:
+            async def __aenter__(self_inner) -> Lease:
+                self_inner.lease = await sched.acquire(name, options, keep_alive)
+                return self_inner.lease
+
+            async def __aexit__(self_inner, *exc):
+                self_inner.lease.release()
+
+        return _Use()
+
+    async def load(self, name: str, options: LoadOptions | None = None, keep_alive=None) -> Loaded:
+        """Load without a request (Ollama's empty prompt); keep_alive 0 unloads instead."""
+        if keep_alive is not None and parse_duration(keep_alive) == 0:
+            await self.unload(name)
+            return None  # type: ignore[return-value]
+        lease = await self.acquire(name, options, keep_alive)
+        lease.release()
+        return lease.loaded
+
+    async def unload(self, name: str, reason: str = "unloaded on request") -> bool:
+        """Unload ``name`` now (after its running requests finish). False if it was not loaded."""
+        try:
+            ref = await self.resolver(name)
+            key = ref.key
+        except SchedulerError:
+            key = next((k for k, lo in self.loaded.items() if lo.name == name), None)
+        lo = self.loaded.get(key) if key else None
+        if lo is None:
+            return False
+        if lo.state == "loading":
+            try:
+                await asyncio.shield(lo.ready)
+            except Exception:
+                return False
+        await self._unload(lo, reason, rule="explicit")
+        return True
+
+    def ps(self) -> list[dict]:
+        return [lo.info() for lo in self.loaded.values() if lo.state != "gone"]
+
+    def find_loaded(self, name: str) -> Loaded | None:
+        for lo in self.loaded.values():
+            if lo.name == name or lo.ref.path == name:
+                return lo
+        return None
+
+    async def predict(self, name: str, options: LoadOptions | None = None) -> tuple[ModelRef, dict[str, MemoryReport]]:
+        ref = await self.resolver(name)
+        inv = await self._inventory()
+        return ref, self.predictor(ref, self._effective(options or LoadOptions()), [g.id for g in inv.gpus])
+
+    async def shutdown(self) -> None:
+        """Stop every child and wait for them."""
+        self._closed = True
+        los = list(self.loaded.values())
+        for lo in los:
+            if lo.timer:
+                lo.timer.cancel()
+        await asyncio.gather(*(self._stop_runner(lo, "manager shutting down", rule="shutdown") for lo in los),
+                             return_exceptions=True)
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -------------------------------------------------------------- internals: leasing
+
+    def _lease(self, lo: Loaded, keep_alive: float | None, waited: float) -> Lease:
+        if keep_alive is not None:
+            lo.keep_alive = keep_alive  # a request's own value overrides the runner's
+        if lo.timer:
+            lo.timer.cancel()
+            lo.timer = None
+        lo.expires_at = None
+        lo.refcount += 1
+        lo.idle.clear()
+        lo.last_used = time.monotonic()
+        self._in_flight += 1
+        return Lease(self, lo, waited)
+
+    def _release(self, lo: Loaded) -> None:
+        lo.refcount -= 1
+        self._in_flight -= 1
+        lo.last_used = time.monotonic()
+        if lo.refcount > 0:
+            return
+        lo.idle.set()
+        if lo.state != "ready":
+            return
+        if lo.runner is None or not lo.runner.alive:
+            self._spawn(self._crashed(lo))
+        elif lo.unload_when_idle:
+            self._spawn(self._stop_runner(lo, lo.unload_when_idle, rule="deferred"))
+        elif lo.keep_alive == 0:
+            self._spawn(self._stop_runner(lo, "keep_alive is 0: unloaded as soon as idle", rule="keep_alive"))
+        elif not lo.pinned:
+            self._arm_timer(lo)
+
+    def _arm_timer(self, lo: Loaded) -> None:
+        loop = asyncio.get_running_loop()
+        lo.expires_at = time.time() + lo.keep_alive
+        lo.timer = loop.call_later(lo.keep_alive, self._expire, lo)
+
+    def _expire(self, lo: Loaded) -> None:
+        lo.timer = None
+        if lo.state != "ready":
+            return
+        self.events.emit("expire", lo.name, f"keep_alive of {format_duration(lo.keep_alive)} ran out"
+                         + (f"; unloading after {lo.refcount} running request(s)" if lo.refcount else ""),
+                         keep_alive=lo.keep_alive, refcount=lo.refcount)
+        if lo.refcount:
+            lo.unload_when_idle = "keep_alive ran out while busy"
+        else:
+            self._spawn(self._stop_runner(lo, "keep_alive ran out", rule="keep_alive"))
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _healthy(self, lo: Loaded) -> bool:
+        """Alive, and (after a quiet spell) answering /health; a failure forces a reload."""
+        r = lo.runner
+        if r is None or not r.alive:
+            return False
+        if time.monotonic() - lo.last_used < 10 or await r.health():
+            return True
+        self.events.emit("crash", lo.name, "health check failed: the runner will be reloaded", pid=r.pid)
+        return False
+
+    # -------------------------------------------------------------- internals: loading
+
+    def _effective(self, options: LoadOptions) -> LoadOptions:
+        if options.num_parallel is None and self.settings.num_parallel:
+            options = options.replace(num_parallel=self.settings.num_parallel)
+        return options
+
+    async def _retire_for_reload(self, lo: Loaded, options: LoadOptions) -> None:
+        changed = lo.matches(options)
+        if lo.runner is None or not lo.runner.alive:
+            reason, rule = "its runner is no longer running", "crash"
+        elif changed:
+            reason = "load options changed: " + ", ".join(
+                f"{n} {getattr(lo.options, n)!r} -> {getattr(options, n)!r}" for n in changed)
+            rule = "reload"
+        else:
+            reason, rule = "health check failed", "reload"
+        self.events.emit("reload", lo.name, f"reloading: {reason}", changed=changed)
+        await self._unload(lo, reason, rule=rule)
+
+    async def _inventory(self) -> devmod.Inventory:
+        """Devices as they are now, under the scheduler's own budgets."""
+        inv = await asyncio.to_thread(self._inventory_fn)
+        inv.budgets = self.settings.budgets
+        return inv
+
+    def _usage(self, exclude: Loaded | None = None) -> dict[str, int]:
+        used: dict[str, int] = collections.defaultdict(int)
+        for lo in self.loaded.values():
+            if lo is exclude or lo.state == "gone":
+                continue
+            for dev, n in lo.charge.by_device().items():
+                used[dev] += n
+        return dict(used)
+
+    def _available(self, inv: devmod.Inventory, used: dict[str, int]) -> dict[str, tuple[int, int | None]]:
+        """Per device: (bytes we may still plan with, the budget if one is set)."""
+        out = {}
+        for d in inv.devices():
+            ceiling = d.budget if d.budget is not None else d.total
+            out[d.id] = (max(0, min(d.free - (d.overhead if is_gpu(d.id) else 0), ceiling - used.get(d.id, 0))),
+                         d.budget)
+        return out
+
+    def _need(self, preds: dict[str, MemoryReport], fit_source: str) -> MemoryReport:
+        rep = preds[fit_source]
+        if fit_source == DETAILED and self.settings.safety_margin:
+            return rep.scaled(1 + self.settings.safety_margin, source=f"{DETAILED}+{self.settings.safety_margin:.0%}")
+        return rep
+
+    async def _load(self, ref: ModelRef, options: LoadOptions, keep_alive: float | None) -> Loaded:
+        """Called with the lock held: make room, start the runner, retry on OOM as Ollama does."""
+        options = self._effective(options)
+        inv = await self._inventory()
+        gpus = [g.id for g in inv.gpus]
+        options = self._with_fit_target(options, inv)
+        preds = await asyncio.to_thread(self.predictor, ref, options, gpus)
+        fit_source = self.settings.fit_estimator if self.settings.fit_estimator in preds else COARSE
+        await self._make_room(ref, preds, fit_source, inv)
+        ka = self.settings.keep_alive if keep_alive is None else keep_alive
+        lo = Loaded(ref=ref, options=options, keep_alive=ka, predictions=preds, fit_source=fit_source)
+        self.loaded[ref.key] = lo
+        retried: set[str] = set()
+        try:
+            while True:
+                try:
+                    await self._start_runner(lo)
+                    break
+                except LoadError as e:
+                    retry = await self._oom_retry(lo, e, retried) if e.oom else None
+                    if retry is None:
+                        raise
+        except BaseException as e:
+            lo.state = "gone"
+            lo.gone.set()
+            self.loaded.pop(ref.key, None)
+            err = e if isinstance(e, SchedulerError) else LoadFailed(
+                f"failed to load {ref.name}: {e}") if isinstance(e, EngineError) else e
+            if isinstance(e, Exception):
+                self.events.emit("error", ref.name, f"load failed: {str(e).splitlines()[0]}")
+            if not lo.ready.done():
+                lo.ready.set_exception(err if isinstance(err, BaseException) else e)
+                lo.ready.exception()  # mark retrieved: waiters re-raise it themselves
+            if err is e:
+                raise
+            raise err from None
+        lo.state = "ready"
+        lo.loaded_at = time.time()
+        actual = lo.actual
+        self.events.emit("loaded", ref.name, _loaded_message(lo, actual), load_seconds=round(lo.load_duration, 3),
+                         pid=lo.runner.pid, predicted={k: v.total() for k, v in preds.items()},
+                         actual=actual.to_dict() if actual else None)
+        try:
+            await self._enforce_budgets(lo)
+        except DoesNotFit as e:
+            lo.ready.set_exception(e)
+            lo.ready.exception()
+            raise
+        lo.ready.set_result(lo)
+        self._spawn(self._watch(lo))
+        return lo
+
+    async def _enforce_budgets(self, new: Loaded) -> None:
+        """Predictions can be wrong: once the actual figures are known, the budget still holds.
+
+        If the new runner's real allocation pushes a device over its budget, evict others
+        (the usual victim order); if it alone is over, unload it and say by how much.
+        """
+        while True:
+            inv = await self._inventory()
+            used = self._usage()
+            over = {d.id: used.get(d.id, 0) - d.budget for d in inv.devices()
+                    if d.budget is not None and used.get(d.id, 0) > d.budget}
+            if not over:
+                return
+            dev, excess = next(iter(over.items()))
+            words = (f"{new.name} was predicted at {format_bytes(new.predictions[new.fit_source].total(device=dev))} "
+                     f"on {dev} but llama.cpp allocated {format_bytes(new.charge.total(device=dev))}; "
+                     f"{format_bytes(excess)} over the budget there")
+            try:
+                victim, rule = self._choose_victim(new.ref, words)
+            except DoesNotFit:
+                await self._stop_runner(new, "over budget once its actual size was known", rule="budget")
+                msg = (f"{words}, and no other model can make room. Raise JUPYTER_LLAMA_MEMORY_LIMIT or load it "
+                       "with a smaller context")
+                self.events.emit("fit", new.name, "does not fit after all: " + msg, fits=False)
+                raise DoesNotFit(msg) from None
+            self.events.emit("evict", victim.name, f"evicting {victim.name}: {words}; chosen because {rule}",
+                             victim=victim.name, for_model=new.name, rule=rule, over_budget=over)
+            await self._unload(victim, f"evicted for {new.name} (budget)", rule="evict")
+
+    def _with_fit_target(self, options: LoadOptions, inv: devmod.Inventory) -> LoadOptions:
+        """Our budget reaches llama.cpp: with automatic placement, tell --fit how much to leave free."""
+        if not options.gpu_automatic or not inv.gpus:
+            return options
+        used = self._usage()
+        margins = []
+        for g in inv.gpus:
+            d = inv.device(g.id)
+            keep = max(1024 * MiB, d.overhead if d else 0)
+            if d and d.budget is not None:
+                # leave free everything beyond our remaining budget on this device
+                keep = max(keep, d.free - max(0, d.budget - used.get(g.id, 0)))
+            margins.append(int(keep // MiB))
+        return options.replace(fit_target_mib=tuple(margins))
+
+    async def _start_runner(self, lo: Loaded) -> None:
+        r = Runner(lo.ref.path, lo.options, binary=self.settings.binary, name=lo.ref.name,
+                   load_timeout=self.settings.load_timeout)
+        lo.runner = r
+        self.events.emit("load", lo.name, f"starting llama-server for {lo.name}"
+                         f" (context {lo.options.total_ctx or 'automatic'}, "
+                         f"num_gpu {'automatic' if lo.options.num_gpu is None else lo.options.num_gpu})",
+                         options=lo.options.to_dict())
+        t0 = time.monotonic()
+        await r.start()
+        lo.load_duration = time.monotonic() - t0
+
+    async def _oom_retry(self, lo: Loaded, err: LoadError, retried: set[str]) -> str | None:
+        """Ollama's out-of-memory recoveries, each at most once. Returns what was done, or None."""
+        train_ctx = lo.ref.info.context_length
+        current = lo.options.num_ctx or train_ctx
+        if "ctx" not in retried and lo.options.num_ctx is None and current > 4096:
+            retried.add("ctx")
+            step = 32768 if current > 32768 else 4096
+            lo.options = lo.options.replace(num_ctx=step)
+            self.events.emit("oom_retry", lo.name, f"out of memory with automatic context {current}: "
+                             f"retrying once with context {step}", ctx_from=current, ctx_to=step)
+            return "ctx"
+        others = [o for o in self.loaded.values() if o is not lo and o.state == "ready"]
+        if "evict" not in retried and others:
+            retried.add("evict")
+            self.events.emit("oom_retry", lo.name, f"out of memory with {len(others)} other model(s) loaded: "
+                             "evicting them all and retrying once", victims=[o.name for o in others])
+            for o in others:
+                await self._unload(o, f"evicted to retry {lo.name} after an out-of-memory failure", rule="oom")
+            return "evict"
+        if "mmproj" not in retried and lo.options.mmproj and lo.options.mmproj_offload:
+            retried.add("mmproj")
+            lo.options = lo.options.replace(mmproj_offload=False)
+            self.events.emit("oom_retry", lo.name, "out of memory: retrying once with the projector on the CPU")
+            return "mmproj"
+        return None
+
+    async def _make_room(self, ref: ModelRef, preds: dict[str, MemoryReport], fit_source: str,
+                         inv: devmod.Inventory) -> None:
+        need = self._need(preds, fit_source)
+        cap = self.max_loaded(len(inv.gpus))
+        while True:
+            others = [lo for lo in self.loaded.values() if lo.state in ("ready", "loading")]
+            used = self._usage()
+            avail = self._available(inv, used)
+            short = {d: need.total(device=d) - avail.get(d, (0, None))[0] for d in need.devices
+                     if need.total(device=d) > avail.get(d, (0, None))[0]}
+            numbers = {d: {"need": need.total(device=d), "available": avail.get(d, (0, None))[0],
+                           "in_use": used.get(d, 0), "budget": avail.get(d, (0, None))[1]} for d in need.devices}
+            over_cap = len(others) >= cap
+            if not short and not over_cap:
+                self.events.emit("fit", ref.name, "fits: " + _fit_words(numbers, need.source), fits=True,
+                                 estimator=need.source, devices=numbers,
+                                 predicted={k: v.total() for k, v in preds.items()})
+                return
+            if not others:
+                over_budget = {d: n for d, n in numbers.items() if n["budget"] is not None and n["need"] > n["budget"]}
+                if over_budget:
+                    d, n = next(iter(over_budget.items()))
+                    msg = (f"{ref.name} needs {format_bytes(n['need'])} on {d} ({need.source} estimate) but the budget "
+                           f"there is {format_bytes(n['budget'])}; raise JUPYTER_LLAMA_MEMORY_LIMIT, or load it with a "
+                           "smaller context (num_ctx) or a smaller quantisation")
+                    self.events.emit("fit", ref.name, "does not fit: " + msg, fits=False, devices=numbers)
+                    raise DoesNotFit(msg)
+                self.events.emit("fit", ref.name, "may not fit (" + _fit_words(numbers, need.source)
+                                 + "), but no other model is loaded: the first model always gets to try",
+                                 fits=False, devices=numbers)
+                return
+            reason = (f"the loaded-model cap ({cap}) is reached" if over_cap and not short else
+                      "not enough memory: " + _fit_words({d: numbers[d] for d in short}, need.source))
+            victim, rule = self._choose_victim(ref, reason)
+            self.events.emit("evict", victim.name, f"evicting {victim.name} to make room for {ref.name}: {reason}; "
+                             f"chosen because {rule}", victim=victim.name, for_model=ref.name, rule=rule,
+                             devices=numbers, over_cap=over_cap)
+            await self._unload(victim, f"evicted for {ref.name}", rule="evict")
+            inv = await self._inventory()
+
+    def _choose_victim(self, ref: ModelRef, reason: str) -> tuple[Loaded, str]:
+        """Shortest keep_alive first (ties by model path), idle before busy; pinned last of all."""
+        candidates = [lo for lo in self.loaded.values() if lo.state == "ready" and lo.ref.key != ref.key]
+        unpinned = sorted((lo for lo in candidates if not lo.pinned), key=lambda lo: (lo.keep_alive, lo.ref.path))
+        pinned = sorted((lo for lo in candidates if lo.pinned), key=lambda lo: lo.ref.path)
+        for group, label in ((unpinned, ""), (pinned if self.settings.evict_pinned else [], "pinned, ")):
+            if not group:
+                continue
+            idle = [lo for lo in group if lo.refcount == 0]
+            if idle:
+                lo = idle[0]
+                return lo, f"{label}idle, shortest keep_alive ({format_duration(lo.keep_alive)})"
+            lo = group[0]
+            return lo, f"{label}shortest keep_alive ({format_duration(lo.keep_alive)}); busy, so it unloads " \
+                       f"when its {lo.refcount} request(s) finish"
+        if pinned:
+            names = ", ".join(lo.name for lo in pinned)
+            msg = (f"cannot load {ref.name}: {reason}, and only pinned models ({names}) could make room. "
+                   f"Unload one of them (keep_alive 0 or `stop`), or set JUPYTER_LLAMA_EVICT_PINNED=1")
+            self.events.emit("fit", ref.name, msg, fits=False, pinned=[lo.name for lo in pinned])
+            raise PinnedInTheWay(msg)
+        raise DoesNotFit(f"cannot load {ref.name}: {reason}, and no loaded model can be evicted "
+                         "(they are all still loading)")
+
+    # -------------------------------------------------------------- internals: unloading
+
+    async def _unload(self, lo: Loaded, reason: str, rule: str) -> None:
+        """Unload, waiting for running requests first; then wait for GPU memory to come back."""
+        if lo.state == "gone":
+            return
+        if lo.refcount > 0:
+            lo.unload_when_idle = reason
+            await lo.gone.wait()
+            return
+        await self._stop_runner(lo, reason, rule)
+
+    async def _stop_runner(self, lo: Loaded, reason: str, rule: str) -> None:
+        if lo.state in ("unloading", "gone"):
+            await lo.gone.wait()
+            return
+        lo.state = "unloading"
+        if lo.timer:
+            lo.timer.cancel()
+            lo.timer = None
+        gpu_used = {d: n for d, n in lo.charge.by_device().items() if is_gpu(d)}
+        before = None
+        if gpu_used:
+            before = {g.id: g.free for g in (await self._inventory()).gpus}
+        if lo.runner is not None:
+            await lo.runner.stop()
+        self.loaded.pop(lo.ref.key, None) if self.loaded.get(lo.ref.key) is lo else None
+        lo.state = "gone"
+        lo.expires_at = None
+        self.events.emit("unload", lo.name, f"unloaded {lo.name}: {reason}", rule=rule,
+                         freed=lo.charge.to_dict())
+        lo.gone.set()
+        if gpu_used and before is not None and not self._closed:
+            await self._wait_recovery(gpu_used, before)
+
+    async def _wait_recovery(self, used: dict[str, int], before: dict[str, int]) -> None:
+        """Poll until each GPU's free memory has grown by 75% of what the runner used (or time out)."""
+        deadline = time.monotonic() + self.settings.recovery_timeout
+        while time.monotonic() < deadline:
+            now = {g.id: g.free for g in (await self._inventory()).gpus}
+            if all(now.get(d, 0) - before.get(d, 0) >= 0.75 * n for d, n in used.items()):
+                return
+            await asyncio.sleep(self.settings.recovery_poll)
+
+    async def _crashed(self, lo: Loaded) -> None:
+        if lo.state != "ready":
+            return
+        code = lo.runner.returncode if lo.runner else None
+        self.events.emit("crash", lo.name, f"llama-server for {lo.name} stopped unexpectedly (exit code {code}); "
+                         "the next request reloads it", exit_code=code,
+                         last_lines=lo.runner.parser.last_error_lines(5) if lo.runner else [])
+        await self._stop_runner(lo, "its runner crashed", rule="crash")
+
+    async def _watch(self, lo: Loaded) -> None:
+        """Notice a child that dies while idle, so ps never shows a dead model."""
+        r = lo.runner
+        if r is None:
+            return
+        await r._exited.wait()
+        if lo.state == "ready" and lo.refcount == 0:
+            await self._crashed(lo)
+
+
+def _fit_words(numbers: dict, source: str) -> str:
+    parts = []
+    for d, n in numbers.items():
+        budget = f", budget {format_bytes(n['budget'])}" if n.get("budget") is not None else ""
+        parts.append(f"{d} needs {format_bytes(n['need'])} ({source}), {format_bytes(n['available'])} available "
+                     f"({format_bytes(n['in_use'])} in use by loaded models{budget})")
+    return "; ".join(parts)
+
+
+def _loaded_message(lo: Loaded, actual: MemoryReport | None) -> str:
+    msg = f"loaded {lo.name} in {lo.load_duration:.2f}s"
+    if actual:
+        pred = lo.predictions[lo.fit_source].total()
+        err = (pred - actual.total()) / actual.total() * 100 if actual.total() else 0.0
+        msg += (f": llama.cpp allocated {format_bytes(actual.total())} "
+                f"({', '.join(f'{d} {format_bytes(n)}' for d, n in actual.by_device().items())}); "
+                f"{lo.fit_source} predicted {format_bytes(pred)} ({err:+.0f}%)")
+        if actual.layers_total:
+            msg += f"; {actual.layers_offloaded}/{actual.layers_total} layers on the GPU"
+    return msg

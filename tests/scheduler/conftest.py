@@ -1,0 +1,55 @@
+"""Schedulers over real llama-server children, always shut down after the test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.memory.devices import Budgets
+from jupyter_llama.scheduler import Scheduler, SchedulerSettings
+
+SHAPE = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=2048)
+
+
+@pytest.fixture
+def small_models(make_model):
+    """Four same-shaped small models (different files, so different runners)."""
+    return [str(make_model(f"small{i}", seed=10 + i, **SHAPE)) for i in range(4)]
+
+
+@pytest.fixture
+async def make_scheduler(engine):
+    made: list[Scheduler] = []
+
+    def make(**settings) -> Scheduler:
+        budget = settings.pop("budget", None)
+        extra = {"predictor": settings.pop("predictor")} if "predictor" in settings else {}
+        s = SchedulerSettings(binary=engine.path, **settings)
+        if budget is not None:
+            s.budgets = Budgets(limits={"cpu": int(budget)})
+        sched = Scheduler(s, default_options=LoadOptions(), **extra)
+        made.append(sched)
+        return sched
+
+    yield make
+    for sched in made:
+        await sched.shutdown()
+        assert not sched.loaded
+        for ev in sched.events.history:
+            pid = ev.data.get("pid")
+            if pid:
+                assert not _alive(pid), f"child {pid} outlived the scheduler"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
