@@ -46,7 +46,7 @@ lab: demo
 
 # pytest's exit code 5 means "no tests collected": that must fail, not pass.
 test: engine
-	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@JUPYTER_LLAMA_REQUIRE_ENGINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 bench: engine

@@ -88,6 +88,9 @@ def _visible_selection(environ: Mapping[str, str]) -> list[str] | None:
     return out
 
 
+_nvml_library_missing: object = None  # the pynvml module that could not find its library
+
+
 def list_gpus(environ: Mapping[str, str] | None = None) -> list[GPU]:
     """NVIDIA GPUs with their memory, via NVML; ``[]`` when there are none or NVML fails.
 
@@ -100,10 +103,16 @@ def list_gpus(environ: Mapping[str, str] | None = None) -> list[GPU]:
     except Exception as exc:  # ImportError, or a broken install
         last_gpu_error = f"pynvml is not importable ({exc})"
         return []
+    global _nvml_library_missing
+    if _nvml_library_missing is pynvml:  # no libnvidia-ml: it will not appear while we run; don't retry
+        return []
     try:
         pynvml.nvmlInit()
     except Exception as exc:  # NVMLError: no driver, no libnvidia-ml, no device
         last_gpu_error = f"NVML could not start ({exc})"
+        missing = getattr(pynvml, "NVMLError_LibraryNotFound", None)
+        if missing is not None and isinstance(exc, missing):
+            _nvml_library_missing = pynvml
         return []
     try:
         count = pynvml.nvmlDeviceGetCount()
