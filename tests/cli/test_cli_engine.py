@@ -1,0 +1,98 @@
+"""`jupyter-llama` engine, inspect, synth and devices as a user runs them: real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jupyter_llama.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_no_command_is_a_usage_error():
+    r = cli()
+    assert r.returncode == 2 and "COMMAND" in r.stderr
+
+
+def test_unknown_command_is_a_usage_error():
+    r = cli("frobnicate")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_synth_then_inspect(tmp_path):
+    out = tmp_path / "m.gguf"
+    r = cli("synth", "--output", str(out), "--layers", "3", "--embd", "96", "--heads", "6", "--kv-heads", "2",
+            "--type", "q8_0", "--ctx", "1024", "--seed", "4")
+    assert r.returncode == 0, r.stderr
+    assert out.is_file() and "wrote" in r.stdout
+    text = cli("inspect", str(out))
+    assert text.returncode == 0, text.stderr
+    assert "llama" in text.stdout and "1,024" in text.stdout and "Q8_0" in text.stdout
+    data = json.loads(cli("inspect", str(out), "--json").stdout)
+    assert data["block_count"] == 3 and data["embedding_length"] == 96 and data["head_count_kv"] == 2
+    assert data["context_length"] == 1024 and any(t["ggml_type"] == "Q8_0" for t in data["tensors"])
+
+
+def test_synth_bad_shape_is_a_usage_error(tmp_path):
+    r = cli("synth", "--output", str(tmp_path / "x.gguf"), "--heads", "5")
+    assert r.returncode == 2 and "must divide" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("content,reason", [(b"hello world, not a model", "not a GGUF"), (b"", "empty")])
+def test_inspect_bad_file_one_line_exit_2(tmp_path, content, reason):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(content)
+    r = cli("inspect", str(bad))
+    assert r.returncode == 2
+    assert reason in r.stderr and "bad.gguf" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_inspect_truncated_file(tmp_path, tiny_model):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_model.read_bytes()[:5000])
+    r = cli("inspect", str(cut))
+    assert r.returncode == 2 and "truncated" in r.stderr
+
+
+def test_devices_table_and_json():
+    r = cli("devices")
+    assert r.returncode == 0 and "cpu" in r.stdout
+    data = json.loads(cli("devices", "--json").stdout)
+    assert data["host"]["total"] > 0
+
+
+def test_devices_bad_budget_names_the_variable():
+    import os
+
+    env = dict(os.environ, JUPYTER_LLAMA_MEMORY_LIMIT="lots")
+    r = cli("devices", env=env)
+    assert r.returncode == 2 and "JUPYTER_LLAMA_MEMORY_LIMIT" in r.stderr
+
+
+@pytest.mark.engine
+def test_engine_status(engine):
+    r = cli("engine", "status")
+    assert r.returncode == 0, r.stderr
+    assert engine.path in r.stdout and "11434" in r.stdout
+    data = json.loads(cli("engine", "status", "--json").stdout)
+    assert data["path"] == engine.path and data["build_number"] == 11434
+
+
+def test_engine_status_with_a_broken_setting(tmp_path):
+    import os
+
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\nkill -ILL $$\n")
+    fake.chmod(0o755)
+    r = cli("engine", "status", env=dict(os.environ, JUPYTER_LLAMA_SERVER=str(fake)))
+    assert r.returncode == 1
+    assert "signal 4" in r.stderr and "illegal instruction" in r.stderr
+    missing = cli("engine", "status", env=dict(os.environ, JUPYTER_LLAMA_SERVER=str(tmp_path / "nope")))
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
