@@ -35,7 +35,7 @@ def test_synth_then_inspect(tmp_path):
     assert "llama" in text.stdout and "1,024" in text.stdout and "Q8_0" in text.stdout
     data = json.loads(cli("inspect", str(out), "--json").stdout)
     assert data["block_count"] == 3 and data["embedding_length"] == 96 and data["head_count_kv"] == 2
-    assert data["context_length"] == 1024 and any(t["ggml_type"] == "Q8_0" for t in data["tensors"])
+    assert data["context_length"] == 1024 and any(t["type"] == "Q8_0" for t in data["tensors"])
 
 
 def test_synth_bad_shape_is_a_usage_error(tmp_path):
