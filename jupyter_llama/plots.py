@@ -1,0 +1,265 @@
+"""Plots of predicted against actual memory (matplotlib). Every function returns its figure.
+
+* :func:`plot_memory`: for one model and one set of load options, stacked bars per source
+  (coarse, detailed, llama.cpp's projection, actual) and per device, split into weights,
+  KV cache, compute and output, with totals and error percentages against actual.
+* :func:`plot_sweep`: memory against a load option (context length, GPU layers, ...),
+  predicted lines and measured points, with the budget drawn as a line.
+  :func:`run_sweep` makes the measurements itself, loading the model at each point.
+
+Colours are the Okabe-Ito palette (safe for the common forms of colour blindness); sizes
+are shown in MiB or GiB, whichever reads better for the data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Iterable, Mapping, Sequence
+
+from .engine.launch import LoadOptions
+from .memory.report import ACTUAL, COMPONENTS, GiB, MemoryReport, MiB, SOURCES
+
+# Okabe-Ito: distinguishable with deuteranopia, protanopia and tritanopia.
+COMPONENT_COLOURS = {
+    "weights": "#0072B2",  # blue
+    "kv": "#E69F00",  # orange
+    "compute": "#009E73",  # bluish green
+    "output": "#CC79A7",  # reddish purple
+    "rs": "#56B4E9",  # sky blue
+    "other": "#999999",  # grey
+}
+SOURCE_COLOURS = {"coarse": "#D55E00", "detailed": "#0072B2", "llama.cpp": "#009E73", "actual": "#000000"}
+SOURCE_MARKERS = {"coarse": "s", "detailed": "o", "llama.cpp": "^", "actual": "D"}
+COMPONENT_LABELS = {"weights": "weights", "kv": "KV cache", "compute": "compute buffer", "output": "output buffer",
+                    "rs": "recurrent state", "other": "other / surcharge"}
+
+
+def _figure(figsize):
+    # Import lazily and without pyplot's global state when possible, so plotting works in
+    # a server, a test or a notebook alike (pyplot is used only to get inline display).
+    import matplotlib
+
+    if matplotlib.get_backend().lower() in ("", "agg") or not _in_notebook():
+        from matplotlib.figure import Figure
+
+        return Figure(figsize=figsize, layout="constrained")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=figsize, layout="constrained")
+    plt.close(fig)  # returned, displayed by the notebook as the cell's value, not twice
+    return fig
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
+
+
+def unit_for(max_bytes: float) -> tuple[float, str]:
+    return (GiB, "GiB") if max_bytes >= 2 * GiB else (MiB, "MiB")
+
+
+def _ordered_sources(reports: Mapping[str, MemoryReport]) -> list[str]:
+    known = [s for s in SOURCES if s in reports]
+    return known + [s for s in reports if s not in known]
+
+
+def error_percent(predicted: MemoryReport, actual: MemoryReport | None) -> float | None:
+    if actual is None or actual.total() == 0:
+        return None
+    return (predicted.total() - actual.total()) / actual.total() * 100.0
+
+
+def plot_memory(reports: Mapping[str, MemoryReport], *, title: str | None = None, model: str | None = None,
+                options: LoadOptions | None = None, engine: str | None = None, figsize=(8, 4.5)):
+    """Stacked bars: one group per device, one bar per source, stacks per component.
+
+    ``reports`` maps a source name (``coarse``, ``detailed``, ``llama.cpp``, ``actual``) to
+    its report. Each bar is labelled with its total and, for predictions, the error against
+    ``actual`` when present.
+    """
+    if not reports:
+        raise ValueError("plot_memory needs at least one MemoryReport")
+    sources = _ordered_sources(reports)
+    devices = sorted({d for r in reports.values() for d in r.devices} or {"cpu"}, key=lambda d: (d != "cpu", d))
+    comps = [c for c in COMPONENTS if any(r.total(component=c) for r in reports.values())]
+    scale, unit = unit_for(max(r.total(device=d) for r in reports.values() for d in devices))
+    actual = reports.get(ACTUAL)
+
+    fig = _figure(figsize)
+    ax = fig.add_subplot()
+    width = 0.8 / len(sources)
+    xticks, xlabels = [], []
+    for di, dev in enumerate(devices):
+        for si, src in enumerate(sources):
+            rep = reports[src]
+            x = di + (si - (len(sources) - 1) / 2) * width
+            bottom = 0.0
+            for c in comps:
+                v = rep.get(dev, c) / scale
+                ax.bar(x, v, width * 0.92, bottom=bottom, color=COMPONENT_COLOURS[c],
+                       edgecolor="white", linewidth=0.5, label=COMPONENT_LABELS[c] if (di, si) == (0, 0) else None)
+                bottom += v
+            label = f"{bottom:.1f}" if bottom < 100 else f"{bottom:.0f}"
+            if src != ACTUAL and actual is not None and actual.total(device=dev):
+                err = (rep.total(device=dev) - actual.total(device=dev)) / actual.total(device=dev) * 100
+                label += f"\n{err:+.0f}%"
+            ax.annotate(label, (x, bottom), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
+                        fontsize=8)
+            xticks.append(x)
+            xlabels.append(src if len(devices) == 1 else f"{src}\n{dev}")
+    ax.set_xticks(xticks, xlabels, fontsize=8)
+    ax.set_ylabel(f"memory ({unit})")
+    ax.margins(y=0.18)
+    ax.legend(loc="upper left", fontsize=8, frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.set_title(title or _title(model, options, engine, what="predicted and actual memory"), fontsize=10)
+    return fig
+
+
+def _title(model: str | None, options: LoadOptions | None, engine: str | None, what: str) -> str:
+    parts = [what]
+    if model:
+        parts[0] = f"{model}: {what}"
+    if options is not None:
+        opts = []
+        if options.num_ctx:
+            opts.append(f"num_ctx {options.num_ctx}")
+        if options.num_parallel:
+            opts.append(f"{options.num_parallel} slots")
+        if options.num_gpu is not None:
+            opts.append(f"num_gpu {options.num_gpu}")
+        if options.cache_type_k or options.cache_type_v:
+            opts.append(f"KV {options.cache_type_k or 'f16'}/{options.cache_type_v or 'f16'}")
+        if opts:
+            parts.append(", ".join(opts))
+    if engine:
+        parts.append(engine)
+    return "\n".join(parts)
+
+
+# ----------------------------------------------------------------------------- sweeps
+
+
+@dataclass
+class SweepPoint:
+    value: int | str
+    options: LoadOptions
+    reports: dict[str, MemoryReport] = field(default_factory=dict)  # source -> report (actual when measured)
+
+    def total(self, source: str) -> int | None:
+        r = self.reports.get(source)
+        return r.total() if r is not None else None
+
+
+@dataclass
+class SweepResult:
+    param: str
+    points: list[SweepPoint]
+    model: str | None = None
+
+    def rows(self) -> list[dict]:
+        """Flat rows (one per point) for a DataFrame or a CSV: totals and per-component bytes."""
+        out = []
+        for p in self.points:
+            row: dict = {self.param: p.value}
+            for src, rep in p.reports.items():
+                row[f"{src}_total"] = rep.total()
+                for c, v in rep.by_component().items():
+                    row[f"{src}_{c}"] = v
+            out.append(row)
+        return out
+
+
+Predict = Callable[[LoadOptions], Awaitable[Mapping[str, MemoryReport]]]
+Measure = Callable[[LoadOptions], Awaitable[MemoryReport]]
+
+
+async def run_sweep(param: str, values: Iterable, base: LoadOptions, predict: Predict, measure: Measure | None = None,
+                    model: str | None = None) -> SweepResult:
+    """Predict (and, with ``measure``, load and measure) memory at each value of ``param``."""
+    if param not in LoadOptions.__dataclass_fields__:
+        raise ValueError(f"{param!r} is not a load option; try num_ctx, num_gpu, num_parallel or cache_type_k")
+    points = []
+    for v in values:
+        changes = {param: v}
+        if param == "cache_type_k":  # sweep both halves of the cache together
+            changes["cache_type_v"] = v
+            if v not in (None, "f16", "f32", "bf16"):
+                changes["flash_attn"] = "on"  # a quantised V cache needs flash attention
+        opts = base.replace(**changes)
+        reports = dict(await predict(opts))
+        if measure is not None:
+            reports[ACTUAL] = await measure(opts)
+        points.append(SweepPoint(v, opts, reports))
+    return SweepResult(param, points, model)
+
+
+def scheduler_sweep_functions(scheduler, model: str) -> tuple[Predict, Measure]:
+    """(predict, measure) callables that use an in-process :class:`~jupyter_llama.scheduler.Scheduler`."""
+
+    async def predict(opts: LoadOptions):
+        _, preds = await scheduler.predict(model, opts)
+        return preds
+
+    async def measure(opts: LoadOptions) -> MemoryReport:
+        lo = await scheduler.load(model, opts)
+        rep = lo.actual
+        if rep is None:
+            raise RuntimeError(f"{model} loaded but its log reported no memory figures")
+        return rep
+
+    return predict, measure
+
+
+def plot_sweep(result: SweepResult, *, budget: int | None = None, sources: Sequence[str] | None = None,
+               title: str | None = None, engine: str | None = None, figsize=(7, 4.2)):
+    """Total memory against the swept option: predicted lines, measured points, budget line."""
+    if not result.points:
+        raise ValueError("the sweep has no points")
+    sources = list(sources or _ordered_sources(result.points[0].reports))
+    numeric = all(isinstance(p.value, (int, float)) for p in result.points)
+    xs = [p.value for p in result.points] if numeric else list(range(len(result.points)))
+    peak = max([p.total(s) or 0 for p in result.points for s in sources] + [budget or 0])
+    scale, unit = unit_for(peak)
+    fig = _figure(figsize)
+    ax = fig.add_subplot()
+    for src in sources:
+        ys = [(p.total(src) / scale) if p.total(src) is not None else None for p in result.points]
+        pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+        if not pts:
+            continue
+        px, py = zip(*pts)
+        if src == ACTUAL:
+            ax.plot(px, py, linestyle="none", marker=SOURCE_MARKERS[src], color=SOURCE_COLOURS[src],
+                    markersize=6, label="actual (measured)", zorder=3)
+        else:
+            ax.plot(px, py, marker=SOURCE_MARKERS.get(src, "o"), markersize=3,
+                    color=SOURCE_COLOURS.get(src, None), label=f"{src} (predicted)")
+    if budget:
+        ax.axhline(budget / scale, color="#D55E00", linestyle="--", linewidth=1)
+        ax.annotate(f"budget {budget / scale:.1f} {unit}", (xs[0], budget / scale), xytext=(2, 3),
+                    textcoords="offset points", fontsize=8, color="#D55E00")
+    if numeric and result.param in ("num_ctx",) and max(xs) / max(1, min(xs)) >= 8:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:,}" for x in xs])
+        ax.minorticks_off()
+    if not numeric:
+        ax.set_xticks(xs, [str(p.value) for p in result.points])
+    ax.set_xlabel(result.param)
+    ax.set_ylabel(f"total memory ({unit})")
+    ax.legend(fontsize=8, frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.set_title(title or _title(result.model, None, engine, what=f"memory against {result.param}"), fontsize=10)
+    return fig
+
+
+def sweep(param: str, values: Iterable, base: LoadOptions, predict: Predict, measure: Measure | None = None,
+          model: str | None = None) -> SweepResult:
+    """Synchronous :func:`run_sweep` for scripts (not inside a running event loop)."""
+    return asyncio.run(run_sweep(param, values, base, predict, measure, model))
