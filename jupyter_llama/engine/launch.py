@@ -130,6 +130,19 @@ class LaunchSpec:
     api_key: str = ""
 
 
+def memory_args(options: LoadOptions) -> list[str]:
+    """The options that decide placement and memory, as llama.cpp's tools spell them.
+
+    llama-server and llama-fit-params share these flags, so the projection is made for
+    exactly what the child will be asked to do.
+    """
+    o = options
+    pairs = [("-c", o.total_ctx), ("-np", o.num_parallel), ("-ngl", o.num_gpu), ("-mg", o.main_gpu),
+             ("-b", o.num_batch), ("-ub", o.num_ubatch), ("-fa", o.flash_attn),
+             ("-ctk", o.cache_type_k), ("-ctv", o.cache_type_v)]
+    return [x for flag, value in pairs if value is not None for x in (flag, str(value))]
+
+
 def build_argv(binary: str | os.PathLike, model: str | os.PathLike, options: LoadOptions, *,
                port: int, host: str = "127.0.0.1", alias: str | None = None) -> list[str]:
     """The llama-server command line for ``model`` under ``options`` (no secrets in it)."""
@@ -137,32 +150,13 @@ def build_argv(binary: str | os.PathLike, model: str | os.PathLike, options: Loa
     argv = [str(binary), "--model", str(Path(model)), "--host", host, "--port", str(port)]
     if alias:
         argv += ["--alias", alias]
-    if o.num_ctx is not None:
-        argv += ["-c", str(o.total_ctx)]
-    if o.num_parallel is not None:
-        argv += ["-np", str(o.num_parallel)]
-    if o.num_gpu is not None:
-        argv += ["-ngl", str(o.num_gpu)]
-    if o.main_gpu is not None:
-        argv += ["-mg", str(o.main_gpu)]
-    if o.num_batch is not None:
-        argv += ["-b", str(o.num_batch)]
-    if o.num_ubatch is not None:
-        argv += ["-ub", str(o.num_ubatch)]
+    argv += memory_args(o)
     if o.num_thread is not None:
         argv += ["-t", str(o.num_thread)]
     if o.use_mmap is False:
         argv += ["--no-mmap"]
-    if o.flash_attn is not None:
-        argv += ["-fa", o.flash_attn]
-    if o.cache_type_k is not None:
-        argv += ["-ctk", o.cache_type_k]
-    if o.cache_type_v is not None:
-        argv += ["-ctv", o.cache_type_v]
-    if o.kv_unified is True:
-        argv += ["-kvu"]
-    elif o.kv_unified is False:
-        argv += ["-no-kvu"]
+    if o.kv_unified is not None:
+        argv += ["-kvu" if o.kv_unified else "-no-kvu"]
     if o.mmproj:
         argv += ["--mmproj", str(o.mmproj)]
         if not o.mmproj_offload:

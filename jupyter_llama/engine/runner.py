@@ -78,6 +78,21 @@ def _kill_live_children() -> None:
         r.kill_now()
 
 
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (a dead child nobody reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

@@ -16,24 +16,10 @@ import httpx
 import pytest
 
 from jupyter_llama.engine.launch import LoadOptions, build_argv
-from jupyter_llama.engine.runner import LoadError, Runner, RunnerCrashed
+from jupyter_llama.engine.runner import LoadError, Runner, RunnerCrashed, process_alive
 from jupyter_llama.memory.report import COMPUTE, KV, MiB, OUTPUT, WEIGHTS
 
 pytestmark = pytest.mark.engine
-
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def test_start_health_and_text(start_runner, tiny_model):
@@ -181,17 +167,17 @@ def test_sigkill_of_parent_leaves_no_child(engine, tiny_model, tmp_path):
     try:
         line = parent.stdout.readline()
         child_pid = int(line)
-        assert _pid_alive(child_pid)
+        assert process_alive(child_pid)
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + 2.0
-        while _pid_alive(child_pid) and time.monotonic() < deadline:
+        while process_alive(child_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _pid_alive(child_pid), "llama-server outlived its SIGKILLed parent"
+        assert not process_alive(child_pid), "llama-server outlived its SIGKILLed parent"
     finally:
         parent.kill()
         parent.wait()
-        if child_pid and _pid_alive(child_pid):
+        if child_pid and process_alive(child_pid):
             os.kill(child_pid, signal.SIGKILL)
 
 
@@ -212,7 +198,7 @@ async def test_twenty_cycles_leave_no_process_and_no_fd(engine, tiny_model):
             pids.append(r.pid)
         finally:
             await r.stop()
-    assert not any(_pid_alive(p) for p in pids)
+    assert not any(process_alive(p) for p in pids)
     assert fds() <= before
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.engine.runner import process_alive
 from jupyter_llama.memory.devices import Budgets
 from jupyter_llama.scheduler import Scheduler, SchedulerSettings
 
@@ -40,16 +39,4 @@ async def make_scheduler(engine):
         for ev in sched.events.history:
             pid = ev.data.get("pid")
             if pid:
-                assert not _alive(pid), f"child {pid} outlived the scheduler"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+                assert not process_alive(pid), f"child {pid} outlived the scheduler"
