@@ -42,7 +42,7 @@ class LoadOptions:
     num_batch: int | None = None  # -b
     num_ubatch: int | None = None  # -ub
     num_thread: int | None = None  # -t
-    use_mmap: bool | None = None  # False gives --no-mmap
+    use_mmap: bool | None = None  # --load-mode mmap | none
     flash_attn: str | None = None  # -fa on|off|auto
     cache_type_k: str | None = None  # -ctk
     cache_type_v: str | None = None  # -ctv
@@ -153,8 +153,8 @@ def build_argv(binary: str | os.PathLike, model: str | os.PathLike, options: Loa
     argv += memory_args(o)
     if o.num_thread is not None:
         argv += ["-t", str(o.num_thread)]
-    if o.use_mmap is False:
-        argv += ["--no-mmap"]
+    if o.use_mmap is not None:  # this llama.cpp spells it --load-mode (--no-mmap is gone)
+        argv += ["--load-mode", "mmap" if o.use_mmap else "none"]
     if o.kv_unified is not None:
         argv += ["-kvu" if o.kv_unified else "-no-kvu"]
     if o.mmproj:

@@ -1,0 +1,360 @@
+"""How close the memory estimators come to what llama-server actually allocates.
+
+Loads a sweep of synthetic models (several shapes; f32, f16, q8_0 and q4_0 weights) and,
+when present, ``../shared/models/stories260K.gguf``, under varied load options (num_ctx 512 to
+32768, f16 and q8_0 KV caches, flash attention on/off, automatic / 1 / 4 slots, automatic
+and ``num_gpu=0``), each for real through :class:`Runner`, and reads what the child allocated
+from its log. For every configuration it compares three predictions against that:
+
+* ``coarse``: Ollama's conservative scheduling estimate (REFERENCE section 3);
+* ``detailed``: our per-device, per-component model (REFERENCE section 4);
+* ``llama.cpp``: llama.cpp's own projection from ``llama-fit-params --fit-print on``.
+
+It writes ``bench/out/estimate_accuracy.csv`` and ``bench/out/estimate_accuracy.png`` and
+prints, per estimator, the error of the total and of each component (mean, median and max
+absolute error %, share within 5% and 10%), then the goals with pass/fail:
+
+* coarse never below the actual total (and its mean over-estimate);
+* detailed within 10% of the actual total in >= 95% of configurations and within 5% at the
+  median;
+* llama.cpp's projection, measured by the same yardstick (reported, not required).
+
+Usage: ``.venv/bin/python bench/estimate_accuracy.py [--quick] [--out DIR]``
+(``JUPYTER_LLAMA_SERVER`` picks the llama-server; ``llama-fit-params`` is taken from beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from jupyter_llama.engine.binary import find_engine
+from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.engine.runner import LoadError, Runner
+from jupyter_llama.memory.estimate import estimate_coarse, estimate_detailed
+from jupyter_llama.memory.fitparams import run_fit_params_async
+from jupyter_llama.memory.report import (ACTUAL, COARSE, COMPUTE, DETAILED, KV, LLAMA_CPP, MemoryReport, MiB,
+                                         OUTPUT, WEIGHTS)
+from jupyter_llama.models.gguf_info import read_gguf_info
+from jupyter_llama.models.synth import SynthShape, write_synthetic
+
+ROOT = Path(__file__).resolve().parent.parent
+STORIES = ROOT.parent / "shared" / "models" / "stories260K.gguf"
+ESTIMATORS = (COARSE, DETAILED, LLAMA_CPP)
+PARTS = ("total", WEIGHTS, KV, COMPUTE, OUTPUT)
+
+# name -> synthetic shape (training context large enough for every num_ctx in the sweep)
+SHAPES = {
+    "tiny-f32": SynthShape(layers=4, embd=128, heads=4, kv_heads=2, vocab=512, ctx=65536, type="f32", seed=1),
+    "small-f16": SynthShape(layers=4, embd=256, heads=8, kv_heads=2, vocab=2000, ctx=65536, type="f16", seed=2),
+    "mid-q8_0": SynthShape(layers=6, embd=512, heads=8, kv_heads=2, vocab=8000, ctx=65536, type="q8_0", seed=3),
+    "wide-q4_0": SynthShape(layers=8, embd=768, heads=12, kv_heads=4, vocab=32000, ctx=65536, type="q4_0", seed=4),
+    "ffn-f16": SynthShape(layers=2, embd=1024, heads=16, kv_heads=4, ff=4096, vocab=32000, ctx=65536, type="f16",
+                          seed=5),
+}
+
+
+def O(**kw) -> LoadOptions:
+    return LoadOptions(**kw)
+
+
+Q8 = dict(cache_type_k="q8_0", cache_type_v="q8_0", flash_attn="on")
+
+# (model name, options); every model sees contexts from 512 up, f16 and q8_0 caches, the
+# three slot settings and both num_gpu settings somewhere in the list.
+CONFIGS: list[tuple[str, LoadOptions]] = [
+    ("tiny-f32", O(num_ctx=512)),
+    ("tiny-f32", O(num_ctx=2048, num_parallel=1)),
+    ("tiny-f32", O(num_ctx=8192, num_parallel=4, num_gpu=0)),
+    ("tiny-f32", O(num_ctx=32768, num_parallel=1, **Q8)),
+    ("tiny-f32", O(num_ctx=1024, num_parallel=1, flash_attn="off")),
+    ("small-f16", O(num_ctx=512, num_parallel=4)),
+    ("small-f16", O(num_ctx=2048, **Q8)),
+    ("small-f16", O(num_ctx=4096, num_parallel=1, flash_attn="off", num_gpu=0)),
+    ("small-f16", O(num_ctx=16384)),
+    ("small-f16", O(num_ctx=32768, num_parallel=1, num_ubatch=256)),
+    ("mid-q8_0", O(num_ctx=512, num_parallel=1)),
+    ("mid-q8_0", O(num_ctx=2048, num_parallel=4, **Q8)),
+    ("mid-q8_0", O(num_ctx=8192, num_gpu=0)),
+    ("mid-q8_0", O(num_ctx=32768, num_parallel=1, **Q8)),
+    ("mid-q8_0", O(num_ctx=2048, num_parallel=1, flash_attn="off", num_batch=1024, num_ubatch=1024)),
+    ("wide-q4_0", O(num_ctx=512)),
+    ("wide-q4_0", O(num_ctx=4096, num_parallel=1, **Q8)),
+    ("wide-q4_0", O(num_ctx=8192, num_parallel=4, num_gpu=0)),
+    ("wide-q4_0", O(num_ctx=32768, num_parallel=1)),
+    ("wide-q4_0", O(num_ctx=1024, num_parallel=1, cache_type_k="q8_0", flash_attn="off")),
+    ("ffn-f16", O(num_ctx=512, num_parallel=1)),
+    ("ffn-f16", O(num_ctx=2048, num_parallel=4)),
+    ("ffn-f16", O(num_ctx=8192, num_parallel=1, num_gpu=0, **Q8)),
+    ("ffn-f16", O(num_ctx=32768)),
+    ("ffn-f16", O(num_ctx=2048, num_parallel=1, flash_attn="off", num_batch=512)),
+    ("stories260K", O(num_ctx=512)),
+    # head size 8: a q8_0 K cache works only without flash attention (llama.cpp checks the block size)
+    ("stories260K", O(num_ctx=2048, num_parallel=1, cache_type_k="q8_0", flash_attn="off")),
+    ("stories260K", O(num_ctx=1024, num_parallel=4, num_gpu=0)),
+]
+
+QUICK = {0, 5, 10, 11, 15, 17, 21, 25}
+
+
+@dataclass
+class Result:
+    index: int
+    model: str
+    options: LoadOptions
+    file_size: int
+    reports: dict[str, MemoryReport]
+    load_s: float
+    error: str | None = None
+
+
+def describe(o: LoadOptions) -> str:
+    parts = [f"ctx={o.num_ctx}", f"np={o.num_parallel or 'auto'}"]
+    if o.num_gpu is not None:
+        parts.append(f"ngl={o.num_gpu}")
+    if o.cache_type_k or o.cache_type_v:
+        parts.append(f"kv={o.cache_type_k or 'f16'}/{o.cache_type_v or 'f16'}")
+    if o.flash_attn:
+        parts.append(f"fa={o.flash_attn}")
+    if o.num_ubatch or o.num_batch:
+        parts.append(f"b={o.num_batch or 2048}/{o.num_ubatch or 512}")
+    if o.use_mmap is False:
+        parts.append("no-mmap")
+    return " ".join(parts)
+
+
+def part_bytes(rep: MemoryReport, part: str) -> int:
+    return rep.total() if part == "total" else rep.total(component=part)
+
+
+def err_pct(pred: int, actual: int) -> float | None:
+    return None if actual <= 0 else (pred - actual) / actual * 100.0
+
+
+async def run_one(i: int, name: str, path: Path, options: LoadOptions, engine) -> Result:
+    info = read_gguf_info(path)
+    reports = {COARSE: estimate_coarse(info, options, []), DETAILED: estimate_detailed(info, options, [])}
+    if engine.fit_params:
+        fit = await run_fit_params_async(engine.fit_params, path, options)
+        if fit.report is not None:
+            reports[LLAMA_CPP] = fit.report
+    runner = Runner(path, options, binary=engine.path, name=f"{name}-{i}")
+    t0 = time.perf_counter()
+    try:
+        await runner.start()
+        reports[ACTUAL] = runner.memory()
+        return Result(i, name, options, info.file_size, reports, time.perf_counter() - t0)
+    except LoadError as e:
+        return Result(i, name, options, info.file_size, reports, time.perf_counter() - t0, error=str(e))
+    finally:
+        await runner.stop()
+
+
+def summarize(results: list[Result]) -> tuple[str, bool]:
+    ok = [r for r in results if r.error is None and ACTUAL in r.reports]
+    lines = []
+    header = f"{'estimator':<10} {'part':<8} {'n':>3} {'mean|e|%':>9} {'median|e|%':>11} {'max|e|%':>8} " \
+             f"{'<=5%':>6} {'<=10%':>6} {'mean e%':>8}"
+    lines += [header, "-" * len(header)]
+    stats: dict[tuple[str, str], list[float]] = {}
+    for est in ESTIMATORS:
+        for part in PARTS:
+            errs = []
+            for r in ok:
+                if est not in r.reports:
+                    continue
+                e = err_pct(part_bytes(r.reports[est], part), part_bytes(r.reports[ACTUAL], part))
+                if e is not None:
+                    errs.append(e)
+            stats[(est, part)] = errs
+            if not errs:
+                continue
+            a = [abs(e) for e in errs]
+            lines.append(f"{est:<10} {part:<8} {len(a):>3} {statistics.mean(a):>9.2f} {statistics.median(a):>11.2f} "
+                         f"{max(a):>8.2f} {sum(x <= 5 for x in a) / len(a):>6.0%} {sum(x <= 10 for x in a) / len(a):>6.0%} "
+                         f"{statistics.mean(errs):>+8.2f}")
+        lines.append("")
+
+    lines.append("goals")
+    passed = True
+    coarse = stats[(COARSE, "total")]
+    below = [r for r in ok if r.reports[COARSE].total() < r.reports[ACTUAL].total()]
+    g1 = not below and bool(coarse)
+    lines.append(f"  [{'PASS' if g1 else 'FAIL'}] coarse never below the actual total: "
+                 f"{len(coarse) - len(below)}/{len(coarse)} at or above; mean over-estimate "
+                 f"{statistics.mean(coarse):+.1f}%" if coarse else "  [FAIL] coarse: no data")
+    if below:
+        lines.append("         below actual (coarse counts no compute buffer; where that buffer outweighs the "
+                     "weights and the f16-KV allowance, coarse falls short):")
+        for r in below:
+            act, c = r.reports[ACTUAL], r.reports[COARSE]
+            lines.append(f"           #{r.index:<2} {r.model:<12} {describe(r.options):<44} coarse "
+                         f"{c.total() / MiB:8.2f} MiB < actual {act.total() / MiB:8.2f} MiB "
+                         f"(actual compute {act.total(component=COMPUTE) / MiB:.2f} MiB)")
+    if below:
+        # What a coarse estimate that also counted the compute and output buffers (and weights the CPU
+        # backend repacks into a second copy) would give: a proposal, not what coarse is.
+        plus = []
+        for r in ok:
+            c, d = r.reports[COARSE], r.reports[DETAILED]
+            extra = d.total(component=COMPUTE) + d.total(component=OUTPUT)
+            extra += max(0, d.total(component=WEIGHTS) - r.file_size)
+            plus.append((c.total() + extra, r.reports[ACTUAL].total()))
+        n_ok = sum(p >= a for p, a in plus)
+        over = statistics.mean((p - a) / a * 100 for p, a in plus)
+        lines.append(f"         proposal: coarse + the detailed compute and output buffers (+ repacked weights) "
+                     f"would be at or above actual in {n_ok}/{len(plus)}, mean over-estimate {over:+.1f}%")
+    det = [abs(e) for e in stats[(DETAILED, "total")]]
+    share10 = sum(x <= 10 for x in det) / len(det) if det else 0.0
+    med = statistics.median(det) if det else float("inf")
+    g2 = share10 >= 0.95
+    g3 = med <= 5.0
+    lines.append(f"  [{'PASS' if g2 else 'FAIL'}] detailed within 10% of the actual total in >= 95% of cases: "
+                 f"{share10:.0%}")
+    lines.append(f"  [{'PASS' if g3 else 'FAIL'}] detailed median |error| of the total <= 5%: {med:.2f}%")
+    lc = [abs(e) for e in stats[(LLAMA_CPP, "total")]]
+    if lc:
+        lshare = sum(x <= 10 for x in lc) / len(lc)
+        lmed = statistics.median(lc)
+        lines.append(f"  [{'pass' if lshare >= 0.95 else 'fail'}] (reported) llama.cpp within 10% in >= 95%: "
+                     f"{lshare:.0%}")
+        lines.append(f"  [{'pass' if lmed <= 5 else 'fail'}] (reported) llama.cpp median |error| <= 5%: {lmed:.2f}%")
+        lines.append("         llama-fit-params rounds each figure down to whole MiB, leaves out the output buffer, "
+                     "and reserves logits for n_batch rows (llama-server: one per slot)")
+    else:
+        lines.append("  [----] llama.cpp's projection: unavailable (no llama-fit-params)")
+    passed = g1 and g2 and g3
+    return "\n".join(lines), passed
+
+
+def write_csv(results: list[Result], path: Path) -> None:
+    cols = ["index", "model", "options", "file_size", "load_s", "error"]
+    for src in (ACTUAL, *ESTIMATORS):
+        cols += [f"{src}_{p}" for p in PARTS]
+    for est in ESTIMATORS:
+        cols += [f"{est}_err_{p}_pct" for p in PARTS]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in results:
+            row = [r.index, r.model, describe(r.options), r.file_size, f"{r.load_s:.3f}", r.error or ""]
+            for src in (ACTUAL, *ESTIMATORS):
+                rep = r.reports.get(src)
+                row += [part_bytes(rep, p) if rep else "" for p in PARTS]
+            for est in ESTIMATORS:
+                rep, act = r.reports.get(est), r.reports.get(ACTUAL)
+                for p in PARTS:
+                    e = err_pct(part_bytes(rep, p), part_bytes(act, p)) if rep and act else None
+                    row.append("" if e is None else f"{e:.3f}")
+            w.writerow(row)
+
+
+def write_plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.error is None and ACTUAL in r.reports]
+    colors = {COARSE: "tab:orange", DETAILED: "tab:blue", LLAMA_CPP: "tab:green"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.5))
+    lo, hi = float("inf"), 0.0
+    for est in ESTIMATORS:
+        xs = [r.reports[ACTUAL].total() / MiB for r in ok if est in r.reports]
+        ys = [r.reports[est].total() / MiB for r in ok if est in r.reports]
+        if xs:
+            ax1.scatter(xs, ys, s=22, alpha=0.8, label=est, color=colors[est])
+            lo, hi = min(lo, *xs, *ys), max(hi, *xs, *ys)
+    if hi > 0:
+        line = [lo * 0.8, hi * 1.25]
+        ax1.plot(line, line, "k-", lw=0.8)
+        ax1.fill_between(line, [v * 0.9 for v in line], [v * 1.1 for v in line], color="grey", alpha=0.15,
+                         label="±10%")
+    ax1.set_xscale("log")
+    ax1.set_yscale("log")
+    ax1.set_xlabel("actual total (MiB, from the child's log)")
+    ax1.set_ylabel("predicted total (MiB)")
+    ax1.set_title("predicted vs actual, per configuration")
+    ax1.legend()
+    for k, est in enumerate(ESTIMATORS):
+        pts = [(r.index, err_pct(r.reports[est].total(), r.reports[ACTUAL].total())) for r in ok if est in r.reports]
+        if pts:
+            ax2.scatter([i + (k - 1) * 0.2 for i, _ in pts], [e for _, e in pts], s=22, label=est, color=colors[est])
+    ax2.axhline(0, color="k", lw=0.8)
+    ax2.axhspan(-10, 10, color="grey", alpha=0.15)
+    ax2.set_yscale("symlog", linthresh=10)
+    ax2.set_xlabel("configuration #")
+    ax2.set_ylabel("error of the total (%)")
+    ax2.set_title("error of the total per configuration")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+async def main_async(args) -> int:
+    engine = find_engine()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    print(f"engine: {engine.path} ({engine.version}); fit-params: {engine.fit_params or 'absent'}")
+    configs = [(i, n, o) for i, (n, o) in enumerate(CONFIGS) if not args.quick or i in QUICK]
+    with tempfile.TemporaryDirectory(prefix="estimate-accuracy-") as tmp:
+        paths: dict[str, Path] = {}
+        for name, shape in SHAPES.items():
+            if any(n == name for _, n, _ in configs):
+                paths[name] = write_synthetic(Path(tmp) / f"{name}.gguf", shape)
+        if STORIES.is_file():
+            paths["stories260K"] = STORIES
+        else:
+            print(f"note: {STORIES} is absent; its configurations are skipped")
+        results: list[Result] = []
+        row = "{:>3} {:<12} {:<46} {:>9} {:>9} {:>9} {:>9} {:>7}"
+        print(row.format("#", "model", "options", "actual", "coarse", "detailed", "llama.cpp", "load s"))
+        for i, name, options in configs:
+            if name not in paths:
+                continue
+            r = await run_one(i, name, paths[name], options, engine)
+            results.append(r)
+            if r.error:
+                print(f"{i:>3} {name:<12} {describe(options):<46} load failed: {r.error.splitlines()[0]}")
+                continue
+
+            def mib(src):
+                rep = r.reports.get(src)
+                return f"{rep.total() / MiB:9.2f}" if rep else f"{'-':>9}"
+
+            print(row.format(i, name, describe(options), mib(ACTUAL), mib(COARSE), mib(DETAILED), mib(LLAMA_CPP),
+                             f"{r.load_s:7.2f}"))
+    csv_path, png_path = out / "estimate_accuracy.csv", out / "estimate_accuracy.png"
+    write_csv(results, csv_path)
+    write_plot(results, png_path)
+    text, passed = summarize(results)
+    failed = [r for r in results if r.error]
+    print()
+    print(f"{len(results) - len(failed)} configurations measured ({len(failed)} failed to load) "
+          f"in {time.perf_counter() - t_start:.0f} s; errors are (predicted - actual) / actual")
+    print()
+    print(text)
+    print()
+    print(f"wrote {csv_path} and {png_path}")
+    return 0 if passed else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a subset of 8 configurations")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="output folder (default bench/out)")
+    args = ap.parse_args()
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,609 @@
+"""Memory predictions, each a :class:`MemoryReport`.
+
+* ``coarse``: Ollama's deliberately conservative scheduling estimate (REFERENCE section 3):
+  the file size as weights plus an f16 KV cache for the whole context, plus a surcharge for
+  large batches. It has no compute buffer, so for very small models, where the compute
+  buffer outweighs the weights, it can come out *below* what llama.cpp allocates.
+* ``detailed``: what llama-server will allocate, per device and component, derived from the
+  GGUF tensor table and llama.cpp's own sizing rules (REFERENCE section 4): exact weights
+  and KV cache, the compute buffer by replaying llama.cpp's worst-case graph through ggml's
+  allocator (:mod:`.computegraph`), the host output buffer.
+* ``llama.cpp``: llama.cpp's own projection from ``llama-fit-params`` (:mod:`.fitparams`).
+
+:func:`estimate_all` gathers the three; :func:`format_estimates` prints them side by side.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+
+from ..engine.launch import LoadOptions
+from ..models.gguf_info import GGUFInfo
+from .computegraph import CPU_ALIGNMENT, GPU_ALIGNMENT, GraphPlan, LayerShape, compute_buffer_bytes
+from .report import (ACTUAL, COARSE, COMPONENTS, COMPUTE, DETAILED, HOST, KV, LLAMA_CPP, OTHER, OUTPUT,
+                     SOURCES, WEIGHTS, GiB, MemoryReport, MiB, render_table)
+
+
+def _scalar(v) -> int:
+    if isinstance(v, (list, tuple)):
+        nonzero = [x for x in v if x]
+        return nonzero[0] if nonzero else 0
+    return int(v)
+
+
+def coarse_context(info: GGUFInfo, options: LoadOptions) -> int:
+    """Cells the coarse estimate assumes: min(num_ctx, training context) x slots."""
+    per_request = info.context_length if options.num_ctx is None else min(options.num_ctx, info.context_length)
+    return per_request * (options.num_parallel or 1)
+
+
+LLAMA_SERVER_DEFAULT_BATCH = 2048  # llama-server's -b when we pass none
+
+
+def batch_surcharge(options: LoadOptions) -> int:
+    """Ollama's extra allowance for large batches, for the batch the child will really use.
+
+    We do not pass ``-b`` unless asked, so the child runs llama-server's default of 2048
+    and the coarse estimate carries the full 2 GiB: deliberately conservative (and, on small
+    models, the very cost of being conservative that notebook 04 shows).
+    """
+    batch = options.num_batch or LLAMA_SERVER_DEFAULT_BATCH
+    if batch >= 2048:
+        return 2 * GiB
+    if batch >= 1024:
+        return 768 * MiB
+    return 0
+
+
+def estimate_coarse(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None = None) -> MemoryReport:
+    """The conservative prediction, attributed to the device it would use.
+
+    With GPUs and ``num_gpu`` not 0 the whole model is charged to the first GPU (or
+    ``main_gpu``), the way a scheduler that assumes full offload would; otherwise to host
+    memory.
+    """
+    ctx = coarse_context(info, options)
+    head_dim = info.embedding_length // max(1, _scalar(info.head_count))
+    hkv = info.head_count_kv
+    kv_heads_sum = sum(hkv) if isinstance(hkv, (list, tuple)) else info.block_count * int(hkv)
+    kv = 2 * kv_heads_sum * head_dim * ctx * 2
+    device = HOST
+    if gpus and options.num_gpu != 0:
+        device = gpus[min(options.main_gpu or 0, len(gpus) - 1)]
+    rep = MemoryReport(COARSE, n_ctx=ctx)
+    rep.add(device, WEIGHTS, info.file_size)
+    rep.add(device, KV, kv)
+    surcharge = batch_surcharge(options)
+    if surcharge:
+        rep.add(device, OTHER, surcharge)
+    return rep
+
+
+# =============================================================================== detailed
+
+# bytes per block and elements per block of each KV cache type (ggml's type traits)
+KV_TYPE_BLOCKS = {
+    "f32": (4, 1),
+    "f16": (2, 1),
+    "bf16": (2, 1),
+    "q8_0": (34, 32),
+    "q4_0": (18, 32),
+    "q4_1": (20, 32),
+    "iq4_nl": (18, 32),
+    "q5_0": (22, 32),
+    "q5_1": (24, 32),
+}
+_QUANTIZED_KV = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
+
+# Architectures whose graph is llama's up to in-place operations (biases, scales, q/k norms).
+# The compute-buffer model was verified against real children for "llama" only.
+LLAMA_LIKE = frozenset({"llama", "mistral3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "granite"})
+VERIFIED_ARCHS = frozenset({"llama"})
+
+KV_PAD = 256  # llama.cpp pads n_ctx, per-stream contexts and the SWA cache to 256 cells
+DEFAULT_BATCH = 2048  # llama-server's -b
+DEFAULT_UBATCH = 512  # llama-server's -ub
+AUTO_SLOTS = 4  # llama-server's -np auto: 4 slots sharing one unified cache
+
+
+def _pad(n: int, to: int = KV_PAD) -> int:
+    return (int(n) + to - 1) // to * to
+
+
+def kv_row_bytes(cache_type: str, n: int) -> int:
+    """Bytes of one cache row of ``n`` elements (ggml_row_size): f32 4n, f16/bf16 2n,
+    q8_0 34n/32, q4_0 and iq4_nl 18n/32, q4_1 20n/32, q5_0 22n/32, q5_1 24n/32."""
+    try:
+        block_bytes, block = KV_TYPE_BLOCKS[cache_type]
+    except KeyError:
+        raise ValueError(f"unknown KV cache type {cache_type!r}") from None
+    return block_bytes * (-(-int(n) // block))
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """The context llama-server will create for some load options, resolved the way
+    llama.cpp resolves it (``llama_context`` constructor, ``tools/server/server.cpp``)."""
+
+    n_ctx_requested: int  # -c, or the training context when automatic
+    n_ctx: int  # total KV cells: padded to 256 (x slots without a unified cache)
+    n_ctx_seq: int  # cells per stream (what each sequence may use)
+    n_seq: int  # slots (n_seq_max)
+    unified: bool  # one KV stream shared by all slots
+    n_batch: int
+    n_ubatch: int  # also the worst-case micro-batch of the compute reserve
+    n_outputs_max: int  # output rows the context is built for (llama-server: one per slot)
+    flash_attn: bool
+    type_k: str
+    type_v: str
+    swa_cells: int = 0  # cells per stream of the sliding-window cache (0: no SWA layers)
+    embedding: bool = False
+
+    @property
+    def n_stream(self) -> int:
+        return 1 if self.unified else self.n_seq
+
+    @property
+    def v_trans(self) -> bool:
+        """Without flash attention the V cache is stored transposed."""
+        return not self.flash_attn
+
+
+def plan_context(info: GGUFInfo, options: LoadOptions) -> ContextPlan:
+    """Resolve ``options`` into the context llama.cpp will build for ``info``.
+
+    * slots: ``num_parallel`` None is llama-server's auto, 4 slots with a unified cache
+      (``-kvu`` forced); an explicit P has P slots and a unified cache only with
+      ``kv_unified=True``;
+    * context: ``-c`` is ``num_ctx * P`` (None: the training context, which llama.cpp's ``--fit``
+      shrinks only when it would not fit in memory); llama.cpp pads it to 256 cells;
+      without a unified cache each stream gets ``pad(n_ctx / P, 256)`` cells;
+    * batches: ``n_batch = min(-c, -b)`` (before padding), ``n_ubatch = min(n_batch, -ub)``;
+    * flash attention: ``auto`` counts as on (it resolves to on for these models on CPU and on
+      current GPUs);
+    * sliding-window layers keep ``pad(min(cells, n_swa * (P if unified else 1) + n_ubatch), 256)``
+      cells per stream.
+    """
+    o = options
+    if o.num_parallel is None:
+        n_seq, unified = AUTO_SLOTS, True
+    else:
+        n_seq, unified = int(o.num_parallel), bool(o.kv_unified)
+    requested = int(o.total_ctx) if o.num_ctx is not None else int(info.context_length)
+    requested = max(1, requested)
+    n_ubatch_opt = o.num_ubatch or DEFAULT_UBATCH
+    n_batch = o.num_batch or DEFAULT_BATCH
+    if o.embedding and n_batch > n_ubatch_opt:
+        n_batch = n_ubatch_opt  # llama-server: embeddings need the whole batch in one ubatch
+    n_batch = min(requested, n_batch)
+    n_ubatch = min(n_batch, n_ubatch_opt)
+    n_ctx = _pad(requested)
+    if unified:
+        n_ctx_seq = n_ctx
+    else:
+        n_ctx_seq = _pad(n_ctx // n_seq)
+        n_ctx = n_ctx_seq * n_seq
+    n_outputs_max = n_batch if o.embedding else max(1, min(n_batch, n_seq))
+    swa_cells = 0
+    if info.swa_layers and any(info.swa_layers) and info.sliding_window:
+        swa_cells = _pad(min(n_ctx_seq, info.sliding_window * (n_seq if unified else 1) + n_ubatch))
+    return ContextPlan(
+        n_ctx_requested=requested, n_ctx=n_ctx, n_ctx_seq=n_ctx_seq, n_seq=n_seq, unified=unified,
+        n_batch=n_batch, n_ubatch=n_ubatch, n_outputs_max=n_outputs_max,
+        flash_attn=(o.flash_attn or "auto") != "off",
+        type_k=o.cache_type_k or "f16", type_v=o.cache_type_v or "f16",
+        swa_cells=swa_cells, embedding=bool(o.embedding))
+
+
+def _is_swa(info: GGUFInfo, layer: int) -> bool:
+    return bool(info.swa_layers and layer < len(info.swa_layers) and info.swa_layers[layer]
+                and info.sliding_window)
+
+
+def kv_cache_bytes(info: GGUFInfo, plan: ContextPlan) -> dict[int, int]:
+    """KV bytes per layer (layers without KV heads are absent).
+
+    Per layer: ``(row(type_k, head_dim_k * n_head_kv) + row(type_v, n_v)) * cells * streams``
+    with ``cells`` = ``n_ctx_seq`` (``swa_cells`` for sliding-window layers), ``streams`` = 1
+    with a unified cache, else the number of slots, and ``n_v`` = ``head_dim_v * n_head_kv``,
+    or its maximum over layers when V is stored transposed (no flash attention).
+    """
+    out: dict[int, int] = {}
+    v_max = max((info.head_dim_v(il) * info.n_head_kv(il) for il in range(info.block_count)), default=0)
+    for il in range(info.block_count):
+        hkv = info.n_head_kv(il)
+        if hkv <= 0:
+            continue
+        cells = plan.swa_cells if (_is_swa(info, il) and plan.swa_cells) else plan.n_ctx_seq
+        n_k = info.head_dim_k(il) * hkv
+        n_v = v_max if plan.v_trans else info.head_dim_v(il) * hkv
+        row = kv_row_bytes(plan.type_k, n_k) + kv_row_bytes(plan.type_v, n_v)
+        out[il] = row * cells * plan.n_stream
+    return out
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+def layer_devices(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None) -> tuple[list[str], str]:
+    """(device of each repeating layer, device of the output layer), as llama.cpp assigns them.
+
+    llama.cpp offloads the *last* ``n_gpu_layers`` of the ``n_layer + 1`` layers, where the
+    extra one is the output layer (``i_gpu_start = n_layer + 1 - n_gpu_layers``): ``-ngl 1``
+    puts only the output layer on the GPU. With several GPUs the offloaded layers are split
+    in equal shares (llama.cpp splits by free memory; we do not know it here). The input
+    (token embedding) layer always stays in host memory. ``num_gpu`` None means all layers
+    (llama.cpp's ``--fit`` may then keep some on the CPU when memory is short).
+    """
+    n = info.block_count
+    if not gpus or options.num_gpu == 0:
+        return [HOST] * n, HOST
+    ngl = n + 1 if options.num_gpu is None else int(options.num_gpu)
+    start = max(n + 1 - ngl, 0)
+    active = min(ngl, n + 1)
+    splits = [(i + 1) / len(gpus) for i in range(len(gpus))]
+
+    def device(il: int) -> str:
+        if il < start or il - start >= active:
+            return HOST
+        x = (il - start) / active
+        idx = next((i for i, s in enumerate(splits) if s > x), len(gpus) - 1)
+        return gpus[idx]
+
+    return [device(il) for il in range(n)], device(n)
+
+
+def _cpu_flags() -> tuple[str, frozenset[str]]:
+    machine = platform.machine().lower()
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    flags.update(value.split())
+                    break
+    except OSError:
+        pass
+    return machine, frozenset(flags)
+
+
+@functools.lru_cache(maxsize=1)
+def host_repack_rules() -> dict[str, int]:
+    """Weight types the CPU backend repacks on this host, with the row multiple it needs
+    (``ggml_repack_get_optimal_repack_type`` in ggml-cpu/repack.cpp). Repacked weights get a
+    ``CPU_REPACK`` buffer of their own, beside the memory-mapped file."""
+    machine, flags = _cpu_flags()
+    rules: dict[str, int] = {}
+    if machine in ("x86_64", "amd64", "i686", "i386"):
+        if "avx2" in flags:
+            rules.update({"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 8, "MXFP4": 8})
+        if "avx512f" in flags:
+            rules["Q2_K"] = 8
+    elif machine in ("aarch64", "arm64"):
+        i8mm, dot = "i8mm" in flags, "asimddp" in flags
+        if i8mm or dot:
+            rules.update({"Q4_0": 4, "Q8_0": 4, "IQ4_NL": 4, "Q5_K": 8, "Q6_K": 8, "MXFP4": 4})
+        if i8mm:
+            rules["Q4_K"] = 8
+    return rules
+
+
+def _tensor_offsets(info: GGUFInfo) -> dict[str, tuple[int, int]]:
+    """(start, end) of each tensor's data relative to the data section, in table order."""
+    align = info.metadata.get("general.alignment")
+    align = int(align) if isinstance(align, int) and align > 0 else 32
+    out, off = {}, 0
+    for t in info.tensors:
+        out[t.name] = (off, off + t.n_bytes)
+        off = (off + t.n_bytes + align - 1) // align * align
+    return out
+
+
+def weight_bytes(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None) -> dict[str, int]:
+    """Model-buffer bytes per device, as llama.cpp allocates (and logs) them.
+
+    * every tensor of block N goes where layer N goes; ``output*`` tensors where the output
+      layer goes; the token embedding (and anything else outside the blocks) stays in host
+      memory; a model without ``output.weight`` (tied embeddings) gets a copy of the token
+      embedding wherever its output layer is, unless that copy can share the host mapping;
+    * host memory with mmap (the default): one ``CPU_Mapped`` buffer spanning the file from the
+      first to the last host tensor (tensors on a GPU between them are inside the span), plus,
+      on a CPU-only machine, a ``CPU_REPACK`` copy of the weights the CPU backend repacks
+      (:func:`host_repack_rules`); with ``use_mmap=False`` a ``CPU`` buffer holding exactly the
+      host tensors;
+    * each GPU: the sum of its tensors.
+    """
+    devices, out_dev = layer_devices(info, options, gpus)
+    rules = {} if gpus else host_repack_rules()
+    mmap = options.use_mmap is not False
+    offsets = _tensor_offsets(info)
+    per_dev: dict[str, int] = {}
+    host_plain: list[str] = []
+    repacked = 0
+
+    def repackable(t) -> bool:
+        need = rules.get(t.ggml_type)
+        return bool(need) and len(t.shape) == 2 and t.shape[1] % need == 0
+
+    has_output = any(t.name == "output.weight" for t in info.tensors)
+    for t in info.tensors:
+        if t.layer is not None and t.layer < len(devices):
+            dev = devices[t.layer]
+        elif t.name.startswith("output"):
+            dev = out_dev
+        else:
+            dev = HOST
+        if dev != HOST:
+            per_dev[dev] = per_dev.get(dev, 0) + t.n_bytes
+        elif t.name != "token_embd.weight" and repackable(t):
+            repacked += t.n_bytes
+        else:
+            host_plain.append(t.name)
+    if not has_output:
+        embd = next((t for t in info.tensors if t.name == "token_embd.weight"), None)
+        if embd is not None:
+            if out_dev != HOST:
+                per_dev[out_dev] = per_dev.get(out_dev, 0) + embd.n_bytes
+            elif repackable(embd):
+                repacked += embd.n_bytes
+            elif not mmap:
+                per_dev[HOST] = per_dev.get(HOST, 0) + embd.n_bytes
+    if host_plain:
+        if mmap:
+            first = min(offsets[n][0] for n in host_plain)
+            last = max(offsets[n][1] for n in host_plain)
+            host = last - first
+        else:
+            sizes = {t.name: t.n_bytes for t in info.tensors}
+            host = sum((sizes[n] + 31) // 32 * 32 for n in host_plain)
+        per_dev[HOST] = per_dev.get(HOST, 0) + host
+    if repacked:
+        per_dev[HOST] = per_dev.get(HOST, 0) + repacked
+    return per_dev
+
+
+# ----------------------------------------------------------------------------- compute
+
+
+def _layer_shapes(info: GGUFInfo) -> tuple[LayerShape, ...]:
+    by_name = {t.name: t for t in info.tensors}
+    shapes = []
+    for il in range(info.block_count):
+        def dim(suffix: str, default: int) -> int:
+            t = by_name.get(f"blk.{il}.{suffix}")
+            return int(t.shape[1]) if t is not None and len(t.shape) >= 2 else default
+
+        hk, hv, hkv, hq = info.head_dim_k(il), info.head_dim_v(il), info.n_head_kv(il), info.n_head(il)
+        n_ff = dim("ffn_up.weight", dim("ffn_gate.weight", info.feed_forward_length or 4 * info.embedding_length))
+        shapes.append(LayerShape(
+            n_embd_q=dim("attn_q.weight", hq * hk), n_embd_k=hkv * hk, n_embd_v=hkv * hv,
+            n_head=max(1, hq), n_ff=n_ff, swa=_is_swa(info, il)))
+    return tuple(shapes)
+
+
+def _rotation(head_dim: int, quantized: bool, grow: bool) -> int:
+    """Size of the Hadamard rotation llama.cpp applies for a quantized K (V) cache."""
+    if not quantized or head_dim <= 0 or head_dim % 64:
+        return 0
+    n = 64
+    while grow and head_dim % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+def graph_plan(info: GGUFInfo, plan: ContextPlan) -> GraphPlan:
+    """The compute-graph parameters of :mod:`computegraph` for this model and context."""
+    return GraphPlan(
+        n_embd=info.embedding_length, n_vocab=info.vocab_size, layers=_layer_shapes(info),
+        n_kv=plan.n_ctx_seq, n_kv_swa=plan.swa_cells, n_stream=plan.n_stream,
+        flash_attn=plan.flash_attn,
+        k_cast=plan.flash_attn and plan.type_k == "f32", v_cast=plan.flash_attn and plan.type_v == "f32",
+        rot_k=_rotation(info.head_dim_k(0), plan.type_k in _QUANTIZED_KV, grow=True),
+        rot_v=_rotation(info.head_dim_v(0), plan.type_v in _QUANTIZED_KV, grow=False),
+        embeddings=plan.embedding)
+
+
+def compute_bytes(info: GGUFInfo, plan: ContextPlan, alignment: int = CPU_ALIGNMENT) -> int:
+    """Compute buffer of one backend running the whole graph (see :mod:`computegraph`)."""
+    return compute_buffer_bytes(graph_plan(info, plan), n_ubatch=min(plan.n_ctx, plan.n_ubatch),
+                                n_seq=plan.n_seq, n_outputs_max=plan.n_outputs_max, alignment=alignment)
+
+
+def output_bytes(info: GGUFInfo, plan: ContextPlan) -> int:
+    """The host output buffer: ``4 * n_vocab * n_seq`` (logits of one row per slot), plus
+    ``4 * n_embd * n_seq`` with ``--embedding``."""
+    n = 4 * info.vocab_size * plan.n_seq
+    if plan.embedding:
+        n += 4 * info.embedding_length * plan.n_seq
+    return n
+
+
+def _unsupported_reason(info: GGUFInfo) -> str | None:
+    if info.architecture not in LLAMA_LIKE:
+        return f"architecture {info.architecture!r} is not modelled"
+    if any("_exps" in t.name for t in info.tensors):
+        return "mixture-of-experts layers are not modelled"
+    if not isinstance(info.head_count, list) and int(info.head_count) <= 0:
+        return "layers without attention heads (recurrent) are not modelled"
+    if info.block_count <= 0 or info.embedding_length <= 0 or info.vocab_size <= 0:
+        return "the model's shape is incomplete"
+    return None
+
+
+def _coarse_fallback(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None, reason: str) -> MemoryReport:
+    coarse = estimate_coarse(info, options, gpus)
+    rep = MemoryReport(DETAILED, bytes=dict(coarse.bytes), n_ctx=coarse.n_ctx)
+    rep.warnings.append(f"detailed estimate unavailable ({reason}); showing the coarse estimate")
+    return rep
+
+
+def estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str]) -> MemoryReport:
+    """Bytes per device and component that llama-server will allocate for this load.
+
+    * weights: :func:`weight_bytes` (tensor table, layer placement, mmap span, CPU repacking);
+    * KV: :func:`kv_cache_bytes` on the device of each layer (llama.cpp keeps a layer's cache
+      with the layer);
+    * compute: :func:`compute_bytes`, llama.cpp's worst-case graph replayed through ggml's
+      allocator (exact on the CPU backend). With GPUs the graph runs on the GPU holding the
+      most layers, and the host keeps a buffer for the embedding lookup, about three
+      ``n_embd * n_ubatch`` f32 tensors; under partial offload the host also runs the graph for
+      its layers and the GPU additionally receives copies of the largest host layer's weights
+      for large batches. The GPU parts are derived, not calibrated (no GPU was available);
+    * output: :func:`output_bytes`, in host memory.
+
+    Never raises: models it cannot model get the coarse numbers and a warning.
+    """
+    gpus = list(gpus or [])
+    try:
+        reason = _unsupported_reason(info)
+        if reason:
+            return _coarse_fallback(info, options, gpus, reason)
+        return _estimate_detailed(info, options, gpus)
+    except Exception as e:  # a malformed header must not take the scheduler down
+        try:
+            return _coarse_fallback(info, options, gpus, f"{type(e).__name__}: {e}")
+        except Exception:
+            rep = MemoryReport(DETAILED)
+            rep.warnings.append(f"no estimate possible: {type(e).__name__}: {e}")
+            return rep
+
+
+def _estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str]) -> MemoryReport:
+    plan = plan_context(info, options)
+    devices, out_dev = layer_devices(info, options, gpus)
+    rep = MemoryReport(DETAILED, n_ctx=plan.n_ctx)
+    if gpus:
+        rep.layers_total = info.block_count + 1
+        rep.layers_offloaded = sum(d != HOST for d in devices) + (out_dev != HOST)
+
+    for dev, n in weight_bytes(info, options, gpus).items():
+        rep.add(dev, WEIGHTS, n)
+    for il, n in kv_cache_bytes(info, plan).items():
+        rep.add(devices[il], KV, n)
+
+    used_gpus: dict[str, int] = {}  # GPU -> layers on it (the output layer counts)
+    for d in [*devices, out_dev]:
+        if d != HOST:
+            used_gpus[d] = used_gpus.get(d, 0) + 1
+    if not used_gpus:
+        rep.add(HOST, COMPUTE, compute_bytes(info, plan, CPU_ALIGNMENT))
+    else:
+        graph = compute_bytes(info, plan, GPU_ALIGNMENT)
+        t = min(plan.n_ctx, plan.n_ubatch)
+        for d in used_gpus:
+            rep.add(d, COMPUTE, graph)
+        rep.add(HOST, COMPUTE, 3 * info.embedding_length * t * 4)  # embedding lookup on the host
+        host_layers = [il for il, d in enumerate(devices) if d == HOST]
+        if host_layers:
+            rep.add(HOST, COMPUTE, compute_bytes(info, plan, CPU_ALIGNMENT))
+            if t >= 32:  # llama.cpp runs large-batch matmuls of host weights on the GPU, copying them over
+                lb = info.layer_bytes()
+                main = max(used_gpus, key=used_gpus.get)
+                rep.add(main, COMPUTE, max(lb.get(il, 0) for il in host_layers))
+        if len(gpus) > 1:
+            rep.warnings.append("several GPUs: layers are assumed split evenly (llama.cpp splits by free memory)")
+    rep.add(HOST, OUTPUT, output_bytes(info, plan))
+
+    if options.num_ctx is None:
+        rep.warnings.append(f"automatic context: this estimate assumes the training context ({plan.n_ctx_requested}); "
+                            "llama.cpp's --fit shrinks it (to no less than 4096) when that would not fit in free "
+                            "GPU memory or in total host memory")
+
+    if info.architecture not in VERIFIED_ARCHS:
+        rep.warnings.append(f"compute buffer for {info.architecture!r} assumes llama's graph "
+                            "(verified against llama only)")
+    if plan.type_v in _QUANTIZED_KV and not plan.flash_attn:
+        rep.warnings.append("a quantized V cache needs flash attention; llama.cpp will refuse -fa off")
+    if plan.flash_attn:
+        for kind, ctype, dim in (("K", plan.type_k, info.head_dim_k), ("V", plan.type_v, info.head_dim_v)):
+            block = KV_TYPE_BLOCKS[ctype][1]
+            bad = sorted({dim(il) for il in range(info.block_count) if dim(il) % block})
+            if block > 1 and bad:
+                rep.warnings.append(f"{kind} cache type {ctype} needs a head size divisible by {block} under flash "
+                                    f"attention (this model has {bad[0]}); llama.cpp will refuse to create the context")
+    if options.num_ctx is not None and options.num_ctx > info.context_length:
+        rep.warnings.append(f"num_ctx {options.num_ctx} exceeds the training context {info.context_length}")
+    return rep
+
+
+# ----------------------------------------------------------------------------- all sources
+
+
+def estimate_all(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None = None, *,
+                 engine=None, model_path: str | os.PathLike | None = None,
+                 timeout: float = 60.0) -> dict[str, MemoryReport]:
+    """``{"coarse": ..., "detailed": ..., "llama.cpp": ...}``; llama.cpp's own projection (from
+    ``llama-fit-params``) only when ``engine`` has it and it answers. Blocks while it runs;
+    see :func:`estimate_all_async` for an event loop."""
+    gpus = list(gpus or [])
+    out = {COARSE: estimate_coarse(info, options, gpus), DETAILED: estimate_detailed(info, options, gpus)}
+    fit = getattr(engine, "fit_params", None) if engine is not None else None
+    if fit:
+        from .fitparams import project
+
+        rep = project(fit, model_path or info.path, options, timeout=timeout)
+        if rep is not None:
+            out[LLAMA_CPP] = rep
+    return out
+
+
+async def estimate_all_async(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None = None, *,
+                             engine=None, model_path: str | os.PathLike | None = None,
+                             timeout: float = 60.0) -> dict[str, MemoryReport]:
+    """:func:`estimate_all` without blocking the event loop."""
+    gpus = list(gpus or [])
+    out = {COARSE: estimate_coarse(info, options, gpus), DETAILED: estimate_detailed(info, options, gpus)}
+    fit = getattr(engine, "fit_params", None) if engine is not None else None
+    if fit:
+        from .fitparams import project_async
+
+        rep = await project_async(fit, model_path or info.path, options, timeout=timeout)
+        if rep is not None:
+            out[LLAMA_CPP] = rep
+    return out
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def _pct(pred: int, actual: int) -> str:
+    if actual == 0:
+        return "" if pred == 0 else "n/a"
+    return f"{(pred - actual) / actual * 100:+.1f}%"
+
+
+def format_estimates(reports: dict[str, MemoryReport], actual: MemoryReport | None = None) -> str:
+    """Predictions side by side, one row per device and component (MiB), a total per device
+    and overall; with ``actual``, its column and each prediction's error against it."""
+    order = [s for s in SOURCES if s in reports and s != ACTUAL] + [s for s in reports if s not in SOURCES]
+    cols = [(s, reports[s]) for s in order]
+    if actual is not None:
+        cols.append((ACTUAL, actual))
+    devices = sorted({d for _, r in cols for d in r.devices}, key=lambda d: (d != HOST, d))
+    header = ["device", "component", *[s for s, _ in cols]]
+    if actual is not None:
+        header += [f"{s} err" for s, _ in cols[:-1]]
+
+    def cells(get) -> list[str]:
+        vals = [get(r) for _, r in cols]
+        row = [f"{v / MiB:.2f}" for v in vals]
+        if actual is not None:
+            row += [_pct(v, vals[-1]) for v in vals[:-1]]
+        return row
+
+    rows = []
+    for d in devices:
+        for c in COMPONENTS:
+            if any(r.get(d, c) for _, r in cols):
+                rows.append([d, c, *cells(lambda r, d=d, c=c: r.get(d, c))])
+        rows.append([d, "total", *cells(lambda r, d=d: r.total(device=d))])
+    rows.append(["all", "total", *cells(lambda r: r.total())])
+    lines = [render_table(header, rows, title="memory estimates (MiB)")]
+    for s, r in cols:
+        for w in r.warnings:
+            lines.append(f"note ({s}): {w}")
+    return "\n".join(lines)

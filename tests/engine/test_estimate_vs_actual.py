@@ -1,0 +1,56 @@
+"""Estimates against what real llama-server children allocate (and llama.cpp's own projection)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.memory.estimate import estimate_all_async, estimate_detailed, format_estimates
+from jupyter_llama.memory.fitparams import project, project_async
+from jupyter_llama.memory.report import COARSE, COMPUTE, DETAILED, KV, LLAMA_CPP, WEIGHTS
+from jupyter_llama.models.gguf_info import read_gguf_info
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.mark.parametrize("options", [
+    LoadOptions(num_ctx=1024),  # automatic slots: 4, one unified cache
+    LoadOptions(num_ctx=768, num_parallel=2, flash_attn="off"),  # per-slot streams, KQ scores in f32
+    LoadOptions(num_ctx=2048, num_parallel=1, cache_type_k="q8_0", cache_type_v="q8_0", flash_attn="on",
+                num_ubatch=256),
+], ids=["auto", "np2-fa-off", "q8-cache"])
+async def test_detailed_within_ten_percent_of_actual(start_runner, tiny_model, options):
+    info = read_gguf_info(tiny_model)
+    predicted = estimate_detailed(info, options, [])
+    r = await start_runner(tiny_model, options)
+    actual = r.memory()
+    assert actual.total() > 0
+    assert predicted.total() == pytest.approx(actual.total(), rel=0.10), format_estimates({DETAILED: predicted}, actual)
+    # the parts that are exact by construction
+    assert predicted.total(component=KV) == pytest.approx(actual.total(component=KV), abs=0.01 * 2**20)
+    assert predicted.total(component=WEIGHTS) == pytest.approx(actual.total(component=WEIGHTS), abs=0.01 * 2**20)
+
+
+async def test_stories_model_detailed(start_runner, stories_model):
+    options = LoadOptions(num_ctx=512)
+    predicted = estimate_detailed(read_gguf_info(stories_model), options, [])
+    r = await start_runner(stories_model, options)
+    assert predicted.total() == pytest.approx(r.memory().total(), rel=0.10)
+
+
+def test_fit_params_projection_parses(engine, tiny_model):
+    if not engine.fit_params:
+        pytest.skip("this engine has no llama-fit-params beside it")
+    rep = project(engine.fit_params, tiny_model, LoadOptions(num_ctx=1024))
+    assert rep is not None and rep.source == LLAMA_CPP
+    assert rep.devices == ["cpu"]
+    assert rep.get("cpu", WEIGHTS) > 0 and rep.get("cpu", COMPUTE) > 0
+
+
+async def test_estimate_all_async_has_three_sources(engine, tiny_model):
+    if not engine.fit_params:
+        pytest.skip("this engine has no llama-fit-params beside it")
+    info = read_gguf_info(tiny_model)
+    reports = await estimate_all_async(info, LoadOptions(num_ctx=512), [], engine=engine)
+    assert set(reports) == {COARSE, DETAILED, LLAMA_CPP}
+    assert (await project_async(engine.fit_params, tiny_model, LoadOptions(num_ctx=512))).total() > 0
