@@ -1,3 +1,17 @@
 """jupyter-llama: Ollama's manager layer over llama.cpp's llama-server, inside Jupyter."""
 
 __version__ = "0.1.0"
+
+
+def _jupyter_server_extension_points():
+    """The Jupyter server extension (imported lazily: the core does not need Jupyter)."""
+    from .server.app import LlamaExtension
+
+    return [{"module": "jupyter_llama.server.app", "app": LlamaExtension}]
+
+
+def load_ipython_extension(ipython):
+    """``%load_ext jupyter_llama``: registers the ``%llama`` magic."""
+    from .magics import load_ipython_extension as load
+
+    load(ipython)

@@ -29,7 +29,7 @@ def test_synth_then_inspect(tmp_path):
     r = cli("synth", "--output", str(out), "--layers", "3", "--embd", "96", "--heads", "6", "--kv-heads", "2",
             "--type", "q8_0", "--ctx", "1024", "--seed", "4")
     assert r.returncode == 0, r.stderr
-    assert out.is_file() and "wrote" in r.stdout
+    assert out.is_file() and "wrote" in r.stderr  # remarks go to stderr; stdout stays clean for pipes
     text = cli("inspect", str(out))
     assert text.returncode == 0, text.stderr
     assert "llama" in text.stdout and "1,024" in text.stdout and "Q8_0" in text.stdout

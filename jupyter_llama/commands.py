@@ -1,0 +1,738 @@
+"""One grammar for ``%llama WORDS`` and ``jupyter-llama WORDS``, and the commands behind it.
+
+The parser and the command functions are shared; only the front end differs. A front end
+implements :class:`Frontend` (how to print, stream, show progress, and which manager to
+talk to): the CLI prints to the terminal, the magic updates display handles in a cell.
+Commands raise :class:`CommandError` for anything the user can fix; the CLI turns it into
+an exit status and a one-line message, the magic into a ``UsageError``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class CommandError(Exception):
+    """A failure to report in one line; ``code`` is the CLI's exit status."""
+
+    def __init__(self, message: str, code: int = EXIT_FAIL):
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # usage errors: raise, so the magic can show them too
+        raise CommandError(f"{self.prog}: {message}", EXIT_USAGE)
+
+    def exit(self, status=0, message=None):  # `--help` inside a magic must not exit the kernel
+        if message:
+            sys.stderr.write(message)
+        raise _HelpShown(status)
+
+
+class _HelpShown(Exception):
+    def __init__(self, status: int):
+        self.status = status
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class RunResult:
+    """What ``r = %llama run ...`` gives back: the text, the numbers, and how the load went."""
+
+    model: str
+    text: str = ""
+    stats: dict = field(default_factory=dict)  # Ollama's final-chunk numbers
+    load_seconds: float = 0.0
+    placement: str = ""  # "CPU", "GPU" or "37% GPU / 63% CPU"
+
+    @property
+    def tokens(self) -> int:
+        return int(self.stats.get("eval_count") or 0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        ns = self.stats.get("eval_duration") or 0
+        return self.tokens / (ns / 1e9) if ns else 0.0
+
+    def stats_line(self) -> str:
+        parts = [f"{self.tokens} tokens", f"{self.tokens_per_second:.1f} tokens/s"]
+        prompt = self.stats.get("prompt_eval_count")
+        if prompt:
+            parts.append(f"prompt {prompt} tokens")
+        parts.append(f"load {self.load_seconds:.2f}s" if self.load_seconds >= 0.005 else "already loaded")
+        if self.placement:
+            parts.append(f"on {self.placement}")
+        reason = self.stats.get("done_reason")
+        if reason and reason != "stop":
+            parts.append(f"stopped: {reason}")
+        return f"{self.model}: " + ", ".join(parts)
+
+    def __repr__(self) -> str:
+        return f"<RunResult {self.model}: {self.tokens} tokens; .text, .stats, .load_seconds>"
+
+
+class Frontend:
+    """What a command needs from the place it runs in. The CLI and the magic implement it."""
+
+    namespace: dict | None = None  # for {name} substitution in prompts (the notebook's)
+    embedded: bool = False  # talking to a private manager started for this front end
+    conversations: dict[str, list[dict]]
+
+    def client(self):  # -> LlamaClient
+        raise NotImplementedError
+
+    def out(self, text: str) -> None:
+        raise NotImplementedError
+
+    def json(self, data: Any) -> None:
+        self.out(json.dumps(data, indent=2, default=str))
+
+    def note(self, text: str) -> None:
+        """A side remark (loading..., took ...) that is not part of the answer."""
+        self.out(text)
+
+    def stream(self, chunks: Iterator[str], *, raw: bool) -> str:
+        """Show text as it arrives; return the whole text."""
+        raise NotImplementedError
+
+    def progress(self, statuses: Iterator[dict]) -> dict:
+        """Show pull progress; return the last status."""
+        raise NotImplementedError
+
+    def figure(self, fig) -> None:
+        self.out(repr(fig))
+
+    def widget(self, name: str, **kw):
+        raise CommandError(f"`{name}` shows a widget: use it in a notebook (%llama {name})", EXIT_USAGE)
+
+
+# ----------------------------------------------------------------------------- grammar
+
+LOAD_OPTIONS = ("num_ctx", "num_gpu", "num_parallel", "num_batch", "num_thread", "cache_type_k", "cache_type_v",
+                "flash_attn")
+SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "seed", "num_predict")
+
+
+def _model_options(p: argparse.ArgumentParser, sampling: bool = True) -> None:
+    g = p.add_argument_group("load options (changing one reloads the model)")
+    g.add_argument("--num-ctx", type=int, help="context per request, in tokens")
+    g.add_argument("--num-gpu", type=int, help="layers on the GPU (0 = CPU only; default: llama.cpp decides)")
+    g.add_argument("--num-parallel", type=int, help="parallel request slots")
+    g.add_argument("--num-batch", type=int, help="logical batch size")
+    g.add_argument("--num-thread", type=int, help="CPU threads")
+    g.add_argument("--cache-type-k", choices=("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"))
+    g.add_argument("--cache-type-v", choices=("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"))
+    g.add_argument("--flash-attn", choices=("on", "off", "auto"))
+    g.add_argument("--keep-alive", help="how long it stays loaded when idle: 300, 10m, 1h30m, -1 (forever), 0")
+    if sampling:
+        s = p.add_argument_group("sampling (never reloads)")
+        s.add_argument("--system", help="system prompt")
+        s.add_argument("--temperature", type=float)
+        s.add_argument("--top-k", type=int)
+        s.add_argument("--top-p", type=float)
+        s.add_argument("--seed", type=int)
+        s.add_argument("--num-predict", type=int, help="most tokens to generate")
+        s.add_argument("--stop", action="append", help="stop sequence (repeatable)")
+        s.add_argument("--format", choices=("json",), help="constrain the answer to JSON")
+        s.add_argument("--raw", action="store_true", help="plain text, no Markdown rendering (and no chat template)")
+        s.add_argument("--stats", action="store_true", help="print tokens, tokens/s, load time and placement")
+
+
+def _options(args) -> dict:
+    opts = {k: getattr(args, k) for k in LOAD_OPTIONS + SAMPLING_OPTIONS if getattr(args, k, None) is not None}
+    if getattr(args, "stop", None):
+        opts["stop"] = args.stop
+    return opts
+
+
+def _shape_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, help="transformer blocks")
+    p.add_argument("--embd", type=int, help="embedding width")
+    p.add_argument("--heads", type=int, help="attention heads")
+    p.add_argument("--kv-heads", dest="kv_heads", type=int, help="key/value heads (GQA when fewer than heads)")
+    p.add_argument("--ff", type=int, help="feed-forward width")
+    p.add_argument("--vocab", type=int, help="vocabulary size")
+    p.add_argument("--ctx", type=int, help="training context length")
+    p.add_argument("--type", choices=("f32", "f16", "q8_0", "q4_0"), help="weight type")
+    p.add_argument("--seed", type=int, help="random seed (same seed, same bytes)")
+
+
+SHAPE_FIELDS = ("layers", "embd", "heads", "kv_heads", "ff", "vocab", "ctx", "type", "seed")
+
+
+def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
+    """The grammar. ``prog`` is ``jupyter-llama`` for the CLI and ``%llama`` in a notebook."""
+    parser = _Parser(prog=prog, description="Run and manage local llama.cpp models: Ollama's manager layer, in Jupyter.")
+    parser.add_argument("--url", help="the manager's API URL (default: JUPYTER_LLAMA_URL, else an embedded one)")
+    parser.add_argument("--token", help="its token (default: JUPYTER_LLAMA_TOKEN or the server's runtime file)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def add(name, func, help, **kw):
+        p = sub.add_parser(name, help=help, description=help, **kw)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("run", cmd_run, "generate text from a prompt (streamed)")
+    p.add_argument("model")
+    p.add_argument("prompt", nargs="*", help="the prompt (in a %%llama cell: the cell body)")
+    _model_options(p)
+
+    p = add("chat", cmd_chat, "one turn of a conversation the manager remembers by name")
+    p.add_argument("model")
+    p.add_argument("prompt", nargs="*")
+    p.add_argument("--conversation", default="default", help="which conversation (default: default)")
+    p.add_argument("--reset", action="store_true", help="forget the conversation first")
+    _model_options(p)
+
+    p = add("load", cmd_load, "load a model without generating (empty prompt)")
+    p.add_argument("model")
+    _model_options(p, sampling=False)
+
+    p = add("stop", cmd_stop, "unload a model now")
+    p.add_argument("model")
+
+    p = add("ps", cmd_ps, "loaded models: memory, placement, context, expiry")
+    p.add_argument("--json", action="store_true")
+
+    p = add("list", cmd_list, "models in the registry")
+    p.add_argument("--json", action="store_true")
+
+    p = add("show", cmd_show, "one model's metadata, files and parameters")
+    p.add_argument("model")
+    p.add_argument("--json", action="store_true")
+
+    p = add("pull", cmd_pull, "download a model: an http(s) URL or hf.co/OWNER/REPO[:QUANT]")
+    p.add_argument("source")
+    p.add_argument("--name", help="name to register it under")
+
+    p = add("create", cmd_create, "register a local GGUF file under a name")
+    p.add_argument("name")
+    p.add_argument("--from", dest="from_file", required=True, metavar="FILE")
+
+    p = add("synth", cmd_synth, "make a synthetic llama GGUF: register it as NAME, or write it to --output")
+    p.add_argument("name", nargs="?")
+    p.add_argument("--output", "-o", help="write the file here instead of registering it")
+    _shape_options(p)
+
+    p = add("cp", cmd_cp, "copy a model to a new name (no bytes are copied)")
+    p.add_argument("source")
+    p.add_argument("destination")
+
+    p = add("rm", cmd_rm, "remove models (a loaded one is unloaded first)")
+    p.add_argument("models", nargs="+")
+
+    p = add("estimate", cmd_estimate, "predict memory for a model (or GGUF file) under load options")
+    p.add_argument("model")
+    _model_options(p, sampling=False)
+    p.add_argument("--json", action="store_true")
+
+    p = add("explain", cmd_explain, "the manager's recent decisions (about MODEL), in words and numbers")
+    p.add_argument("model", nargs="?")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--json", action="store_true")
+
+    p = add("devices", cmd_devices, "GPUs, host memory and the budgets in force")
+    p.add_argument("--json", action="store_true")
+
+    p = add("inspect", cmd_inspect, "a GGUF file's architecture, shape and tensors")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--tensors", action="store_true", help="also list every tensor and bytes per layer")
+
+    eng = add("engine", None, "build or inspect the llama-server engine")
+    esub = eng.add_subparsers(dest="engine_command", metavar="ACTION", parser_class=_Parser)
+    eng.set_defaults(func=lambda args, fe: _usage(eng))
+    b = esub.add_parser("build", help="build llama-server for this machine from the pinned llama.cpp source")
+    g = b.add_mutually_exclusive_group()
+    g.add_argument("--cuda", action="store_true", help="build the CUDA backend (needs nvcc)")
+    g.add_argument("--vulkan", action="store_true", help="build the Vulkan backend (needs libvulkan-dev, glslc)")
+    b.add_argument("--force", action="store_true", help="rebuild even when a cached build exists")
+    b.add_argument("--jobs", type=int, help="parallel compile jobs (default: all cores)")
+    b.set_defaults(func=cmd_engine_build)
+    s = esub.add_parser("status", help="which llama-server is used, its version and devices")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_engine_status)
+
+    p = add("plot", cmd_plot, "plot predicted against actual memory for a model")
+    p.add_argument("model")
+    _model_options(p, sampling=False)
+
+    add("picker", lambda a, fe: fe.widget("picker"), "a widget to pick, estimate, load and run models")
+    add("panel", lambda a, fe: fe.widget("panel"), "a live widget of loaded models, memory and decisions")
+
+    p = add("serve", _serve_elsewhere, "run a lasting manager: a Jupyter server with only this extension "
+                                       "(`jupyter-llama serve --help` for its options)")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+    p = add("help", cmd_help, "help on a command")
+    p.add_argument("topic", nargs="?")
+    parser._llama_sub = sub  # for `help COMMAND`
+    return parser
+
+
+def _usage(p: argparse.ArgumentParser) -> int:
+    p.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+def parse(words: Sequence[str] | str, prog: str = "jupyter-llama") -> argparse.Namespace:
+    """Parse words (a list, or a line split like a shell would). Raises CommandError on bad usage."""
+    if isinstance(words, str):
+        try:
+            words = shlex.split(words)
+        except ValueError as e:
+            raise CommandError(f"{prog}: cannot split the line: {e}", EXIT_USAGE) from None
+    return build_parser(prog).parse_args(list(words))
+
+
+def execute(args: argparse.Namespace, fe: Frontend):
+    func = getattr(args, "func", None)
+    if func is None:
+        return _usage(build_parser())
+    return func(args, fe)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def fill_placeholders(text: str, namespace: dict | None) -> str:
+    """``{name}`` becomes ``str(namespace[name])`` when the name exists; anything else stays."""
+    if not namespace:
+        return text
+    return _PLACEHOLDER.sub(lambda m: str(namespace[m.group(1)]) if m.group(1) in namespace else m.group(0), text)
+
+
+def _prompt(args, fe: Frontend, body: str | None) -> str:
+    text = body if body is not None else " ".join(args.prompt)
+    return fill_placeholders(text, fe.namespace)
+
+
+def _not_found(fe: Frontend, model: str, message: str) -> CommandError:
+    try:
+        names = [m["name"] for m in fe.client().tags().get("models", [])]
+    except Exception:  # noqa: BLE001 - suggestions are a courtesy
+        names = []
+    close = difflib.get_close_matches(model, names, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return CommandError(f"{message}{hint} (`pull SOURCE --name {model}` downloads one, "
+                        f"`synth {model}` makes a synthetic one, `list` shows what exists)")
+
+
+def _call(fe: Frontend, func: Callable, *a, model: str | None = None, **kw):
+    """Call the client; turn its errors into CommandErrors that say what to do."""
+    from .client import LlamaError, ModelNotFoundError, ServerNotFound
+
+    try:
+        return func(*a, **kw)
+    except ModelNotFoundError as e:
+        raise _not_found(fe, model or "", str(e)) from None
+    except ServerNotFound as e:
+        raise CommandError(str(e)) from None
+    except LlamaError as e:
+        code = EXIT_USAGE if e.status == 400 else EXIT_FAIL
+        raise CommandError(str(e), code) from None
+
+
+def _same_model(listed: str | None, asked: str) -> bool:
+    """``tiny`` and ``tiny:latest`` name the same model."""
+    if not listed:
+        return False
+    return listed == asked or (":" not in asked and listed == f"{asked}:latest")
+
+
+def _placement(fe: Frontend, model: str) -> str:
+    try:
+        for m in fe.client().ps().get("models", []):
+            if _same_model(m.get("name"), model) or _same_model(m.get("model"), model):
+                size, vram = m.get("size") or 0, m.get("size_vram") or 0
+                if not size or not vram:
+                    return "CPU"
+                if vram >= size:
+                    return "GPU"
+                return f"{vram / size:.0%} GPU / {1 - vram / size:.0%} CPU"
+    except Exception:  # noqa: BLE001
+        pass
+    return ""
+
+
+def _generate(args, fe: Frontend, chunks_of: Callable[[], Iterator[dict]], pick: Callable[[dict], str]) -> RunResult:
+    result = RunResult(model=args.model)
+    last: dict = {}
+    t0 = time.monotonic()
+    first = [True]
+
+    def texts():
+        nonlocal last
+        for chunk in chunks_of():
+            if first[0]:
+                first[0] = False
+                waited = time.monotonic() - t0
+                if waited > 1.0:
+                    fe.note(f"({args.model} was loaded first: {waited:.1f}s)")
+            last = chunk
+            piece = pick(chunk)
+            if piece:
+                yield piece
+
+    result.text = _call(fe, fe.stream, texts(), raw=bool(getattr(args, "raw", False)), model=args.model)
+    result.stats = {k: v for k, v in last.items() if k not in ("response", "message", "context")}
+    result.load_seconds = (result.stats.get("load_duration") or 0) / 1e9
+    result.placement = _placement(fe, args.model)
+    if getattr(args, "stats", False):
+        fe.note(result.stats_line())
+    return result
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def cmd_run(args, fe: Frontend, body: str | None = None) -> RunResult:
+    prompt = _prompt(args, fe, body)
+    if not prompt.strip():
+        raise CommandError("run: give a prompt (after the model name, or as the cell body of %%llama run)",
+                           EXIT_USAGE)
+    client = fe.client()
+    kw = dict(options=_options(args) or None, keep_alive=args.keep_alive, system=args.system,
+              raw=True if args.raw else None, format=args.format)
+    return _generate(args, fe, lambda: client.generate(args.model, prompt, stream=True, **kw),
+                     lambda c: c.get("response", ""))
+
+
+def cmd_chat(args, fe: Frontend, body: str | None = None) -> RunResult:
+    convo = fe.conversations.setdefault(args.conversation, [])
+    if args.reset:
+        convo.clear()
+    prompt = _prompt(args, fe, body)
+    if not prompt.strip():
+        if args.reset:
+            fe.note(f"conversation {args.conversation!r} forgotten")
+            return RunResult(args.model)
+        raise CommandError("chat: give a message (after the model name, or as the cell body of %%llama chat)",
+                           EXIT_USAGE)
+    messages = ([{"role": "system", "content": args.system}] if args.system and not convo else []) + convo + [
+        {"role": "user", "content": prompt}]
+    client = fe.client()
+    result = _generate(args, fe, lambda: client.chat(args.model, messages, stream=True, options=_options(args) or None,
+                                                     keep_alive=args.keep_alive, format=args.format),
+                       lambda c: (c.get("message") or {}).get("content", ""))
+    convo[:] = messages + [{"role": "assistant", "content": result.text}]
+    return result
+
+
+def cmd_load(args, fe: Frontend):
+    t0 = time.monotonic()
+    _call(fe, fe.client().load, args.model, options=_options(args) or None, keep_alive=args.keep_alive,
+          model=args.model)
+    fe.note(f"{args.model} loaded in {time.monotonic() - t0:.2f}s" + (f" ({_placement(fe, args.model)})"
+                                                                       if _placement(fe, args.model) else ""))
+    return EXIT_OK
+
+
+def cmd_stop(args, fe: Frontend):
+    _call(fe, fe.client().unload, args.model, model=args.model)
+    fe.note(f"{args.model} unloaded")
+    return EXIT_OK
+
+
+def _mib(n) -> str:
+    from .memory.report import format_bytes
+
+    return format_bytes(n or 0)
+
+
+def cmd_ps(args, fe: Frontend):
+    from .memory.report import render_table
+
+    data = _call(fe, fe.client().ps)
+    if args.json:
+        fe.json(data)
+        return EXIT_OK
+    rows = []
+    for m in data.get("models", []):
+        size, vram = m.get("size") or 0, m.get("size_vram") or 0
+        where = "CPU" if not vram else "GPU" if vram >= size else f"{vram / size:.0%} GPU"
+        exp = m.get("expires_at") or ""
+        rows.append([m.get("name"), _mib(size), where, m.get("context_length") or "", exp[:19].replace("T", " ")
+                     if exp and not exp.startswith("2318") else "forever" if exp else ""])
+    if not rows:
+        fe.out("no models loaded" + (" (this command started a private manager; models stay loaded only while it "
+                                     "runs: start `jupyter-llama serve` for a lasting one)" if fe.embedded else ""))
+    else:
+        fe.out(render_table(["NAME", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"], rows))
+    return EXIT_OK
+
+
+def cmd_list(args, fe: Frontend):
+    from .memory.report import render_table
+
+    data = _call(fe, fe.client().tags)
+    if args.json:
+        fe.json(data)
+        return EXIT_OK
+    rows = [[m["name"], (m.get("digest") or "")[:12], _mib(m.get("size")), (m.get("details") or {}).get(
+        "quantization_level", ""), (m.get("modified_at") or "")[:19].replace("T", " ")] for m in data.get("models", [])]
+    fe.out(render_table(["NAME", "ID", "SIZE", "QUANT", "MODIFIED"], rows) if rows else
+           "no models yet: `pull`, `create NAME --from FILE.gguf` or `synth NAME` add one")
+    return EXIT_OK
+
+
+def cmd_show(args, fe: Frontend):
+    data = _call(fe, fe.client().show, args.model, model=args.model)
+    if args.json:
+        fe.json(data)
+        return EXIT_OK
+    d = data.get("details") or {}
+    info = data.get("model_info") or {}
+    lines = [f"{'model:':<26}{args.model}",
+             f"{'architecture:':<26}{d.get('family', '')}",
+             f"{'parameters:':<26}{d.get('parameter_size', '')}",
+             f"{'quantization:':<26}{d.get('quantization_level', '')}",
+             f"{'format:':<26}{d.get('format', 'gguf')}"]
+    for key in sorted(info):
+        if key.endswith((".context_length", ".embedding_length", ".block_count", ".attention.head_count",
+                         ".attention.head_count_kv")):
+            lines.append(f"{key.split('.', 1)[1] + ':':<26}{info[key]}")
+    if data.get("digest"):
+        lines.append(f"{'digest:':<26}{data['digest']}")
+    for f in data.get("files") or []:
+        state = "" if f.get("present", True) else "  MISSING"
+        lines.append(f"{'file:':<26}{f.get('role', '')} {f.get('digest', '')[:19]} {_mib(f.get('size'))}{state}")
+    if "verified" in data:
+        lines.append(f"{'verified:':<26}{data['verified']}")
+    fe.out("\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_pull(args, fe: Frontend):
+    client = fe.client()
+    last = fe.progress(_call(fe, client.pull, args.source, args.name, stream=True))
+    if last.get("status") != "success":
+        raise CommandError(f"pull of {args.source} did not finish: {last}")
+    return EXIT_OK
+
+
+def cmd_create(args, fe: Frontend):
+    import os
+
+    from .models.gguf_info import GGUFError, read_gguf_info
+
+    path = os.path.abspath(os.path.expanduser(args.from_file))
+    try:
+        read_gguf_info(path)  # a clear error before uploading anything
+    except GGUFError as e:
+        raise CommandError(str(e), EXIT_USAGE) from None
+    client = fe.client()
+    digest = _call(fe, client.create_blob, path)
+    _call(fe, client.create, args.name, files={os.path.basename(path): digest})
+    fe.note(f"created {args.name} from {path} ({digest[:19]})")
+    return EXIT_OK
+
+
+def cmd_synth(args, fe: Frontend):
+    import os
+    import tempfile
+
+    from .models.synth import SynthShape, write_synthetic
+
+    overrides = {k: getattr(args, k) for k in SHAPE_FIELDS if getattr(args, k) is not None}
+    if not args.name and not args.output:
+        raise CommandError("synth: give a NAME to register, or --output FILE to write", EXIT_USAGE)
+    try:
+        shape = SynthShape(**overrides)
+        if args.output:
+            path = write_synthetic(args.output, shape)
+            fe.note(f"wrote {path} ({path.stat().st_size:,} bytes)")
+            if not args.name:
+                return EXIT_OK
+            return cmd_create(argparse.Namespace(name=args.name, from_file=str(path)), fe)
+        with tempfile.TemporaryDirectory(prefix="jupyter-llama-synth-") as tmp:
+            path = write_synthetic(os.path.join(tmp, "synth.gguf"), shape)
+            return cmd_create(argparse.Namespace(name=args.name, from_file=str(path)), fe)
+    except ValueError as e:
+        raise CommandError(f"synth: {e}", EXIT_USAGE) from None
+
+
+def cmd_cp(args, fe: Frontend):
+    _call(fe, fe.client().copy, args.source, args.destination, model=args.source)
+    fe.note(f"copied {args.source} to {args.destination}")
+    return EXIT_OK
+
+
+def cmd_rm(args, fe: Frontend):
+    for m in args.models:
+        _call(fe, fe.client().delete, m, model=m)
+        fe.note(f"deleted {m}")
+    return EXIT_OK
+
+
+def _is_file(name: str) -> bool:
+    import os
+
+    return name.endswith(".gguf") and os.path.isfile(os.path.expanduser(name))
+
+
+def cmd_estimate(args, fe: Frontend):
+    from .memory.estimate import format_estimates
+    from .memory.report import MemoryReport
+
+    opts = {k: getattr(args, k) for k in LOAD_OPTIONS if getattr(args, k, None) is not None}
+    if _is_file(args.model) and args.url is None and not _manager_configured():
+        # A file needs no manager: predict here, without starting one.
+        from .engine.binary import EngineBroken, EngineNotFound, find_engine
+        from .engine.launch import LoadOptions
+        from .memory.devices import inventory
+        from .memory.estimate import estimate_all
+        from .models.gguf_info import GGUFError, read_gguf_info
+
+        try:
+            info = read_gguf_info(args.model)
+        except GGUFError as e:
+            raise CommandError(str(e), EXIT_USAGE) from None
+        try:
+            engine = find_engine()
+        except (EngineNotFound, EngineBroken):
+            engine = None
+        reports = estimate_all(info, LoadOptions(**opts), [g.id for g in inventory().gpus], engine=engine,
+                               model_path=args.model)
+        data = {"model": args.model, "options": opts, "estimates": {k: v.to_dict() for k, v in reports.items()},
+                "actual": None}
+    else:
+        data = _call(fe, fe.client().estimate, args.model, opts or None, model=args.model)
+    if args.json:
+        fe.json(data)
+        return EXIT_OK
+    reports = {k: MemoryReport.from_dict(v) for k, v in data["estimates"].items()}
+    actual = MemoryReport.from_dict(data["actual"]) if data.get("actual") else None
+    fe.out(format_estimates(reports, actual))
+    return EXIT_OK
+
+
+def _manager_configured() -> bool:
+    import os
+
+    return bool(os.environ.get("JUPYTER_LLAMA_URL"))
+
+
+def describe_event(e: dict) -> str:
+    t = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
+    return f"{t}  {e.get('kind', ''):<9} {e.get('message', '')}"
+
+
+def cmd_explain(args, fe: Frontend):
+    events = _call(fe, fe.client().events, args.model, limit=args.limit)
+    if args.json:
+        fe.json(events)
+        return EXIT_OK
+    if not events:
+        fe.out(f"no decisions recorded{' about ' + args.model if args.model else ''} yet")
+        return EXIT_OK
+    fe.out("\n".join(describe_event(e) for e in events[-args.limit:]))
+    return EXIT_OK
+
+
+def cmd_devices(args, fe: Frontend):
+    from .config import ConfigError
+    from .memory.devices import format_inventory, inventory
+
+    try:
+        inv = inventory()
+    except ConfigError as e:
+        raise CommandError(str(e), EXIT_USAGE) from None
+    if args.json:
+        fe.json(inv.to_dict())
+    else:
+        fe.out(format_inventory(inv))
+    return EXIT_OK
+
+
+def cmd_inspect(args, fe: Frontend):
+    from .models.gguf_info import GGUFError, format_info, read_gguf_info
+
+    try:
+        info = read_gguf_info(args.file)
+    except GGUFError as e:
+        raise CommandError(str(e), EXIT_USAGE) from None
+    if args.json:
+        fe.json(info.to_dict(tensors=True))
+    else:
+        fe.out(format_info(info, tensors=args.tensors))
+    return EXIT_OK
+
+
+def cmd_engine_build(args, fe: Frontend):
+    from .engine.binary import BuildError, build_engine
+
+    backend = "cuda" if args.cuda else "vulkan" if args.vulkan else "cpu"
+    try:
+        build_engine(backend, force=args.force, jobs=args.jobs, progress=fe.note)
+    except BuildError as e:
+        raise CommandError(str(e)) from None
+    return EXIT_OK
+
+
+def cmd_engine_status(args, fe: Frontend):
+    from .engine.binary import EngineBroken, EngineNotFound, engine_status
+
+    try:
+        data = engine_status()
+    except (EngineNotFound, EngineBroken) as e:
+        raise CommandError(str(e)) from None
+    if args.json:
+        fe.json(data)
+        return EXIT_OK
+    fe.out("\n".join([
+        f"binary:   {data['path']}",
+        f"source:   {data['source']}" + (f" ({data['backend']} build)" if data.get("backend") else ""),
+        f"version:  {data['version'].removeprefix('version: ')}",
+        f"fit tool: {data['fit_params'] or 'not found'}",
+        f"pinned:   {data['pinned_source']}",
+        "devices:  " + ("\n          ".join(data["devices"]) if data["devices"] else "none (CPU only)"),
+    ]))
+    return EXIT_OK
+
+
+def cmd_plot(args, fe: Frontend):
+    from .engine.launch import LoadOptions
+    from .memory.report import MemoryReport
+    from .plots import plot_memory
+
+    opts = {k: getattr(args, k) for k in LOAD_OPTIONS if getattr(args, k, None) is not None}
+    data = _call(fe, fe.client().estimate, args.model, opts or None, model=args.model)
+    reports = {k: MemoryReport.from_dict(v) for k, v in data["estimates"].items()}
+    if data.get("actual"):
+        reports["actual"] = MemoryReport.from_dict(data["actual"])
+    fig = plot_memory(reports, model=args.model, options=LoadOptions(**opts))
+    fe.figure(fig)
+    return fig
+
+
+def _serve_elsewhere(args, fe: Frontend):
+    raise CommandError("serve runs a server in the foreground: start it from a shell with `jupyter-llama serve`",
+                       EXIT_USAGE)
+
+
+def cmd_help(args, fe: Frontend):
+    parser = build_parser()
+    if args.topic:
+        choices = parser._llama_sub.choices
+        if args.topic not in choices:
+            raise CommandError(f"help: no command {args.topic!r}; commands: {', '.join(choices)}", EXIT_USAGE)
+        fe.out(choices[args.topic].format_help())
+    else:
+        fe.out(parser.format_help())
+    return EXIT_OK

@@ -1,0 +1,172 @@
+"""``%llama`` and ``%%llama``: the manager one cell away. Thin: the grammar and the commands
+are :mod:`jupyter_llama.commands`, the same words the ``jupyter-llama`` CLI speaks.
+
+Inside JupyterLab or Notebook the magic talks to the server extension (found through
+``JUPYTER_LLAMA_URL``, which the extension exports to its kernels); anywhere else (plain
+IPython, VS Code, a script) it starts an embedded manager on first use.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from traitlets import Float, Unicode
+
+from .commands import CommandError, Frontend, RunResult, _HelpShown, build_parser, cmd_chat, cmd_run, execute
+
+
+class NotebookFrontend(Frontend):
+    """Shows results in the running cell: streamed Markdown, tables as text, widgets, figures."""
+
+    def __init__(self, magics: "LlamaMagics"):
+        self.magics = magics
+        self.conversations = magics.conversations
+        self.namespace = magics.shell.user_ns if magics.shell is not None else None
+
+    def client(self):
+        return self.magics.client()
+
+    def out(self, text: str) -> None:
+        print(text)
+
+    def stream(self, chunks: Iterator[str], *, raw: bool) -> str:
+        from IPython.display import Markdown, display
+
+        def render(text: str):
+            return {"text/plain": text} if raw else Markdown(text)
+
+        parts: list[str] = []
+        handle = None
+        last = 0.0
+        interval = self.magics.update_interval
+        for piece in chunks:
+            parts.append(piece)
+            now = time.monotonic()
+            if handle is None:
+                handle = display(render("".join(parts)), display_id=True, raw=raw)
+                last = now
+            elif now - last >= interval:
+                handle.update(render("".join(parts)), raw=raw)
+                last = now
+        text = "".join(parts)
+        if handle is None:
+            display(render(text), raw=raw)
+        else:
+            handle.update(render(text), raw=raw)
+        return text
+
+    def progress(self, statuses) -> dict:
+        try:
+            from .widgets import show_pull_progress
+        except ImportError:
+            show_pull_progress = None
+        if show_pull_progress is not None:
+            return show_pull_progress(statuses)
+        from .models.pull import render_progress
+
+        last: dict = {}
+        for st in statuses:
+            last = st
+        print(render_progress(last))
+        return last
+
+    def figure(self, fig) -> None:
+        from IPython.display import display
+
+        display(fig)
+
+    def widget(self, name: str, **kw):
+        from IPython.display import display
+
+        from . import widgets
+
+        if name == "picker":
+            w = widgets.ModelPicker(self.client())
+        elif name == "panel":
+            w = widgets.RunningPanel(self.client())
+            w.start()
+        else:  # pragma: no cover - the grammar only routes these two here
+            raise CommandError(f"no widget {name!r}")
+        display(w)
+        return w
+
+
+@magics_class
+class LlamaMagics(Magics):
+    """``%llama COMMAND ...`` (``%llama help`` lists the commands) and ``%%llama run|chat MODEL``."""
+
+    default_model = Unicode("", help="model used by `%%llama run` / `%%llama chat` when none is named").tag(config=True)
+    url = Unicode("", help="the manager's API URL (default: JUPYTER_LLAMA_URL, else an embedded manager)").tag(
+        config=True)
+    token = Unicode("", help="its token (default: JUPYTER_LLAMA_TOKEN or the server's runtime file)").tag(config=True)
+    update_interval = Float(0.05, help="seconds between display updates while an answer streams").tag(config=True)
+
+    def __init__(self, shell=None, **kw):
+        super().__init__(shell=shell, **kw)
+        self.conversations: dict[str, list[dict]] = {}
+        self._client = None
+        self.last: RunResult | None = None
+
+    def client(self):
+        if self._client is None:
+            from .client import LlamaClient, ServerNotFound
+
+            try:
+                self._client = LlamaClient(self.url or None, self.token or None)
+            except ServerNotFound:
+                from .embedded import embedded
+
+                info = embedded().info
+                self._client = LlamaClient(info.url, info.token)
+        return self._client
+
+    @line_cell_magic
+    def llama(self, line: str = "", cell: str | None = None):
+        """Run a jupyter-llama command; `%llama help` lists them, `%llama help run` explains one."""
+        words = line.strip()
+        if not words:
+            words = "help"
+        if cell is not None and self.default_model and words in ("run", "chat"):
+            words = f"{words} {self.default_model}"
+        try:
+            args = build_parser("%llama").parse_args(_split(words))
+        except CommandError as e:
+            raise UsageError(str(e)) from None
+        except _HelpShown:
+            return None
+        fe = NotebookFrontend(self)
+        try:
+            if args.command == "run" and cell is not None:
+                result = cmd_run(args, fe, body=cell)
+            elif args.command == "chat" and cell is not None:
+                result = cmd_chat(args, fe, body=cell)
+            else:
+                result = execute(args, fe)
+        except CommandError as e:
+            raise UsageError(str(e)) from None
+        if isinstance(result, RunResult):
+            self.last = result
+            return result
+        if isinstance(result, int):
+            return None
+        return result
+
+
+def _split(words: str) -> list[str]:
+    import shlex
+
+    try:
+        return shlex.split(words)
+    except ValueError as e:
+        raise UsageError(f"%llama: cannot split the line: {e}") from None
+
+
+def load_ipython_extension(ipython) -> None:
+    ipython.register_magics(LlamaMagics)
+
+
+def unload_ipython_extension(ipython) -> None:  # pragma: no cover - IPython rarely unloads
+    pass
