@@ -1,0 +1,135 @@
+"""Every manager subcommand as a subprocess against a real `jupyter-llama serve`, and once embedded."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from jupyter_llama.engine.runner import _free_port, process_alive
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def served(engine, tmp_path_factory):
+    """A lasting manager: `jupyter-llama serve` on a free port, its own models directory."""
+    port, token = _free_port(), secrets.token_urlsafe(16)
+    models = tmp_path_factory.mktemp("cli-models")
+    env = dict(os.environ, JUPYTER_TOKEN=token, JUPYTER_LLAMA_MODELS=str(models), JUPYTER_LLAMA_SERVER=engine.path,
+               JUPYTER_LLAMA_KEEP_ALIVE="30s")
+    env.pop("JUPYTER_LLAMA_URL", None)
+    log = open(models / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "jupyter_llama.cli", "serve", "--port", str(port), "--allow-root"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/llama/"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (models / "serve.log").read_text()[-2000:]
+            try:
+                if httpx.get(url + "api/version", headers={"Authorization": f"token {token}"}).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.2)
+        client_env = dict(env, JUPYTER_LLAMA_URL=url, JUPYTER_LLAMA_TOKEN=token)
+        client_env.pop("JUPYTER_TOKEN")
+        yield client_env
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def cli(env, *args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "jupyter_llama.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_lifecycle_through_the_cli(served, tmp_path):
+    env = served
+    r = cli(env, "synth", "tiny", "--layers", "2", "--embd", "64", "--ctx", "1024")
+    assert r.returncode == 0, r.stderr
+    listed = json.loads(cli(env, "list", "--json").stdout)
+    assert [m["name"] for m in listed["models"]] == ["tiny:latest"]
+    assert "tiny:latest" in cli(env, "list").stdout
+
+    shown = cli(env, "show", "tiny")
+    assert shown.returncode == 0 and "llama" in shown.stdout and "block_count" in shown.stdout
+    assert json.loads(cli(env, "show", "tiny", "--json").stdout)["details"]["family"] == "llama"
+
+    run = cli(env, "run", "tiny", "Once upon a time", "--num-predict", "8", "--stats")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() and "8 tokens" in run.stderr and "on CPU" in run.stderr
+
+    ps = json.loads(cli(env, "ps", "--json").stdout)
+    assert ps["models"][0]["name"] == "tiny:latest"
+    assert "tiny:latest" in cli(env, "ps").stdout
+
+    explained = cli(env, "explain", "tiny:latest")
+    assert explained.returncode == 0 and "loaded" in explained.stdout and "fit" in explained.stdout
+    assert json.loads(cli(env, "explain", "--json").stdout)
+
+    est = cli(env, "estimate", "tiny", "--num-ctx", "512")
+    assert est.returncode == 0, est.stderr
+    assert "coarse" in est.stdout and "detailed" in est.stdout
+
+    assert cli(env, "stop", "tiny").returncode == 0
+    assert json.loads(cli(env, "ps", "--json").stdout)["models"] == []
+    assert cli(env, "load", "tiny", "--num-ctx", "256", "--keep-alive", "5s").returncode == 0
+
+    assert cli(env, "cp", "tiny", "tiny2").returncode == 0
+    assert cli(env, "rm", "tiny").returncode == 0  # loaded: unloaded first
+    names = [m["name"] for m in json.loads(cli(env, "list", "--json").stdout)["models"]]
+    assert names == ["tiny2:latest"]
+    assert json.loads(cli(env, "ps", "--json").stdout)["models"] == []
+
+
+def test_errors_and_exit_codes(served, tmp_path):
+    env = served
+    missing = cli(env, "run", "nosuchmodel", "hi")
+    assert missing.returncode == 1
+    assert 'model "nosuchmodel" not found' in missing.stderr and "pull" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    bad = cli(env, "run", "tiny2", "hi", "--keep-alive", "soon")
+    assert bad.returncode in (1, 2) and "keep_alive" in bad.stderr
+    usage = cli(env, "run")
+    assert usage.returncode == 2
+    notgguf = tmp_path / "x.gguf"
+    notgguf.write_text("not a model")
+    created = cli(env, "create", "x", "--from", str(notgguf))
+    assert created.returncode == 2 and "not a GGUF" in created.stderr
+    assert cli(env, "help", "run").returncode == 0
+
+
+def test_estimate_of_a_file_needs_no_manager(tiny_model):
+    env = {k: v for k, v in os.environ.items() if k not in ("JUPYTER_LLAMA_URL",)}
+    r = cli(env, "estimate", str(tiny_model), "--num-ctx", "1024", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert {"coarse", "detailed"} <= set(data["estimates"])
+
+
+def test_embedded_manager_when_no_server_runs(engine, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("JUPYTER_LLAMA_URL", "JUPYTER_LLAMA_TOKEN")}
+    env.update(JUPYTER_LLAMA_MODELS=str(tmp_path / "models"), JUPYTER_LLAMA_SERVER=engine.path)
+    assert cli(env, "synth", "solo", "--layers", "2", "--embd", "64").returncode == 0
+    r = cli(env, "run", "solo", "Hello", "--num-predict", "4")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    # nothing of the embedded manager outlives the command
+    out = subprocess.run(["pgrep", "-f", f"{tmp_path}"], capture_output=True, text=True).stdout.split()
+    assert not [p for p in out if process_alive(int(p))]
