@@ -1,0 +1,210 @@
+"""Model names: Ollama's grammar, ``[host/][namespace/]model[:tag]``.
+
+``parse_name("tiny")`` gives ``local/library/tiny:latest``; its short form (what ``list``
+shows, and what Ollama would show) is ``tiny:latest``. ``hf.co/owner/repo:Q4_K_M`` keeps
+every part and shows in full.
+
+Defaults: host ``local``, namespace ``library``, tag ``latest``. Ollama's default host is
+``registry.ollama.ai``; we do not use it because nothing here talks to that registry: a
+bare name is a model made on this machine (create, synth, copy), and a manifest filed under
+``registry.ollama.ai`` would claim a provenance it does not have. The namespace stays
+``library`` so that ``library/tiny`` and ``tiny`` are one model, as in Ollama. The short
+form is the same either way (default host and namespace dropped), so Ollama clients see
+the names they expect.
+
+The grammar (each part ASCII):
+
+* host: letters, digits, ``_``, ``-``, ``.``, ``:`` (a port); at most 350 characters;
+* namespace: letters, digits, ``_``, ``-``; at most 80;
+* model: letters, digits, ``_``, ``-``, ``.``; at most 96 (a Hugging Face repo name's limit);
+* tag: letters, digits, ``_``, ``-``, ``.``; at most 80.
+
+Every part starts with a letter, a digit or ``_``, and none contains ``..``. Names compare
+case-insensitively (``Tiny`` and ``tiny`` are one model), as in Ollama; the case given
+first is the one shown. Since the parts become directory names in the store, anything
+else (path separators, ``..``, control characters, empty or over-long parts) is refused
+with a message that says what is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..scheduler import BadRequest
+
+__all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_NAMESPACE",
+    "DEFAULT_TAG",
+    "InvalidName",
+    "ModelName",
+    "parse_name",
+    "is_valid_name",
+]
+
+DEFAULT_HOST = "local"
+DEFAULT_NAMESPACE = "library"
+DEFAULT_TAG = "latest"
+
+_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+_ALLOWED = {
+    "host": _ALNUM | frozenset("-.:"),
+    "namespace": _ALNUM | frozenset("-"),
+    "model": _ALNUM | frozenset("-."),
+    "tag": _ALNUM | frozenset("-."),
+}
+_ALLOWED_TEXT = {
+    "host": "letters, digits, '_', '-', '.' and ':'",
+    "namespace": "letters, digits, '_' and '-'",
+    "model": "letters, digits, '_', '-' and '.'",
+    "tag": "letters, digits, '_', '-' and '.'",
+}
+MAX_LENGTH = {"host": 350, "namespace": 80, "model": 96, "tag": 80}
+
+
+class InvalidName(BadRequest, ValueError):
+    """A model name outside the grammar; the message says which part and why (HTTP 400)."""
+
+    def __init__(self, text: str, reason: str):
+        self.text = text
+        self.reason = reason
+        super().__init__(f"invalid model name {text!r}: {reason}")
+
+
+@dataclass(frozen=True)
+class ModelName:
+    host: str
+    namespace: str
+    model: str
+    tag: str
+
+    @property
+    def display(self) -> str:
+        """Short form, as Ollama shows it: ``tiny:latest``, ``me/tiny:v1``, ``hf.co/o/r:Q4_K_M``."""
+        if self.host.lower() == DEFAULT_HOST:
+            if self.namespace.lower() == DEFAULT_NAMESPACE:
+                return f"{self.model}:{self.tag}"
+            return f"{self.namespace}/{self.model}:{self.tag}"
+        return self.full
+
+    @property
+    def full(self) -> str:
+        """Every part: ``local/library/tiny:latest``."""
+        return f"{self.host}/{self.namespace}/{self.model}:{self.tag}"
+
+    @property
+    def key(self) -> str:
+        """The comparison key: the full form, case-folded."""
+        return self.full.casefold()
+
+    @property
+    def parts(self) -> tuple[str, str, str, str]:
+        """(host, namespace, model, tag): the manifest's path under ``manifests/``."""
+        return (self.host, self.namespace, self.model, self.tag)
+
+    def with_tag(self, tag: str) -> "ModelName":
+        _check_part(self.full, "tag", tag)
+        return ModelName(self.host, self.namespace, self.model, tag)
+
+    def __str__(self) -> str:
+        return self.display
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, ModelName):
+            return self.key == other.key
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+def _describe(ch: str) -> str:
+    if ch == "/":
+        return "'/'"
+    if ch == "\\":
+        return "'\\' (a path separator)"
+    if not ch.isprintable() and ch != " ":
+        return f"a control character (U+{ord(ch):04X})"
+    if ch.isspace():
+        return f"whitespace (U+{ord(ch):04X})"
+    return repr(ch)
+
+
+def _check_part(text: str, kind: str, part: str) -> None:
+    if part == "":
+        where = {"tag": "an empty tag after ':'"}.get(kind, f"an empty {kind}")
+        raise InvalidName(text, f"{where} (leading, trailing or doubled '/' or ':'?)")
+    limit = MAX_LENGTH[kind]
+    if len(part) > limit:
+        raise InvalidName(text, f"{kind} is too long ({len(part)} characters, at most {limit})")
+    if ".." in part:
+        raise InvalidName(text, f"{kind} {part!r} contains '..'")
+    allowed = _ALLOWED[kind]
+    for ch in part:
+        if ch not in allowed:
+            if kind == "namespace" and ch == ".":
+                raise InvalidName(
+                    text,
+                    f"namespace {part!r} cannot contain '.'; a name with a host has three parts, "
+                    f"host/namespace/model (e.g. hf.co/OWNER/REPO)",
+                )
+            raise InvalidName(text, f"{kind} {part!r} contains {_describe(ch)}; use {_ALLOWED_TEXT[kind]}")
+    if part[0] not in _ALNUM:
+        raise InvalidName(text, f"{kind} {part!r} must start with a letter, a digit or '_'")
+
+
+def parse_name(text: str, default_tag: str = DEFAULT_TAG) -> ModelName:
+    """Parse ``[host/][namespace/]model[:tag]``; raises :class:`InvalidName` with the reason."""
+    if not isinstance(text, str):
+        raise InvalidName(repr(text), "a model name must be a string")
+    raw = text
+    text = text.strip()
+    if not text:
+        raise InvalidName(raw, "the name is empty")
+    if len(text) > sum(MAX_LENGTH.values()) + 3:
+        raise InvalidName(raw[:64] + "...", f"the name is too long ({len(text)} characters)")
+    for ch in text:
+        if not ch.isprintable() or (ch.isspace() and ch != " "):
+            raise InvalidName(raw, f"contains {_describe(ch)}")
+        if ch == " ":
+            raise InvalidName(raw, "contains a space")
+    if "://" in text:
+        raise InvalidName(raw, "this is a URL, not a model name; download it with pull")
+    if "\\" in text:
+        raise InvalidName(raw, "contains '\\' (a path separator); parts are separated by '/'")
+    if "@" in text:
+        raise InvalidName(raw, "'@' (digest references) is not supported; use name:tag")
+
+    colon, slash = text.rfind(":"), text.rfind("/")
+    if colon > slash:
+        rest, tag = text[:colon], text[colon + 1:]
+    else:
+        rest, tag = text, default_tag
+    if rest == "":
+        raise InvalidName(raw, "an empty model name before ':'")
+    parts = rest.split("/")
+    if len(parts) > 3:
+        raise InvalidName(raw, f"too many parts ({len(parts)}); the form is [host/][namespace/]model[:tag]")
+    if any(p == "" for p in parts):
+        raise InvalidName(raw, "an empty part (leading, trailing or doubled '/')")
+    if len(parts) == 1:
+        host, namespace, model = DEFAULT_HOST, DEFAULT_NAMESPACE, parts[0]
+    elif len(parts) == 2:
+        host, (namespace, model) = DEFAULT_HOST, parts
+    else:
+        host, namespace, model = parts
+    if ":" in namespace or ":" in model:
+        raise InvalidName(raw, "':' may appear only before the tag (or in a host's port)")
+    _check_part(raw, "host", host)
+    _check_part(raw, "namespace", namespace)
+    _check_part(raw, "model", model)
+    _check_part(raw, "tag", tag)
+    return ModelName(host, namespace, model, tag)
+
+
+def is_valid_name(text: str) -> bool:
+    try:
+        parse_name(text)
+    except InvalidName:
+        return False
+    return True

@@ -1,0 +1,1210 @@
+"""The model registry: content-addressed blobs and named manifests, as in Ollama.
+
+Layout under the root (``JUPYTER_LLAMA_MODELS``, else ``<jupyter data dir>/llama/models``)::
+
+    blobs/sha256-<hex>                       the files, named by their sha256
+    manifests/<host>/<namespace>/<model>/<tag>   one JSON document per name
+    verified/sha256-<hex>.json               when a blob's hash was last checked (size, mtime, inode)
+    partial/<key>.partial, <key>.json        downloads in progress (kept for resume)
+    urls/<key>.json                          which blob a plain URL gave last time
+    locks/<key>.lock                         one file lock per blob digest, plus ``manifests.lock``
+    tmp/                                     imports and synthetic models before they land
+
+A manifest lists its layers (the model GGUF, and an optional multimodal projector GGUF with
+Ollama's media type ``application/vnd.ollama.image.projector``), the model's GGUF summary
+(``GGUFInfo.to_dict(tensors=False)``, so ``list`` and ``show`` never reopen a blob), its
+created/modified times and where it came from (a file, a URL, a Hugging Face repo and
+file, a synthetic shape, or a copy).
+
+Writes are atomic (a temporary file beside the target, then ``os.replace``). Whoever makes
+a manifest point at a blob holds that blob's file lock from landing (or finding) the blob
+until the manifest is written, and the garbage collector deletes a blob only under its lock
+after re-reading every manifest; so a blob is never deleted under a model that is being
+created, copied or pulled, in this process or another.
+
+Integrity: ``resolve`` compares every blob's size with the manifest each time (cheap) and
+rehashes a blob only when its size, mtime or inode differ from what ``verified/`` recorded
+at the last good hash (so once per change: a hard-linked file edited in place is caught).
+A mismatch raises :class:`BlobCorrupt`, whose message names the command that repairs it.
+``show(name, verify=True)`` always rehashes.
+
+Blobs are not fsynced (Ollama does not either): after a power cut a torn blob shows a
+wrong size, which the size check catches. Manifests and the small state files are fsynced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as _dt
+import difflib
+import errno
+import hashlib
+import json
+import os
+import re
+import secrets
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable, Iterator
+
+from filelock import FileLock
+
+from .. import config
+from ..scheduler import BadRequest, ModelNotFound, ModelRef, SchedulerError
+from .gguf_info import GGUFError, GGUFInfo, read_gguf_info
+from .names import InvalidName, ModelName, parse_name
+
+__all__ = [
+    "MODEL_MEDIA_TYPE",
+    "PROJECTOR_MEDIA_TYPE",
+    "MANIFEST_MEDIA_TYPE",
+    "StoreError",
+    "BlobCorrupt",
+    "BlobMissing",
+    "InvalidGGUF",
+    "ModelEntry",
+    "ModelStore",
+    "default_root",
+    "normalize_digest",
+    "parameter_size",
+]
+
+MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
+PROJECTOR_MEDIA_TYPE = "application/vnd.ollama.image.projector"
+MANIFEST_MEDIA_TYPE = "application/vnd.jupyter-llama.manifest.v1+json"
+
+CHUNK = 4 << 20  # hashing and copying buffer
+_DIGEST_RE = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
+_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+
+Progress = Callable[[dict], None]
+BeforeRemove = Callable[[ModelRef], Awaitable[Any]]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class StoreError(SchedulerError):
+    """A registry operation failed; the message says what to do."""
+
+    status = 500
+
+
+class BlobCorrupt(StoreError):
+    """A blob's bytes no longer match its digest (or its size, or it is missing)."""
+
+    status = 500
+
+    def __init__(self, message: str, digest: str = "", problem: str = ""):
+        self.digest = digest
+        self.problem = problem
+        super().__init__(message)
+
+
+class BlobMissing(StoreError):
+    """A blob a manifest was about to use disappeared (removed concurrently); retry."""
+
+
+class InvalidGGUF(GGUFError, BadRequest):
+    """A file offered to the store is not a usable GGUF (a GGUFError that is also HTTP 400)."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def default_root() -> Path:
+    """``JUPYTER_LLAMA_MODELS`` if set, else ``<jupyter data dir>/llama/models``."""
+    env = config.env("MODELS")
+    if env:
+        return Path(os.path.expanduser(env))
+    from jupyter_core.paths import jupyter_data_dir
+
+    return Path(jupyter_data_dir()) / "llama" / "models"
+
+
+def normalize_digest(digest: str) -> str:
+    """The 64 hex characters of ``sha256:<hex>``, ``sha256-<hex>`` or ``<hex>``; ValueError else."""
+    d = str(digest).strip().lower()
+    m = _DIGEST_RE.match(d)
+    if m:
+        return m.group(1)
+    if _HEX_RE.match(d):
+        return d
+    raise BadRequest(f"invalid digest {digest!r}: expected sha256:<64 hex digits>")
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat()
+
+
+def parameter_size(n: int) -> str:
+    """Ollama-style parameter count: ``8.0B``, ``135M``, ``260K``."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            v = n / div
+            return f"{v:.0f}{suffix}" if v >= 100 else f"{v:.1f}{suffix}"
+    return str(int(n))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_json(path: Path, data: Any, fsync: bool = True) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=1, sort_keys=False)
+            fh.write("\n")
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if fsync:
+        _fsync_dir(path.parent)
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _stamp(st: os.stat_result) -> dict:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "dev": st.st_dev}
+
+
+def hash_file(path: os.PathLike | str, progress: Callable[[int], None] | None = None,
+              cancel: threading.Event | None = None) -> str:
+    """sha256 hex of a file, read in large chunks; ``progress(bytes_done)`` after each chunk."""
+    h = hashlib.sha256()
+    done = 0
+    buf = bytearray(CHUNK)
+    mv = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
+        while True:
+            n = fh.readinto(buf)
+            if not n:
+                break
+            h.update(mv[:n])
+            done += n
+            if progress:
+                progress(done)
+            if cancel is not None and cancel.is_set():
+                raise StoreError("cancelled")
+    return h.hexdigest()
+
+
+def _kernel_copy(src: str, dst: os.PathLike | str, stop: threading.Event, step: int = 64 << 20) -> None:
+    """Copy a file in the kernel, ``step`` bytes at a time, until done or ``stop`` is set."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        fi, fo = fin.fileno(), fout.fileno()
+        total = os.fstat(fi).st_size
+        off = 0
+        mode = "copy_file_range" if hasattr(os, "copy_file_range") else "sendfile"
+        while off < total:
+            if stop.is_set():
+                raise StoreError("cancelled")
+            count = min(step, total - off)
+            try:
+                if mode == "copy_file_range":
+                    n = os.copy_file_range(fi, fo, count, off, off)
+                elif mode == "sendfile":
+                    os.lseek(fo, off, os.SEEK_SET)
+                    n = os.sendfile(fo, fi, off, count)
+                else:
+                    os.lseek(fi, off, os.SEEK_SET)
+                    data = os.read(fi, min(count, CHUNK))
+                    os.lseek(fo, off, os.SEEK_SET)
+                    n = os.write(fo, data)
+            except OSError as e:
+                if mode != "readwrite" and e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
+                                                      errno.ENOTSUP, errno.EBADF, errno.EPERM):
+                    mode = "sendfile" if mode == "copy_file_range" else "readwrite"
+                    continue
+                raise
+            if n == 0:
+                break  # the source shrank: the caller's stat check reports it
+            off += n
+
+
+class _Throttle:
+    """Calls ``emit`` with progress at most every ``interval`` seconds (and always at the end)."""
+
+    def __init__(self, emit: Progress | None, base: dict, total: int | None, interval: float = 0.1):
+        import time
+
+        self._time = time.monotonic
+        self.emit = emit
+        self.base = base
+        self.total = total
+        self.interval = interval
+        self._last = -1.0
+        self._last_value = -1
+
+    def __call__(self, completed: int, force: bool = False) -> None:
+        if self.emit is None:
+            return
+        t = self._time()
+        if force or completed == self.total or t - self._last >= self.interval:
+            if completed == self._last_value:
+                return
+            self._last = t
+            self._last_value = completed
+            d = dict(self.base)
+            if self.total is not None:
+                d["total"] = self.total
+            d["completed"] = completed
+            self.emit(d)
+
+
+def _projector_summary(path: str) -> dict:
+    """Validate a projector GGUF (architecture ``clip`` and friends) and summarise it.
+
+    ``read_gguf_info`` wants an LLM's hyperparameters, which a projector does not have, so
+    this parses only the header and the tensor table, with the same bounds checks.
+    """
+    from .gguf_info import _check_magic, _field_value, _HeaderReader, _Truncated
+
+    try:
+        size = os.stat(path).st_size
+    except OSError as e:
+        raise InvalidGGUF(path, e.strerror or str(e)) from None
+    try:
+        version = _check_magic(path, size)
+        reader = _HeaderReader(path, size)
+    except GGUFError as e:
+        raise InvalidGGUF(e.path, e.reason) from None
+    except _Truncated as e:
+        raise InvalidGGUF(path, f"truncated: needs at least {e.needed} bytes, file has {e.size}") from None
+    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as e:
+        raise InvalidGGUF(path, f"malformed GGUF: {e}") from None
+    values = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            shown, _full = _field_value(f)
+        except (ValueError, IndexError):
+            continue
+        if isinstance(shown, (int, float, str, bool)) or shown is None:
+            values[key] = shown
+    n_params = sum(int(t.n_elements) for t in reader.tensors)
+    n_tensors = len(reader.tensors)
+    del reader
+    arch = values.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise InvalidGGUF(path, "missing required metadata general.architecture")
+    if n_tensors == 0:
+        raise InvalidGGUF(path, "no tensors: not a projector")
+    keep = {k: v for k, v in values.items()
+            if k.startswith(("general.", "clip.")) and not (isinstance(v, str) and len(v) > 512)}
+    return {
+        "file_size": size,
+        "version": version,
+        "architecture": arch,
+        "projector_type": values.get("clip.projector_type"),
+        "parameter_count": n_params,
+        "tensor_count": n_tensors,
+        "metadata": keep,
+    }
+
+
+def _info_from_dict(d: dict, path: str) -> GGUFInfo:
+    """A GGUFInfo rebuilt from a manifest's cached summary (no tensor table)."""
+    return GGUFInfo(
+        path=path,
+        file_size=d.get("file_size", 0),
+        version=d.get("version", 3),
+        architecture=d.get("architecture", "unknown"),
+        name=d.get("name"),
+        block_count=d.get("block_count", 0),
+        embedding_length=d.get("embedding_length", 0),
+        feed_forward_length=d.get("feed_forward_length"),
+        head_count=d.get("head_count", 0),
+        head_count_kv=d.get("head_count_kv", 0),
+        key_length=d.get("key_length"),
+        value_length=d.get("value_length"),
+        context_length=d.get("context_length", 0),
+        sliding_window=d.get("sliding_window"),
+        swa_layers=d.get("swa_layers"),
+        file_type=d.get("file_type"),
+        parameter_count=d.get("parameter_count", 0),
+        vocab_size=d.get("vocab_size", 0),
+        tensors=[],
+        metadata=dict(d.get("metadata") or {}),
+    )
+
+
+# ----------------------------------------------------------------------------- entries
+
+
+@dataclass
+class ModelEntry:
+    """One named model as its manifest describes it (no blob is opened)."""
+
+    name: ModelName
+    manifest: dict
+    manifest_path: Path
+
+    @property
+    def display(self) -> str:
+        return self.name.display
+
+    @property
+    def layers(self) -> list[dict]:
+        return list(self.manifest.get("layers") or [])
+
+    def _layer(self, media_type: str) -> dict | None:
+        return next((ly for ly in self.layers if ly.get("mediaType") == media_type), None)
+
+    @property
+    def model_layer(self) -> dict:
+        ly = self._layer(MODEL_MEDIA_TYPE)
+        if ly is None:
+            raise StoreError(f"manifest {self.manifest_path} has no model layer")
+        return ly
+
+    @property
+    def projector_layer(self) -> dict | None:
+        return self._layer(PROJECTOR_MEDIA_TYPE)
+
+    @property
+    def model_digest(self) -> str:
+        return normalize_digest(self.model_layer["digest"])
+
+    @property
+    def projector_digest(self) -> str | None:
+        ly = self.projector_layer
+        return normalize_digest(ly["digest"]) if ly else None
+
+    @property
+    def digest(self) -> str:
+        """The model's identity (hex): sha256 of its layer list, as stable as Ollama's manifest digest."""
+        canon = json.dumps([{"mediaType": ly["mediaType"], "digest": ly["digest"], "size": ly["size"]}
+                            for ly in self.layers], sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()
+
+    @property
+    def size(self) -> int:
+        return sum(int(ly.get("size", 0)) for ly in self.layers)
+
+    @property
+    def info(self) -> dict:
+        return dict(self.manifest.get("info") or {})
+
+    @property
+    def source(self) -> dict:
+        return dict(self.manifest.get("source") or {})
+
+    @property
+    def created_at(self) -> str:
+        return self.manifest.get("created_at", "")
+
+    @property
+    def modified_at(self) -> str:
+        return self.manifest.get("modified_at", "")
+
+    @property
+    def details(self) -> dict:
+        """Ollama's ``details`` object."""
+        info = self.info
+        arch = info.get("architecture") or "unknown"
+        families = [arch]
+        if self.projector_layer:
+            pinfo = self.manifest.get("projector_info") or {}
+            families.append(pinfo.get("architecture") or "clip")
+        return {
+            "parent_model": self.source.get("from_model", ""),
+            "format": "gguf",
+            "family": arch,
+            "families": families,
+            "parameter_size": parameter_size(int(info.get("parameter_count") or 0)),
+            "quantization_level": info.get("quantization") or info.get("file_type") or "unknown",
+        }
+
+    def repair_hint(self) -> str:
+        """The command that puts this model's bytes back."""
+        src = self.source
+        kind = src.get("type")
+        if kind == "hf":
+            tag = src.get("quant")
+            text = f"hf.co/{src.get('repo')}" + (f":{tag}" if tag else "")
+            return f"pull it again: `jupyter-llama pull {text}` (or `%llama pull {text}`)"
+        if kind == "url":
+            return f"pull it again: `jupyter-llama pull {src.get('url')}`"
+        if kind == "synth":
+            return "make it again with the store's synth (same shape and seed give the same bytes)"
+        path = src.get("path")
+        if path:
+            return f"create it again from its file: `jupyter-llama create {self.display} {path}`"
+        return "pull or create it again"
+
+    def to_api(self) -> dict:
+        """One element of Ollama's ``GET /api/tags`` ``models`` list."""
+        return {
+            "name": self.display,
+            "model": self.display,
+            "modified_at": self.modified_at,
+            "size": self.size,
+            "digest": self.digest,
+            "details": self.details,
+        }
+
+
+# ----------------------------------------------------------------------------- store
+
+
+class ModelStore:
+    """The registry. Sync methods do file I/O; ``resolve``, ``remove`` and the pulls are async.
+
+    An instance is itself a scheduler resolver: ``Scheduler(settings, resolver=store)``.
+    """
+
+    def __init__(self, root: os.PathLike | str | None = None, *, allow_paths: bool = True):
+        self.root = Path(root).expanduser() if root is not None else default_root()
+        self.allow_paths = allow_paths
+        self.blobs_dir = self.root / "blobs"
+        self.manifests_dir = self.root / "manifests"
+        self.verified_dir = self.root / "verified"
+        self.partial_dir = self.root / "partial"
+        self.urls_dir = self.root / "urls"
+        self.locks_dir = self.root / "locks"
+        self.tmp_dir = self.root / "tmp"
+        self._info_cache: dict[str, tuple[tuple, GGUFInfo]] = {}
+        self._cache_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ModelStore({str(self.root)!r})"
+
+    def ensure_dirs(self) -> None:
+        for d in (self.blobs_dir, self.manifests_dir, self.verified_dir, self.partial_dir,
+                  self.urls_dir, self.locks_dir, self.tmp_dir):
+            d.mkdir(parents=True, exist_ok=True)
+
+    # -- paths and locks ------------------------------------------------------------
+
+    def blob_path(self, digest: str) -> Path:
+        return self.blobs_dir / f"sha256-{normalize_digest(digest)}"
+
+    def _sidecar(self, hexd: str) -> Path:
+        return self.verified_dir / f"sha256-{hexd}.json"
+
+    def lock(self, key: str, timeout: float = -1) -> FileLock:
+        """A file lock named ``key`` (a blob key such as ``sha256-<hex>``, or ``manifests``)."""
+        self.locks_dir.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(self.locks_dir / f"{key}.lock"), timeout=timeout)
+
+    def _blob_lock(self, hexd: str) -> FileLock:
+        return self.lock(f"sha256-{hexd}")
+
+    class _Locks:
+        def __init__(self, locks: list[FileLock]):
+            self.locks = locks
+
+        def __enter__(self):
+            taken = []
+            try:
+                for lk in self.locks:
+                    lk.acquire()
+                    taken.append(lk)
+            except BaseException:
+                for lk in reversed(taken):
+                    lk.release()
+                raise
+            return self
+
+        def __exit__(self, *exc):
+            for lk in reversed(self.locks):
+                lk.release()
+
+    def _blob_locks(self, digests: Iterable[str]) -> "ModelStore._Locks":
+        return ModelStore._Locks([self._blob_lock(h) for h in sorted(set(digests))])
+
+    def _manifest_path(self, name: ModelName) -> Path:
+        return self.manifests_dir.joinpath(*name.parts)
+
+    # -- blobs ----------------------------------------------------------------------
+
+    def has_blob(self, digest: str, size: int | None = None) -> bool:
+        """True when the blob is present and (lazily) verified; a bad one is not counted."""
+        hexd = normalize_digest(digest)
+        try:
+            st = os.stat(self.blob_path(hexd))
+        except FileNotFoundError:
+            return False
+        if size is not None and st.st_size != size:
+            return False
+        return self.check_blob(hexd, st.st_size, full=False) is None
+
+    def _sidecar_matches(self, hexd: str, st: os.stat_result) -> bool:
+        try:
+            with open(self._sidecar(hexd), encoding="utf-8") as fh:
+                rec = json.load(fh)
+        except (OSError, ValueError):
+            return False
+        s = _stamp(st)
+        return all(rec.get(k) == s[k] for k in ("size", "mtime_ns", "ino", "dev"))
+
+    def _write_sidecar(self, hexd: str, st: os.stat_result) -> None:
+        rec = dict(_stamp(st), digest=f"sha256:{hexd}", verified_at=_now())
+        try:
+            _atomic_write_json(self._sidecar(hexd), rec, fsync=False)
+        except OSError:
+            pass  # only a cache: the next check rehashes
+
+    def check_blob(self, digest: str, size: int | None = None, *, full: bool = False,
+                   progress: Callable[[int], None] | None = None) -> str | None:
+        """None if the blob is good, else what is wrong (one line).
+
+        Size is always compared; the hash is recomputed when ``full`` is set or when the
+        blob's (size, mtime, inode) differ from the last good hash's record.
+        """
+        hexd = normalize_digest(digest)
+        path = self.blob_path(hexd)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return "the blob file is missing"
+        if size is not None and st.st_size != size:
+            return f"the blob is {st.st_size:,} bytes, the manifest says {size:,}"
+        if not full and self._sidecar_matches(hexd, st):
+            return None
+        try:
+            got = hash_file(path, progress)
+        except OSError as e:
+            return f"cannot read the blob: {e.strerror or e}"
+        if got != hexd:
+            _unlink(self._sidecar(hexd))
+            return f"its bytes hash to sha256:{got[:12]}…, not to its name"
+        try:
+            st2 = os.stat(path)
+        except FileNotFoundError:
+            return "the blob file is missing"
+        if _stamp(st2) == _stamp(st):
+            self._write_sidecar(hexd, st2)
+        return None
+
+    def land_blob(self, src: os.PathLike | str, digest: str) -> Path:
+        """Move ``src`` (already hashed to ``digest``, on the store's filesystem) into ``blobs/``.
+
+        The caller holds the blob's lock. A good blob already there is kept (the same bytes
+        are never stored twice) and ``src`` is removed; a bad one is replaced.
+        """
+        hexd = normalize_digest(digest)
+        dst = self.blob_path(hexd)
+        self.blobs_dir.mkdir(parents=True, exist_ok=True)
+        src = Path(src)
+        st_src = os.stat(src)
+        try:
+            st_dst = os.stat(dst)
+        except FileNotFoundError:
+            st_dst = None
+        if st_dst is not None:
+            if st_dst.st_ino == st_src.st_ino and st_dst.st_dev == st_src.st_dev:
+                _unlink(src)
+                self._write_sidecar(hexd, os.stat(dst))
+                return dst
+            if st_dst.st_size == st_src.st_size and self._sidecar_matches(hexd, st_dst):
+                _unlink(src)
+                return dst
+        os.replace(src, dst)
+        self._write_sidecar(hexd, os.stat(dst))
+        return dst
+
+    def _import_file(self, src: str, link: str, progress: Progress | None, label: str,
+                     cancel: threading.Event | None = None) -> tuple[str, int, str, Path]:
+        """Hash ``src`` into a temporary file in the store (hard link or copy).
+
+        Returns (hex digest, size, "hardlink" or "copy", temporary path).
+
+        The caller lands it with the blob lock held (see :meth:`_commit`).
+        """
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        st = os.stat(src)
+        total = st.st_size
+        tmp = self.tmp_dir / f"import-{os.getpid()}-{secrets.token_hex(6)}"
+        how = "copy"
+        if link in ("auto", "hardlink"):
+            try:
+                os.link(src, tmp)
+                how = "hardlink"
+            except OSError as e:
+                if link == "hardlink":
+                    reason = ("the file is on another filesystem" if e.errno == errno.EXDEV
+                              else (e.strerror or str(e)))
+                    raise StoreError(f"cannot hard-link {src} into {self.blobs_dir}: {reason}; "
+                                     f"use link='copy' (or 'auto')") from None
+        elif link != "copy":
+            raise BadRequest(f"link must be 'auto', 'hardlink' or 'copy', not {link!r}")
+        tick = _Throttle(progress, {"status": f"{'hashing' if how == 'hardlink' else 'copying'} {label}"}, total)
+        tick(0, force=True)
+        try:
+            if how == "hardlink":
+                hexd = hash_file(tmp, tick, cancel)
+                st2 = os.stat(tmp)
+                if (st2.st_size, st2.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+                    raise StoreError(f"{src} changed while it was being imported; try again")
+            else:
+                hexd = self._copy_hashing(src, tmp, tick, cancel)
+                st2 = os.stat(src)
+                if (st2.st_size, st2.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+                    raise StoreError(f"{src} changed while it was being imported; try again")
+            tick(total, force=True)
+            size = os.stat(tmp).st_size
+        except BaseException:
+            _unlink(tmp)
+            raise
+        return hexd, size, how, tmp
+
+    @staticmethod
+    def _copy_hashing(src: str, dst: Path, tick: Callable[[int], None], cancel: threading.Event | None) -> str:
+        """Copy ``src`` to ``dst`` while hashing it: the kernel copies (copy_file_range, else
+        sendfile, else read/write) in a worker thread while this thread hashes the source, so
+        the import takes about as long as the slower of the two. The caller's size/mtime
+        check afterwards catches a source that changed meanwhile."""
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def copy() -> None:
+            try:
+                _kernel_copy(src, dst, stop)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+                stop.set()
+
+        worker = threading.Thread(target=copy, name="jupyter-llama-copy", daemon=True)
+        worker.start()
+        try:
+            hexd = hash_file(src, tick, cancel)
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            if stop.is_set():
+                worker.join()
+        worker.join()
+        if errors:
+            e = errors[0]
+            if isinstance(e, OSError):
+                raise StoreError(f"cannot copy {src} into the store: {e.strerror or e}") from None
+            raise e
+        return hexd
+
+    # -- manifests ------------------------------------------------------------------
+
+    def _iter_manifest_paths(self) -> Iterator[tuple[Path, tuple[str, str, str, str]]]:
+        base = self.manifests_dir
+        if not base.is_dir():
+            return
+        for host in sorted(os.scandir(base), key=lambda e: e.name):
+            if not host.is_dir() or host.name.startswith("."):
+                continue
+            for ns in sorted(os.scandir(host.path), key=lambda e: e.name):
+                if not ns.is_dir() or ns.name.startswith("."):
+                    continue
+                for model in sorted(os.scandir(ns.path), key=lambda e: e.name):
+                    if not model.is_dir() or model.name.startswith("."):
+                        continue
+                    for tag in sorted(os.scandir(model.path), key=lambda e: e.name):
+                        if tag.name.startswith(".") or not tag.is_file():
+                            continue
+                        yield Path(tag.path), (host.name, ns.name, model.name, tag.name)
+
+    def _load_entry(self, path: Path, parts: tuple[str, str, str, str]) -> ModelEntry | None:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                manifest = json.load(fh)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("layers"), list):
+            return None
+        try:
+            for ly in manifest["layers"]:
+                normalize_digest(ly["digest"])
+                int(ly["size"])
+        except (KeyError, TypeError, ValueError, BadRequest):
+            return None
+        return ModelEntry(ModelName(*parts), manifest, path)
+
+    def _find(self, name: ModelName) -> ModelEntry | None:
+        path = self._manifest_path(name)
+        if path.is_file():
+            return self._load_entry(path, name.parts)
+        key = name.key
+        for p, parts in self._iter_manifest_paths():
+            if ModelName(*parts).key == key:
+                return self._load_entry(p, parts)
+        return None
+
+    def _referenced(self) -> set[str]:
+        refs: set[str] = set()
+        for p, parts in self._iter_manifest_paths():
+            e = self._load_entry(p, parts)
+            if e is None:
+                # an unreadable manifest may still reference blobs: be conservative
+                try:
+                    text = p.read_text(encoding="utf-8", errors="replace")
+                except OSError:
+                    continue
+                refs.update(re.findall(r"sha256[:-]([0-9a-f]{64})", text))
+                continue
+            for ly in e.layers:
+                refs.add(normalize_digest(ly["digest"]))
+        return refs
+
+    def _write_manifest(self, name: ModelName, manifest: dict) -> tuple[ModelEntry, set[str]]:
+        """Write (replace) a manifest; return the entry and the digests the old one used."""
+        path = self._manifest_path(name)
+        old_digests: set[str] = set()
+        with self.lock("manifests"):
+            old = self._find(name)
+            now = _now()
+            manifest["created_at"] = now
+            if old is not None:
+                old_digests = {normalize_digest(ly["digest"]) for ly in old.layers}
+                manifest["created_at"] = old.created_at or now  # when the name first appeared
+            manifest["modified_at"] = now
+            _atomic_write_json(path, manifest)
+            if old is not None and old.manifest_path != path:
+                _unlink(old.manifest_path)  # same name, other case
+                self._prune_empty_dirs(old.manifest_path.parent)
+        return ModelEntry(name, manifest, path), old_digests
+
+    def _prune_empty_dirs(self, d: Path) -> None:
+        base = self.manifests_dir.resolve()
+        d = d.resolve()
+        while d != base and base in d.parents:
+            try:
+                d.rmdir()
+            except OSError:
+                return
+            d = d.parent
+
+    def _commit(self, name: ModelName, layers: list[dict], info: dict, source: dict,
+                projector_info: dict | None = None, land: dict[str, Path] | None = None,
+                progress: Progress | None = None) -> ModelEntry:
+        """Land temporary files (``land``: hex -> tmp path) and write the manifest, blob locks held."""
+        hexes = [normalize_digest(ly["digest"]) for ly in layers]
+        land = land or {}
+        with self._blob_locks(hexes):
+            for ly, hexd in zip(layers, hexes):
+                if hexd in land:
+                    existed = self.blob_path(hexd).exists()
+                    self.land_blob(land[hexd], hexd)
+                    if progress:
+                        word = "using existing layer" if existed else "creating new layer"
+                        progress({"status": f"{word} sha256:{hexd}"})
+                else:
+                    problem = self.check_blob(hexd, int(ly["size"]))
+                    if problem:
+                        raise BlobMissing(f"blob sha256:{hexd[:12]} for {name.display}: {problem}; "
+                                         f"it may have been removed meanwhile, try again")
+            if progress:
+                progress({"status": "writing manifest"})
+            manifest = {
+                "schemaVersion": 2,
+                "mediaType": MANIFEST_MEDIA_TYPE,
+                "name": name.full,
+                "layers": [dict(ly) for ly in layers],
+                "info": info,
+                "source": source,
+            }
+            if projector_info is not None:
+                manifest["projector_info"] = projector_info
+            entry, old = self._write_manifest(name, manifest)
+        stale = old - set(hexes)
+        if stale:
+            self.prune(stale)
+        return entry
+
+    # -- public: create, synth, copy ----------------------------------------------------
+
+    @staticmethod
+    def _name(name: str | ModelName) -> ModelName:
+        return name if isinstance(name, ModelName) else parse_name(name)
+
+    def create(self, name: str | ModelName, from_file: os.PathLike | str, projector: os.PathLike | str | None = None,
+               progress: Progress | None = None, *, link: str = "auto", source: dict | None = None) -> ModelEntry:
+        """Import a GGUF (and an optional projector GGUF) under ``name``.
+
+        The file is validated first (``InvalidGGUF``, a GGUFError, for anything else). It is
+        hard-linked into the store when it is on the same filesystem (``link="auto"``),
+        else copied while hashing; ``link="copy"`` or ``"hardlink"`` forces one way.
+        ``progress`` receives Ollama-style status dicts.
+        """
+        mname = self._name(name)
+        emit = progress or (lambda d: None)
+        emit({"status": "parsing GGUF"})
+        src = os.path.abspath(os.path.expanduser(str(from_file)))
+        try:
+            info = read_gguf_info(src)
+        except GGUFError as e:
+            raise InvalidGGUF(e.path, e.reason) from None
+        proj_src = None
+        proj_info = None
+        if projector is not None:
+            proj_src = os.path.abspath(os.path.expanduser(str(projector)))
+            proj_info = _projector_summary(proj_src)
+        self.ensure_dirs()
+        land: dict[str, Path] = {}
+        try:
+            hexd, size, how, tmp = self._import_file(src, link, progress, "model")
+            land[hexd] = tmp
+            layers = [{"mediaType": MODEL_MEDIA_TYPE, "digest": f"sha256:{hexd}", "size": size}]
+            hows = {"model": how}
+            if proj_src is not None:
+                phex, psize, phow, ptmp = self._import_file(proj_src, link, progress, "projector")
+                if phex in land:  # the same file twice
+                    _unlink(ptmp)
+                else:
+                    land[phex] = ptmp
+                layers.append({"mediaType": PROJECTOR_MEDIA_TYPE, "digest": f"sha256:{phex}", "size": psize})
+                hows["projector"] = phow
+            src_rec = dict(source) if source else {"type": "file", "path": src}
+            if proj_src is not None and not source:
+                src_rec["projector_path"] = proj_src
+            src_rec.setdefault("import", hows)
+            entry = self._commit(mname, layers, self._summary(info), src_rec, proj_info, land, progress)
+        finally:
+            for t in land.values():
+                _unlink(t)
+        emit({"status": "success"})
+        return entry
+
+    def create_from_blobs(self, name: str | ModelName, model_digest: str, projector_digest: str | None = None,
+                          source: dict | None = None) -> ModelEntry:
+        """Name blobs already in the store (``POST /api/create`` after ``POST /api/blobs``)."""
+        mname = self._name(name)
+        hexd = normalize_digest(model_digest)
+        path = self.blob_path(hexd)
+        if not path.exists():
+            raise BadRequest(f"blob sha256:{hexd} is not in the store; upload it first")
+        try:
+            info = read_gguf_info(path)
+        except GGUFError as e:
+            raise InvalidGGUF(e.path, e.reason) from None
+        layers = [{"mediaType": MODEL_MEDIA_TYPE, "digest": f"sha256:{hexd}", "size": path.stat().st_size}]
+        proj_info = None
+        if projector_digest:
+            phex = normalize_digest(projector_digest)
+            ppath = self.blob_path(phex)
+            if not ppath.exists():
+                raise BadRequest(f"blob sha256:{phex} is not in the store; upload it first")
+            proj_info = _projector_summary(str(ppath))
+            layers.append({"mediaType": PROJECTOR_MEDIA_TYPE, "digest": f"sha256:{phex}", "size": ppath.stat().st_size})
+        return self._commit(mname, layers, self._summary(info), source or {"type": "blobs"}, proj_info)
+
+    def receive_blob(self, digest: str, chunks: Iterable[bytes]) -> Path:
+        """Store uploaded bytes as blob ``digest`` (``POST /api/blobs/sha256:...``); BadRequest on mismatch."""
+        hexd = normalize_digest(digest)
+        self.ensure_dirs()
+        tmp = self.tmp_dir / f"upload-{os.getpid()}-{secrets.token_hex(6)}"
+        h = hashlib.sha256()
+        try:
+            with open(tmp, "wb") as fh:
+                for c in chunks:
+                    h.update(c)
+                    fh.write(c)
+            if h.hexdigest() != hexd:
+                raise BadRequest(f"digest mismatch: the upload hashes to sha256:{h.hexdigest()}, not sha256:{hexd}")
+            with self._blob_locks([hexd]):
+                return self.land_blob(tmp, hexd)
+        finally:
+            _unlink(tmp)
+
+    def synth(self, name: str | ModelName, shape=None, progress: Progress | None = None, **overrides) -> ModelEntry:
+        """Register a synthetic model (``models.synth``) of ``shape`` under ``name``."""
+        from .synth import SynthShape, write_synthetic
+
+        mname = self._name(name)
+        s = shape if shape is not None else SynthShape()
+        if overrides:
+            s = dataclasses.replace(s, **overrides)
+        self.ensure_dirs()
+        tmp = self.tmp_dir / f"synth-{os.getpid()}-{secrets.token_hex(6)}.gguf"
+        try:
+            write_synthetic(tmp, s)
+            return self.create(mname, tmp, progress=progress, link="auto",
+                               source={"type": "synth", "shape": dataclasses.asdict(s)})
+        finally:
+            _unlink(tmp)
+
+    def copy(self, src: str | ModelName, dst: str | ModelName) -> ModelEntry:
+        """Give model ``src`` a second name (no bytes copied); an existing ``dst`` is replaced."""
+        sname, dname = self._name(src), self._name(dst)
+        entry = self._find(sname)
+        if entry is None:
+            raise self._not_found(str(src), sname)
+        source = dict(entry.source)
+        source.setdefault("from_model", entry.display)
+        return self._commit(dname, entry.layers, entry.info, source, entry.manifest.get("projector_info"))
+
+    # -- public: list, show, entry ---------------------------------------------------
+
+    def list(self) -> list[ModelEntry]:
+        """Every model, by name; reads manifests only."""
+        out = []
+        for p, parts in self._iter_manifest_paths():
+            e = self._load_entry(p, parts)
+            if e is not None:
+                out.append(e)
+        return sorted(out, key=lambda e: e.display.casefold())
+
+    def names(self) -> list[str]:
+        return [e.display for e in self.list()]
+
+    def entry(self, name: str | ModelName) -> ModelEntry:
+        """The manifest behind ``name``; ModelNotFound (with suggestions) if there is none."""
+        mname = self._name(name)
+        e = self._find(mname)
+        if e is None:
+            raise self._not_found(str(name), mname)
+        return e
+
+    def exists(self, name: str | ModelName) -> bool:
+        try:
+            return self._find(self._name(name)) is not None
+        except InvalidName:
+            return False
+
+    def show(self, name: str | ModelName, verify: bool = False) -> dict:
+        """Everything about a model: metadata, parameters, quantisation, files, sizes, digests.
+
+        With ``verify`` every blob is rehashed and ``verify`` reports ``{"ok", "problems"}``.
+        """
+        e = self.entry(name)
+        info = e.info
+        files = []
+        problems = []
+        for ly in e.layers:
+            hexd = normalize_digest(ly["digest"])
+            role = "projector" if ly["mediaType"] == PROJECTOR_MEDIA_TYPE else (
+                "model" if ly["mediaType"] == MODEL_MEDIA_TYPE else ly["mediaType"])
+            path = self.blob_path(hexd)
+            rec = {"role": role, "media_type": ly["mediaType"], "digest": f"sha256:{hexd}",
+                   "size": int(ly["size"]), "path": str(path), "present": path.exists()}
+            if verify:
+                problem = self.check_blob(hexd, int(ly["size"]), full=True)
+                rec["ok"] = problem is None
+                if problem:
+                    rec["problem"] = problem
+                    problems.append(f"{role} blob sha256:{hexd[:12]}: {problem}")
+            files.append(rec)
+        out = {
+            "name": e.display,
+            "model": e.name.full,
+            "digest": e.digest,
+            "size": e.size,
+            "created_at": e.created_at,
+            "modified_at": e.modified_at,
+            "details": e.details,
+            "architecture": info.get("architecture"),
+            "parameters": info.get("parameter_count"),
+            "parameter_size": e.details["parameter_size"],
+            "quantization": info.get("quantization"),
+            "context_length": info.get("context_length"),
+            "files": files,
+            "source": e.source,
+            "info": info,
+            "model_info": dict(info.get("metadata") or {}),
+            "template": (info.get("metadata") or {}).get("tokenizer.chat_template", ""),
+            "projector_info": e.manifest.get("projector_info"),
+        }
+        if verify:
+            out["verify"] = {"ok": not problems, "problems": problems,
+                             "repair": e.repair_hint() if problems else None}
+        return out
+
+    # -- public: remove, prune ----------------------------------------------------------
+
+    def prune(self, candidates: Iterable[str] | None = None) -> list[str]:
+        """Delete blobs (all, or these candidates) that no manifest uses; return their hex digests."""
+        if candidates is None:
+            if not self.blobs_dir.is_dir():
+                return []
+            candidates = [n[len("sha256-"):] for n in os.listdir(self.blobs_dir)
+                          if n.startswith("sha256-") and _HEX_RE.match(n[len("sha256-"):])]
+        removed = []
+        for hexd in sorted(set(normalize_digest(c) for c in candidates)):
+            with self._blob_lock(hexd):
+                if hexd in self._referenced():
+                    continue
+                if _unlink(self.blob_path(hexd)):
+                    removed.append(hexd)
+                _unlink(self._sidecar(hexd))
+        return removed
+
+    def remove_sync(self, name: str | ModelName) -> list[str]:
+        """Delete a name; delete the blobs no other manifest uses. Returns the removed digests."""
+        mname = self._name(name)
+        with self.lock("manifests"):
+            e = self._find(mname)
+            if e is None:
+                raise self._not_found(str(name), mname)
+            _unlink(e.manifest_path)
+            self._prune_empty_dirs(e.manifest_path.parent)
+        return self.prune({normalize_digest(ly["digest"]) for ly in e.layers})
+
+    async def remove(self, name: str | ModelName, before_remove: BeforeRemove | None = None) -> list[str]:
+        """Remove a model. ``before_remove(ref)`` is awaited first (the scheduler unloads it there);
+        if it raises, nothing is removed. Returns the digests of the blobs deleted."""
+        mname = self._name(name)
+        e = await asyncio.to_thread(self.entry, mname)
+        if before_remove is not None:
+            ref = self._ref_from_entry(e, cheap=True)
+            await before_remove(ref)
+        return await asyncio.to_thread(self.remove_sync, mname)
+
+    # -- public: resolve -----------------------------------------------------------------
+
+    def _not_found(self, text: str, mname: ModelName | None = None) -> ModelNotFound:
+        try:
+            entries = self.list()
+        except OSError:
+            entries = []
+        shown = [e.display for e in entries]
+        pool: dict[str, str] = {}
+        for e in entries:
+            pool[e.display.casefold()] = e.display
+            pool.setdefault(e.name.model.casefold(), e.display)
+            pool.setdefault(f"{e.name.namespace}/{e.name.model}".casefold(), e.display)
+        probes = [text.casefold()]
+        if mname is not None:
+            probes += [mname.display.casefold(), mname.model.casefold()]
+        close: list[str] = []
+        for probe in probes:
+            for m in difflib.get_close_matches(probe, list(pool), n=5, cutoff=0.6):
+                if pool[m] not in close:
+                    close.append(pool[m])
+        hint = ""
+        if close:
+            hint = "did you mean " + ", ".join(f'"{c}"' for c in close[:3]) + "?"
+        elif not shown:
+            hint = "the store is empty"
+        return ModelNotFound(text, hint)
+
+    def _ref_from_entry(self, e: ModelEntry, cheap: bool = False) -> ModelRef:
+        mpath = str(self.blob_path(e.model_digest))
+        info = None
+        if not cheap:
+            info = self._read_info(mpath)
+        if info is None:
+            info = _info_from_dict(e.info, mpath)
+        pdig = e.projector_digest
+        return ModelRef(name=e.display, path=mpath, info=info,
+                        mmproj=str(self.blob_path(pdig)) if pdig else None, digest=e.digest)
+
+    def _read_info(self, path: str) -> GGUFInfo:
+        st = os.stat(path)
+        stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
+        with self._cache_lock:
+            hit = self._info_cache.get(path)
+        if hit and hit[0] == stamp:
+            return hit[1]
+        info = read_gguf_info(path)
+        with self._cache_lock:
+            if len(self._info_cache) > 64:
+                self._info_cache.clear()
+            self._info_cache[path] = (stamp, info)
+        return info
+
+    def _looks_like_path(self, text: str) -> bool:
+        return (text.startswith(("/", "./", "../", "~")) or os.sep in text or "/" in text
+                or text.lower().endswith(".gguf"))
+
+    def _resolve_path(self, text: str) -> ModelRef | None:
+        if not self.allow_paths or not self._looks_like_path(text):
+            return None
+        path = os.path.abspath(os.path.expanduser(text))
+        if not os.path.isfile(path):
+            return None
+        try:
+            info = self._read_info(path)
+        except GGUFError as e:
+            raise InvalidGGUF(e.path, e.reason) from None
+        return ModelRef(name=text, path=path, info=info)
+
+    def resolve_sync(self, name: str) -> ModelRef:
+        """Name (or, with ``allow_paths``, a path to a .gguf file) -> ModelRef, blobs checked."""
+        text = str(name).strip()
+        try:
+            mname = parse_name(text)
+        except InvalidName:
+            ref = self._resolve_path(text)
+            if ref is not None:
+                return ref
+            if self.allow_paths and text.startswith(("/", "./", "../", "~")):
+                raise ModelNotFound(text, f"no such file: {os.path.abspath(os.path.expanduser(text))}") from None
+            raise
+        e = self._find(mname)
+        if e is None:
+            ref = self._resolve_path(text)
+            if ref is not None:
+                return ref
+            raise self._not_found(text, mname)
+        for ly in e.layers:
+            hexd = normalize_digest(ly["digest"])
+            problem = self.check_blob(hexd, int(ly["size"]))
+            if problem:
+                role = "projector" if ly["mediaType"] == PROJECTOR_MEDIA_TYPE else "model"
+                raise BlobCorrupt(
+                    f'model "{e.display}": the {role} file (blob sha256:{hexd[:12]}) is damaged: {problem}. '
+                    f"To repair it, {e.repair_hint()}.",
+                    digest=hexd, problem=problem)
+        try:
+            return self._ref_from_entry(e)
+        except GGUFError as err:
+            raise BlobCorrupt(f'model "{e.display}": {err.reason}. To repair it, {e.repair_hint()}.',
+                              digest=e.model_digest, problem=err.reason) from None
+
+    async def resolve(self, name: str) -> ModelRef:
+        """The scheduler's resolver: file I/O and any rehash run in a worker thread."""
+        return await asyncio.to_thread(self.resolve_sync, name)
+
+    __call__ = resolve
+
+    # -- public: pull (see models.pull) ----------------------------------------------------
+
+    def pull(self, source: str, name: str | None = None, progress: Progress | None = None, **kw) -> ModelEntry:
+        from .pull import pull
+
+        return pull(source, name, progress=progress, store=self, **kw)
+
+    async def apull(self, source: str, name: str | None = None, progress: Progress | None = None, **kw) -> ModelEntry:
+        from .pull import apull
+
+        return await apull(source, name, progress=progress, store=self, **kw)
+
+    def pull_stream(self, source: str, name: str | None = None, **kw):
+        from .pull import pull_stream
+
+        return pull_stream(source, name, store=self, **kw)
+
+    # -- internals ------------------------------------------------------------------------
+
+    @staticmethod
+    def _summary(info: GGUFInfo) -> dict:
+        d = info.to_dict(tensors=False)
+        d.pop("path", None)
+        return d
