@@ -318,7 +318,7 @@ def fill_placeholders(text: str, namespace: dict | None) -> str:
 
 
 def _prompt(args, fe: Frontend, body: str | None) -> str:
-    text = body if body is not None else " ".join(args.prompt)
+    text = body.strip() if body is not None else " ".join(args.prompt)
     return fill_placeholders(text, fe.namespace)
 
 

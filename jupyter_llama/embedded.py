@@ -34,7 +34,8 @@ _current: "EmbeddedManager | None" = None
 class EmbeddedManager:
     """A private ``jupyter-llama serve`` owned by this process."""
 
-    def __init__(self, log_path: str | None = None):
+    def __init__(self, log_path: str | None = None, env: dict[str, str] | None = None):
+        self.extra_env = dict(env or {})
         self.port = _free_port()
         self.token = secrets.token_urlsafe(24)
         self.url = f"http://127.0.0.1:{self.port}/llama/"
@@ -45,6 +46,10 @@ class EmbeddedManager:
     def info(self) -> ServerInfo:
         return ServerInfo(self.url, self.token, "embedded")
 
+    def client_env(self) -> dict[str, str]:
+        """Environment variables that point a client (a CLI, a kernel) at this manager."""
+        return {"JUPYTER_LLAMA_URL": self.url, "JUPYTER_LLAMA_TOKEN": self.token}
+
     def start(self, timeout: float = START_TIMEOUT) -> "EmbeddedManager":
         argv = [sys.executable, "-m", "jupyter_llama.server.serve", "--ip", "127.0.0.1", "--port", str(self.port),
                 "--log-level", "WARN"]
@@ -53,7 +58,7 @@ class EmbeddedManager:
         setpriv = shutil.which("setpriv")
         if setpriv:
             argv = [setpriv, "--pdeathsig", "TERM", "--", *argv]
-        env = dict(os.environ, JUPYTER_TOKEN=self.token)
+        env = dict(os.environ, **self.extra_env, JUPYTER_TOKEN=self.token)
         env.pop("JUPYTER_LLAMA_URL", None)  # it must not try to find itself
         log = open(self.log_path, "ab")
         try:

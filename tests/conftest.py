@@ -94,48 +94,20 @@ def stories_model() -> Path:
 
 @pytest.fixture(scope="session")
 def manager(engine, tmp_path_factory):
-    """A lasting manager shared by the session: `jupyter-llama serve` as a real process on a free
-    port, with its own models directory. Yields url, token and the environment a client (a CLI
-    subprocess, a kernel) needs to find it. SIGTERMed at the end; its children go with it."""
-    import secrets
-    import signal
-    import subprocess
-    import sys
-    import time
+    """A lasting manager shared by the session: `jupyter-llama serve` as a real child process on
+    a free port, with its own models directory (the embedded manager's code). Yields its url,
+    token, and the environment a client (a CLI subprocess, a kernel) needs to find it."""
+    from jupyter_llama.embedded import EmbeddedManager
 
-    import httpx
-
-    from jupyter_llama.engine.runner import _free_port
-
-    port, token = _free_port(), secrets.token_urlsafe(16)
     models = tmp_path_factory.mktemp("manager-models")
-    env = dict(os.environ, JUPYTER_TOKEN=token, JUPYTER_LLAMA_MODELS=str(models), JUPYTER_LLAMA_SERVER=engine.path,
-               JUPYTER_LLAMA_KEEP_ALIVE="30s")
-    env.pop("JUPYTER_LLAMA_URL", None)
-    log_path = models / "serve.log"
-    log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "jupyter_llama.cli", "serve", "--port", str(port), "--allow-root"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/llama/"
+    m = EmbeddedManager(log_path=str(models / "serve.log"),
+                        env={"JUPYTER_LLAMA_MODELS": str(models), "JUPYTER_LLAMA_SERVER": engine.path,
+                             "JUPYTER_LLAMA_KEEP_ALIVE": "30s"})
+    m.start(timeout=180)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-2000:]
-            try:
-                if httpx.get(url + "api/version", headers={"Authorization": f"token {token}"}).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "jupyter-llama serve did not come up in 180 s"
-            time.sleep(0.2)
-        client_env = dict(env, JUPYTER_LLAMA_URL=url, JUPYTER_LLAMA_TOKEN=token)
-        client_env.pop("JUPYTER_TOKEN")
-        yield {"url": url, "token": token, "env": client_env, "models": models, "pid": proc.pid, "log": log_path}
+        env = {k: v for k, v in os.environ.items() if k != "JUPYTER_TOKEN"}
+        env.update(m.extra_env, **m.client_env())
+        yield {"url": m.url, "token": m.token, "env": env, "models": models, "pid": m.proc.pid,
+               "log": models / "serve.log"}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        m.stop(timeout=30)

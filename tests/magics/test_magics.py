@@ -1,0 +1,161 @@
+"""`%llama` on a bare InteractiveShell, against a real manager (a served one, and an embedded one)."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.displaypub import DisplayPublisher
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+from jupyter_llama.commands import RunResult
+from jupyter_llama.magics import LlamaMagics
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+class RecordingPublisher(DisplayPublisher):
+    """IPython's own display machinery, keeping what was published (and whether as an update)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.published: list[dict] = []
+
+    def publish(self, data, metadata=None, source=None, *, transient=None, update=False):
+        self.published.append({"data": data, "transient": transient or {}, "update": update})
+
+
+@pytest.fixture
+def shell(manager, monkeypatch):
+    for k in ("JUPYTER_LLAMA_URL", "JUPYTER_LLAMA_TOKEN"):
+        monkeypatch.setenv(k, manager["env"][k])
+    sh = InteractiveShell.instance()
+    sh.display_pub = RecordingPublisher(shell=sh)
+    sh.run_line_magic("load_ext", "jupyter_llama")
+    magics = sh.magics_manager.registry["LlamaMagics"]
+    magics._client = None  # find the manager from this test's environment
+    magics.conversations.clear()
+    sh.user_ns["topic"] = "a brave owl"
+    yield sh
+    if magics._client is not None:
+        magics._client.close()
+        magics._client = None
+
+
+@pytest.fixture
+def registered(shell):
+    shell.run_line_magic("llama", "synth magic-tiny --layers 2 --embd 64 --ctx 2048")
+    return "magic-tiny"
+
+
+def test_run_streams_into_one_display_and_returns_a_result(shell, registered, capsys):
+    pub = shell.display_pub
+    pub.published.clear()
+    shell.run_line_magic("config", "LlamaMagics.update_interval = 0.005")  # a tiny model answers in milliseconds
+    r = shell.run_line_magic("llama", f"run {registered} 'Tell me about {{topic}}' --num-predict 60 --stats")
+    shell.run_line_magic("config", "LlamaMagics.update_interval = 0.05")
+    assert isinstance(r, RunResult) and r.text and r.tokens == 60
+    ids = {p["transient"].get("display_id") for p in pub.published}
+    assert len(ids) == 1 and None not in ids, "one display, updated in place"
+    updates = [p for p in pub.published if p["update"]]
+    assert len(updates) >= 2, f"it streams: {len(updates)} updates"
+    assert pub.published[-1]["data"]["text/markdown"] == r.text
+    assert "60 tokens" in capsys.readouterr().out
+
+
+def test_raw_output_is_plain_text(shell, registered):
+    pub = shell.display_pub
+    pub.published.clear()
+    r = shell.run_line_magic("llama", f"run {registered} Hello --num-predict 5 --raw")
+    assert pub.published[-1]["data"] == {"text/plain": r.text}
+
+
+def test_cell_form_takes_the_body_as_the_prompt_and_fills_names(shell, registered):
+    r = shell.run_cell_magic("llama", f"run {registered} --num-predict 4", "Write about {topic}.\n{unknown} stays.")
+    assert r.tokens == 4
+    ev = shell.run_line_magic("llama", "explain --json")
+    assert ev is None  # printed, not returned
+
+
+def test_chat_remembers_the_previous_turn(shell, registered):
+    magics = shell.magics_manager.registry["LlamaMagics"]
+    first = shell.run_cell_magic("llama", f"chat {registered} --conversation c1 --num-predict 4", "Hi, I am Ada.")
+    second = shell.run_cell_magic("llama", f"chat {registered} --conversation c1 --num-predict 4", "Who am I?")
+    convo = magics.conversations["c1"]
+    assert [m["role"] for m in convo] == ["user", "assistant", "user", "assistant"]
+    assert convo[0]["content"] == "Hi, I am Ada." and convo[1]["content"] == first.text
+    assert convo[3]["content"] == second.text
+    shell.run_line_magic("llama", f"chat {registered} --conversation c1 --reset")
+    assert magics.conversations["c1"] == []
+
+
+def test_default_model_from_config(shell, registered):
+    magics = shell.magics_manager.registry["LlamaMagics"]
+    magics.default_model = registered
+    try:
+        r = shell.run_cell_magic("llama", "run", "Hello")
+        assert r.model == registered and r.text
+    finally:
+        magics.default_model = ""
+
+
+def test_user_mistakes_are_usage_errors_with_advice(shell, registered):
+    with pytest.raises(UsageError, match=r'model "magic-tinny" not found.*did you mean magic-tiny'):
+        shell.run_line_magic("llama", "run magic-tinny hi")
+    with pytest.raises(UsageError, match="required"):
+        shell.run_line_magic("llama", "run")
+    with pytest.raises(UsageError, match="keep_alive"):
+        shell.run_line_magic("llama", f"run {registered} hi --keep-alive soon")
+    with pytest.raises(UsageError, match="invalid choice"):
+        shell.run_line_magic("llama", "frobnicate")
+
+
+def test_listing_commands(shell, registered, capsys):
+    shell.run_line_magic("llama", f"load {registered} --keep-alive 5s")
+    capsys.readouterr()
+    shell.run_line_magic("llama", "ps")
+    assert "magic-tiny:latest" in capsys.readouterr().out
+    shell.run_line_magic("llama", "list --json")
+    assert '"magic-tiny:latest"' in capsys.readouterr().out
+    shell.run_line_magic("llama", "devices")
+    assert "cpu" in capsys.readouterr().out
+    shell.run_line_magic("llama", f"stop {registered}")
+    shell.run_line_magic("llama", "help")
+    assert "run" in capsys.readouterr().out
+
+
+def test_server_unreachable_says_how_to_start_one(monkeypatch):
+    monkeypatch.setenv("JUPYTER_LLAMA_URL", "http://127.0.0.1:9/llama/")
+    monkeypatch.setenv("JUPYTER_LLAMA_TOKEN", "x")
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "jupyter_llama")
+    magics = sh.magics_manager.registry["LlamaMagics"]
+    magics._client = None
+    try:
+        with pytest.raises(UsageError, match="jupyter-llama serve"):
+            sh.run_line_magic("llama", "ps")
+    finally:
+        magics._client = None
+
+
+def test_embedded_manager_in_plain_ipython(engine, tmp_path, monkeypatch):
+    from jupyter_llama.embedded import stop_embedded
+
+    monkeypatch.delenv("JUPYTER_LLAMA_URL", raising=False)
+    monkeypatch.delenv("JUPYTER_LLAMA_TOKEN", raising=False)
+    monkeypatch.setenv("JUPYTER_LLAMA_MODELS", str(tmp_path / "models"))
+    monkeypatch.setenv("JUPYTER_LLAMA_SERVER", engine.path)
+    sh = InteractiveShell.instance()
+    sh.display_pub = RecordingPublisher(shell=sh)
+    sh.run_line_magic("load_ext", "jupyter_llama")
+    magics = sh.magics_manager.registry["LlamaMagics"]
+    magics._client = None
+    try:
+        sh.run_line_magic("llama", "synth emb --layers 2 --embd 64")
+        r = sh.run_line_magic("llama", "run emb Hello --num-predict 6")
+        assert r.tokens == 6 and r.text
+        assert magics.client().url.startswith("http://127.0.0.1:")
+    finally:
+        if magics._client is not None:
+            magics._client.close()
+        magics._client = None
+        stop_embedded()
