@@ -50,6 +50,7 @@ def test_notebook_streams_remembers_and_reports_errors_briefly(manager, monkeypa
     assert roles == "(['user', 'assistant', 'user', 'assistant'], 'My name is Ada.')"
 
     err = nb.cells[6].outputs
-    assert len(err) == 1 and err[0]["output_type"] == "error" and err[0]["ename"] == "UsageError"
-    assert 'model "no-such-model" not found' in err[0]["evalue"]
-    assert len(err[0]["traceback"]) <= 2, "a user mistake gets a short message, not a traceback"
+    # IPython shows a UsageError as one short line on stderr: no traceback for a user mistake.
+    assert len(err) == 1 and err[0]["output_type"] == "stream" and err[0]["name"] == "stderr"
+    assert err[0]["text"].startswith('UsageError: model "no-such-model" not found')
+    assert len(err[0]["text"].strip().splitlines()) == 1 and "Traceback" not in err[0]["text"]
