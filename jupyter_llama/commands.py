@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import re
 import shlex
@@ -173,8 +174,12 @@ def _shape_options(p: argparse.ArgumentParser) -> None:
 SHAPE_FIELDS = ("layers", "embd", "heads", "kv_heads", "ff", "vocab", "ctx", "type", "seed")
 
 
+@functools.lru_cache(maxsize=4)
 def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
-    """The grammar. ``prog`` is ``jupyter-llama`` for the CLI and ``%llama`` in a notebook."""
+    """The grammar. ``prog`` is ``jupyter-llama`` for the CLI and ``%llama`` in a notebook.
+
+    Built once per ``prog`` (a magic runs it on every call; parsing does not change it).
+    """
     parser = _Parser(prog=prog, description="Run and manage local llama.cpp models: Ollama's manager layer, in Jupyter.")
     parser.add_argument("--url", help="the manager's API URL (default: JUPYTER_LLAMA_URL, else an embedded one)")
     parser.add_argument("--token", help="its token (default: JUPYTER_LLAMA_TOKEN or the server's runtime file)")
