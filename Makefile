@@ -6,7 +6,6 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
-DEMO   := .demo
 
 .PHONY: lab test venv engine system-deps demo clean bench
 
@@ -36,10 +35,10 @@ venv: $(STAMP)
 engine: venv system-deps
 	$(BIN)/jupyter-llama engine build
 
+# A ready demo model in the user's registry: a small synthetic one, and the real tiny
+# stories260K when ../shared/models has it.
 demo: engine
-	@mkdir -p $(DEMO)
-	@test -f $(DEMO)/demo-tiny.gguf || $(BIN)/jupyter-llama synth --output $(DEMO)/demo-tiny.gguf --layers 4 --embd 128 --heads 4 --kv-heads 2 --ctx 2048
-	@echo "demo model: $(DEMO)/demo-tiny.gguf"
+	@$(BIN)/python -m jupyter_llama.demo
 
 lab: demo
 	$(BIN)/jupyter lab --ServerApp.root_dir=$(CURDIR)
@@ -53,4 +52,4 @@ bench: engine
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(DEMO) .pytest_cache tests/artifacts
+	rm -rf $(VENV) .pytest_cache tests/artifacts
