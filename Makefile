@@ -41,7 +41,7 @@ demo: engine
 	@$(BIN)/python -m jupyter_llama.demo
 
 lab: demo
-	$(BIN)/jupyter lab --ServerApp.root_dir=$(CURDIR)
+	$(BIN)/jupyter lab --ServerApp.root_dir=$(CURDIR) $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 # pytest's exit code 5 means "no tests collected": that must fail, not pass.
 test: engine
