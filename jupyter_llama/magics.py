@@ -33,10 +33,12 @@ class NotebookFrontend(Frontend):
         print(text)
 
     def stream(self, chunks: Iterator[str], *, raw: bool) -> str:
-        from IPython.display import Markdown, display
+        from IPython.display import display
 
-        def render(text: str):
-            return {"text/plain": text} if raw else Markdown(text)
+        def render(text: str) -> dict:
+            # A mimebundle, not IPython's Markdown(): that would read a chunk such as "/" or
+            # "notes.md" as a file name to load.
+            return {"text/plain": text} if raw else {"text/markdown": text, "text/plain": text}
 
         parts: list[str] = []
         handle = None
@@ -46,16 +48,16 @@ class NotebookFrontend(Frontend):
             parts.append(piece)
             now = time.monotonic()
             if handle is None:
-                handle = display(render("".join(parts)), display_id=True, raw=raw)
+                handle = display(render("".join(parts)), display_id=True, raw=True)
                 last = now
             elif now - last >= interval:
-                handle.update(render("".join(parts)), raw=raw)
+                handle.update(render("".join(parts)), raw=True)
                 last = now
         text = "".join(parts)
         if handle is None:
-            display(render(text), raw=raw)
+            display(render(text), raw=True)
         else:
-            handle.update(render(text), raw=raw)
+            handle.update(render(text), raw=True)
         return text
 
     def progress(self, statuses) -> dict:

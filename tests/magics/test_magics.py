@@ -159,3 +159,13 @@ def test_embedded_manager_in_plain_ipython(engine, tmp_path, monkeypatch):
             magics._client.close()
         magics._client = None
         stop_embedded()
+
+
+def test_text_that_looks_like_a_path_is_shown_as_text(shell):
+    from jupyter_llama.magics import NotebookFrontend
+
+    fe = NotebookFrontend(shell.magics_manager.registry["LlamaMagics"])
+    pub = shell.display_pub
+    pub.published.clear()
+    assert fe.stream(iter(["/", "etc", "/passwd"]), raw=False) == "/etc/passwd"
+    assert pub.published[-1]["data"]["text/markdown"] == "/etc/passwd"
