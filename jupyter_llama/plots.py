@@ -226,7 +226,9 @@ def plot_sweep(result: SweepResult, *, budget: int | None = None, sources: Seque
     numeric = all(isinstance(p.value, (int, float)) for p in result.points)
     xs = [p.value for p in result.points] if numeric else list(range(len(result.points)))
     peak = max([p.total(s) or 0 for p in result.points for s in sources] + [budget or 0])
-    scale, unit = unit_for(peak)
+    values = [p.total(s) for p in result.points for s in sources if p.total(s)]
+    log_y = bool(values) and max(values) / min(values) > 50  # e.g. coarse's 2 GiB beside a few MiB measured
+    scale, unit = unit_for(min(values + [budget] if budget else values) if log_y else peak)
     fig = _figure(figsize)
     ax = fig.add_subplot()
     for src in sources:
@@ -251,6 +253,8 @@ def plot_sweep(result: SweepResult, *, budget: int | None = None, sources: Seque
         ax.minorticks_off()
     if not numeric:
         ax.set_xticks(xs, [str(p.value) for p in result.points])
+    if log_y:
+        ax.set_yscale("log")
     ax.set_xlabel(result.param)
     ax.set_ylabel(f"total memory ({unit})")
     ax.legend(fontsize=8, frameon=False)

@@ -98,7 +98,8 @@ async def test_num_gpu_argv_and_offload_report(start_runner, tiny_model, engine)
 
 
 async def test_child_killed_mid_stream_gives_clear_error(start_runner, tiny_model):
-    r = await start_runner(tiny_model)
+    # A context long enough that the answer is still being generated when the child dies.
+    r = await start_runner(tiny_model, LoadOptions(num_ctx=4096, num_parallel=1))
     got = []
     with pytest.raises(RunnerCrashed, match="unexpectedly stopped"):
         async for chunk in r.completion("Tell me a story", n_predict=100000, temperature=1.0, ignore_eos=True):

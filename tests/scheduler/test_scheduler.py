@@ -308,7 +308,7 @@ async def test_evict_pinned_setting_allows_it(make_scheduler, small_models):
 async def test_crash_mid_request_then_reload(make_scheduler, small_models):
     sched = make_scheduler()
     a = small_models[0]
-    lease = await sched.acquire(a, OPTS)
+    lease = await sched.acquire(a, LONG)
     pid = lease.runner.pid
     with pytest.raises(RunnerCrashed):
         async for i, _ in _enumerate(lease.runner.completion("Go", n_predict=100000, ignore_eos=True)):
@@ -316,7 +316,7 @@ async def test_crash_mid_request_then_reload(make_scheduler, small_models):
                 os.kill(pid, signal.SIGKILL)
     lease.release()
     await wait_for_event(sched, "crash", a, timeout=10)
-    async with sched.use(a, OPTS) as again:
+    async with sched.use(a, LONG) as again:
         assert again.runner.pid != pid
         assert await generate(again)
 
