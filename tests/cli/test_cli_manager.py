@@ -4,54 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
-from jupyter_llama.engine.runner import _free_port, process_alive
+from jupyter_llama.engine.runner import process_alive
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def served(engine, tmp_path_factory):
-    """A lasting manager: `jupyter-llama serve` on a free port, its own models directory."""
-    port, token = _free_port(), secrets.token_urlsafe(16)
-    models = tmp_path_factory.mktemp("cli-models")
-    env = dict(os.environ, JUPYTER_TOKEN=token, JUPYTER_LLAMA_MODELS=str(models), JUPYTER_LLAMA_SERVER=engine.path,
-               JUPYTER_LLAMA_KEEP_ALIVE="30s")
-    env.pop("JUPYTER_LLAMA_URL", None)
-    log = open(models / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "jupyter_llama.cli", "serve", "--port", str(port), "--allow-root"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/llama/"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (models / "serve.log").read_text()[-2000:]
-            try:
-                if httpx.get(url + "api/version", headers={"Authorization": f"token {token}"}).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.2)
-        client_env = dict(env, JUPYTER_LLAMA_URL=url, JUPYTER_LLAMA_TOKEN=token)
-        client_env.pop("JUPYTER_TOKEN")
-        yield client_env
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def cli(env, *args, timeout=180):
@@ -59,8 +19,8 @@ def cli(env, *args, timeout=180):
                           env=env, timeout=timeout)
 
 
-def test_lifecycle_through_the_cli(served, tmp_path):
-    env = served
+def test_lifecycle_through_the_cli(manager, tmp_path):
+    env = manager["env"]
     r = cli(env, "synth", "tiny", "--layers", "2", "--embd", "64", "--ctx", "1024")
     assert r.returncode == 0, r.stderr
     listed = json.loads(cli(env, "list", "--json").stdout)
@@ -98,8 +58,8 @@ def test_lifecycle_through_the_cli(served, tmp_path):
     assert json.loads(cli(env, "ps", "--json").stdout)["models"] == []
 
 
-def test_errors_and_exit_codes(served, tmp_path):
-    env = served
+def test_errors_and_exit_codes(manager, tmp_path):
+    env = manager["env"]
     missing = cli(env, "run", "nosuchmodel", "hi")
     assert missing.returncode == 1
     assert 'model "nosuchmodel" not found' in missing.stderr and "pull" in missing.stderr
