@@ -95,6 +95,10 @@ class Frontend:
     def client(self):  # -> LlamaClient
         raise NotImplementedError
 
+    def has_manager(self, args=None) -> bool:
+        """Whether a manager is known without starting one (an embedded start is not free)."""
+        return bool(getattr(args, "url", None) or _manager_configured())
+
     def out(self, text: str) -> None:
         raise NotImplementedError
 
@@ -112,6 +116,10 @@ class Frontend:
     def progress(self, statuses: Iterator[dict]) -> dict:
         """Show pull progress; return the last status."""
         raise NotImplementedError
+
+    def pull(self, source: str, name: str | None) -> dict:
+        """Pull through the manager, showing progress; return the last status."""
+        return self.progress(self.client().pull(source, name, stream=True))
 
     def figure(self, fig) -> None:
         self.out(repr(fig))
@@ -471,15 +479,28 @@ def cmd_ps(args, fe: Frontend):
     for m in data.get("models", []):
         size, vram = m.get("size") or 0, m.get("size_vram") or 0
         where = "CPU" if not vram else "GPU" if vram >= size else f"{vram / size:.0%} GPU"
-        exp = m.get("expires_at") or ""
-        rows.append([m.get("name"), _mib(size), where, m.get("context_length") or "", exp[:19].replace("T", " ")
-                     if exp and not exp.startswith("2318") else "forever" if exp else ""])
+        rows.append([m.get("name"), _mib(size), where, m.get("context_length") or "", _local_time(m.get("expires_at"))])
     if not rows:
         fe.out("no models loaded" + (" (this command started a private manager; models stay loaded only while it "
                                      "runs: start `jupyter-llama serve` for a lasting one)" if fe.embedded else ""))
     else:
         fe.out(render_table(["NAME", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"], rows))
     return EXIT_OK
+
+
+def _local_time(stamp: str | None) -> str:
+    """An RFC 3339 time from the API in this machine's local time; far-future means pinned."""
+    if not stamp:
+        return ""
+    from datetime import datetime
+
+    try:
+        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return stamp
+    if when.year > 2200:
+        return "forever"
+    return when.astimezone().strftime("%Y-%m-%d %H:%M:%S")
 
 
 def cmd_list(args, fe: Frontend):
@@ -524,8 +545,7 @@ def cmd_show(args, fe: Frontend):
 
 
 def cmd_pull(args, fe: Frontend):
-    client = fe.client()
-    last = fe.progress(_call(fe, client.pull, args.source, args.name, stream=True))
+    last = _call(fe, fe.pull, args.source, args.name)
     if last.get("status") != "success":
         raise CommandError(f"pull of {args.source} did not finish: {last}")
     return EXIT_OK
@@ -639,7 +659,9 @@ def describe_event(e: dict) -> str:
 
 
 def cmd_explain(args, fe: Frontend):
-    events = _call(fe, fe.client().events, args.model, limit=args.limit)
+    events = _call(fe, fe.client().events, None, limit=max(args.limit, 1000) if args.model else args.limit)
+    if args.model:  # `tiny` and `tiny:latest` are one model
+        events = [e for e in events if _same_model(e.get("model"), args.model)]
     if args.json:
         fe.json(events)
         return EXIT_OK
@@ -654,6 +676,14 @@ def cmd_devices(args, fe: Frontend):
     from .config import ConfigError
     from .memory.devices import format_inventory, inventory
 
+    if fe.has_manager(args):  # the manager's devices and budgets, and what its models use
+        data = _call(fe, fe.client().devices)
+        if args.json:
+            fe.json(data)
+            return EXIT_OK
+        used = ", ".join(f"{d} {_mib(n)}" for d, n in (data.get("usage") or {}).items()) or "nothing"
+        fe.out(f"{data.get('text', '')}\nin use by loaded models: {used}")
+        return EXIT_OK
     try:
         inv = inventory()
     except ConfigError as e:

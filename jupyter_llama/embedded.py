@@ -60,6 +60,7 @@ class EmbeddedManager:
             argv = [setpriv, "--pdeathsig", "TERM", "--", *argv]
         env = dict(os.environ, **self.extra_env, JUPYTER_TOKEN=self.token)
         env.pop("JUPYTER_LLAMA_URL", None)  # it must not try to find itself
+        atexit.register(self.stop)  # never outlive the interpreter that started it
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -116,7 +117,6 @@ def embedded(start: bool = True) -> EmbeddedManager | None:
         if not start:
             return None
         _current = EmbeddedManager().start()
-        atexit.register(_current.stop)
         return _current
 
 

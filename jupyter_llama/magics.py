@@ -13,7 +13,7 @@ from typing import Iterator
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from traitlets import Float, Unicode
+from traitlets import Float, Unicode, observe
 
 from .commands import CommandError, Frontend, RunResult, _HelpShown, build_parser, cmd_chat, cmd_run, execute
 
@@ -28,6 +28,9 @@ class NotebookFrontend(Frontend):
 
     def client(self):
         return self.magics.client()
+
+    def has_manager(self, args=None) -> bool:
+        return True  # the magic always has one (the server's, or its embedded one)
 
     def out(self, text: str) -> None:
         print(text)
@@ -60,20 +63,10 @@ class NotebookFrontend(Frontend):
             handle.update(render(text), raw=True)
         return text
 
-    def progress(self, statuses) -> dict:
-        try:
-            from .widgets import show_pull_progress
-        except ImportError:
-            show_pull_progress = None
-        if show_pull_progress is not None:
-            return show_pull_progress(statuses)
-        from .models.pull import render_progress
+    def pull(self, source: str, name: str | None) -> dict:
+        from .widgets import pull_progress
 
-        last: dict = {}
-        for st in statuses:
-            last = st
-        print(render_progress(last))
-        return last
+        return pull_progress(self.client(), source, name, raise_errors=True)
 
     def figure(self, fig) -> None:
         from IPython.display import display
@@ -88,8 +81,7 @@ class NotebookFrontend(Frontend):
         if name == "picker":
             w = widgets.ModelPicker(self.client())
         elif name == "panel":
-            w = widgets.RunningPanel(self.client())
-            w.start()
+            w = widgets.RunningPanel(self.client())  # starts its live loop on the kernel's event loop
         else:  # pragma: no cover - the grammar only routes these two here
             raise CommandError(f"no widget {name!r}")
         display(w)
@@ -111,6 +103,13 @@ class LlamaMagics(Magics):
         self.conversations: dict[str, list[dict]] = {}
         self._client = None
         self.last: RunResult | None = None
+        self.shown: list = []  # figures and widgets the magic displayed (the latest last)
+
+    @observe("url", "token")
+    def _forget_client(self, change) -> None:  # `%config LlamaMagics.url = ...` takes effect at once
+        if self._client is not None:
+            self._client.close()
+        self._client = None
 
     def client(self):
         if self._client is None:
@@ -140,6 +139,11 @@ class LlamaMagics(Magics):
         except _HelpShown:
             return None
         fe = NotebookFrontend(self)
+        if args.url or args.token:  # `%llama --url U --token T ps`: this call only
+            from .client import LlamaClient
+
+            one_off = LlamaClient(args.url or self.url or None, args.token or self.token or None)
+            fe.client = lambda: one_off  # type: ignore[method-assign]
         try:
             if args.command == "run" and cell is not None:
                 result = cmd_run(args, fe, body=cell)
@@ -152,9 +156,10 @@ class LlamaMagics(Magics):
         if isinstance(result, RunResult):
             self.last = result
             return result
-        if isinstance(result, int):
-            return None
-        return result
+        if result is not None and not isinstance(result, int):
+            self.shown.append(result)  # a figure or widget, already displayed: keep it, don't show it twice
+            del self.shown[:-10]
+        return None
 
 
 def _split(words: str) -> list[str]:

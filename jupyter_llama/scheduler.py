@@ -792,12 +792,35 @@ class Scheduler:
                 return
             reason = (f"the loaded-model cap ({cap}) is reached" if over_cap and not short else
                       "not enough memory: " + _fit_words({d: numbers[d] for d in short}, need.source))
+            self._refuse_if_only_pinned_help(ref, short, reason)
             victim, rule = self._choose_victim(ref, reason)
             self.events.emit("evict", victim.name, f"evicting {victim.name} to make room for {ref.name}: {reason}; "
                              f"chosen because {rule}", victim=victim.name, for_model=ref.name, rule=rule,
                              devices=numbers, over_cap=over_cap)
             await self._unload(victim, f"evicted for {ref.name}", rule="evict")
             inv = await self._inventory()
+
+    def _refuse_if_only_pinned_help(self, ref: ModelRef, short: dict[str, int], reason: str) -> None:
+        """Don't evict unpinned models for nothing: if freeing all of them still leaves a
+        device short and only pinned models hold the rest, refuse now, naming them."""
+        if self.settings.evict_pinned or not short:
+            return
+        pinned = [lo for lo in self.loaded.values() if lo.state == "ready" and lo.pinned and lo.ref.key != ref.key]
+        if not pinned:
+            return
+        freeable: dict[str, int] = collections.defaultdict(int)
+        for lo in self.loaded.values():
+            if lo.state == "ready" and not lo.pinned and lo.ref.key != ref.key:
+                for dev, n in lo.charge.by_device().items():
+                    freeable[dev] += n
+        if all(missing <= freeable.get(dev, 0) for dev, missing in short.items()):
+            return
+        names = ", ".join(lo.name for lo in sorted(pinned, key=lambda lo: lo.ref.path))
+        msg = (f"cannot load {ref.name}: {reason}; evicting every unpinned model would not be enough, and only "
+               f"pinned models ({names}) could make room. Unload one of them (keep_alive 0 or `stop`), or set "
+               "JUPYTER_LLAMA_EVICT_PINNED=1")
+        self.events.emit("fit", ref.name, msg, fits=False, pinned=[lo.name for lo in pinned])
+        raise PinnedInTheWay(msg)
 
     def _choose_victim(self, ref: ModelRef, reason: str) -> tuple[Loaded, str]:
         """Shortest keep_alive first (ties by model path), idle before busy; pinned last of all."""

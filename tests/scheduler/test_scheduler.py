@@ -399,3 +399,18 @@ async def _enumerate(aiter):
     async for x in aiter:
         yield i, x
         i += 1
+
+
+async def test_no_unpinned_model_is_evicted_for_nothing(make_scheduler, small_models, make_model):
+    # Room for two small models. One is pinned, one is not; a big model would need the pinned
+    # one's memory too, so it is refused at once and the unpinned model stays loaded.
+    small_actual, small_need = await measure_actual(make_scheduler, small_models[0])
+    big = str(make_model("big2", layers=4, embd=256, heads=4, kv_heads=2, ctx=2048, seed=8))
+    budget = small_actual + max(small_actual, small_need) + small_actual // 4
+    sched = make_scheduler(budget=budget, max_loaded_models=4)
+    await sched.load(small_models[0], OPTS, keep_alive=-1)
+    await sched.load(small_models[1], OPTS, keep_alive="5m")
+    with pytest.raises(PinnedInTheWay, match=r"evicting every unpinned model would not be enough"):
+        await sched.load(big, OPTS)
+    assert "evict" not in kinds(sched)
+    assert {p["path"] for p in sched.ps()} == {small_models[0], small_models[1]}

@@ -1,0 +1,646 @@
+"""Ollama's REST wire format (REFERENCE section 6) as pure functions.
+
+Requests: ``parse_*`` take a decoded JSON body and return a small dataclass, or raise
+:class:`~jupyter_llama.scheduler.BadRequest` with a message that says what is wrong.
+
+Responses: chunk builders for ``/api/generate`` and ``/api/chat`` (``model``,
+``created_at`` in RFC 3339, ``response`` or ``message``, ``done``; the last chunk adds
+``done_reason`` and the durations in nanoseconds, taken from llama-server's ``timings``),
+and the bodies of ``/api/ps``, ``/api/tags``, ``/api/show`` and ``/api/version``.
+
+Two translators turn llama-server's streamed events into Ollama chunks:
+:class:`GenerateTranslator` (native ``/completion`` events) and :class:`ChatTranslator`
+(OpenAI-style ``/v1/chat/completions`` events, where llama-server applies the model's
+chat template).
+
+No I/O and no HTTP here: the handlers call these.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ..engine.launch import LoadOptions
+from ..scheduler import BadRequest
+from .options import format_to_schema, parse_keep_alive, split_options
+
+__all__ = [
+    "OLLAMA_VERSION",
+    "parse_body",
+    "GenerateRequest",
+    "ChatRequest",
+    "EmbedRequest",
+    "PullRequest",
+    "CreateRequest",
+    "parse_generate",
+    "parse_chat",
+    "parse_embed",
+    "parse_embeddings",
+    "parse_show",
+    "parse_pull",
+    "parse_copy",
+    "parse_delete",
+    "parse_create",
+    "rfc3339",
+    "GenerateTranslator",
+    "ChatTranslator",
+    "load_chunk",
+    "error_chunk",
+    "stats_from_timings",
+    "details_from_info",
+    "ps_body",
+    "ps_model",
+    "tags_body",
+    "show_body",
+    "embed_body",
+    "mean_pool_normalize",
+]
+
+# The Ollama release whose API this server follows (REFERENCE.md is measured against it).
+OLLAMA_VERSION = "0.31.1"
+
+# How far "forever" lies (Ollama shows pinned models expiring ~292 years out).
+_FOREVER = _dt.timedelta(days=365 * 292)
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def parse_body(raw: bytes | str | None) -> dict:
+    """A request body as a JSON object; BadRequest for anything else."""
+    if raw is None or (isinstance(raw, (bytes, str)) and not raw.strip()):
+        raise BadRequest("missing request body: expected a JSON object")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON in request body: {e}") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _model_name(body: dict, key: str = "model") -> str:
+    name = body.get(key)
+    if name is None and key == "model":
+        name = body.get("name")  # Ollama's older field name
+    if not isinstance(name, str) or not name.strip():
+        raise BadRequest(f"{key} is required" if name is None or name == "" else
+                         f"{key} must be a string, got {name!r}")
+    return name.strip()
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(f"{key} must be true or false, got {v!r}")
+    return v
+
+
+def _str(body: dict, key: str, default: str = "") -> str:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise BadRequest(f"{key} must be a string, got {type(v).__name__}")
+    return v
+
+
+@dataclass
+class GenerateRequest:
+    model: str
+    prompt: str
+    system: str = ""
+    raw: bool = False
+    stream: bool = True
+    keep_alive: float | None = None
+    options: LoadOptions = field(default_factory=LoadOptions)
+    sampling: dict = field(default_factory=dict)  # llama-server /completion fields
+
+    @property
+    def is_load_only(self) -> bool:
+        """Ollama: an empty prompt loads (or, with keep_alive 0, unloads) the model."""
+        return not self.prompt and not self.system
+
+    @property
+    def unloads(self) -> bool:
+        return self.is_load_only and self.keep_alive == 0
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict]
+    stream: bool = True
+    keep_alive: float | None = None
+    options: LoadOptions = field(default_factory=LoadOptions)
+    sampling: dict = field(default_factory=dict)  # llama-server fields (OpenAI endpoint reads them)
+    tools: list | None = None
+
+    @property
+    def is_load_only(self) -> bool:
+        return not self.messages
+
+    @property
+    def unloads(self) -> bool:
+        return self.is_load_only and self.keep_alive == 0
+
+
+@dataclass
+class EmbedRequest:
+    model: str
+    inputs: list[str]
+    truncate: bool = True
+    keep_alive: float | None = None
+    options: LoadOptions = field(default_factory=lambda: LoadOptions(embedding=True))
+    dimensions: int | None = None
+    legacy: bool = False  # /api/embeddings: one prompt, one "embedding"
+
+
+@dataclass
+class PullRequest:
+    source: str
+    name: str | None = None
+    stream: bool = True
+    insecure: bool = False
+
+
+@dataclass
+class CreateRequest:
+    model: str
+    files: dict[str, str] = field(default_factory=dict)  # file name -> sha256:<hex>
+    from_: str | None = None
+    stream: bool = True
+
+
+def _sampling_from(body: dict, split) -> dict:
+    sampling = dict(split.sampling)
+    schema = format_to_schema(body.get("format"))
+    if schema is not None:
+        sampling["json_schema"] = schema
+    return sampling
+
+
+_UNSUPPORTED_GENERATE = {
+    "images": "images are not supported yet (multimodal input)",
+    "suffix": "suffix (fill-in-the-middle) is not supported yet",
+    "template": "a per-request template is not supported; the model's own chat template is used",
+}
+
+
+def parse_generate(body: dict) -> GenerateRequest:
+    """``POST /api/generate``."""
+    model = _model_name(body)
+    for key, why in _UNSUPPORTED_GENERATE.items():
+        if body.get(key):
+            raise BadRequest(why)
+    split = split_options(body.get("options"))
+    return GenerateRequest(
+        model=model,
+        prompt=_str(body, "prompt"),
+        system=_str(body, "system"),
+        raw=_bool(body, "raw", False),
+        stream=_bool(body, "stream", True),
+        keep_alive=parse_keep_alive(body.get("keep_alive")),
+        options=split.load_options(),
+        sampling=_sampling_from(body, split),
+    )
+
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _chat_message(i: int, m) -> dict:
+    """One Ollama message as an OpenAI message for llama-server."""
+    if not isinstance(m, dict):
+        raise BadRequest(f"messages[{i}] must be an object with role and content")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {role!r}")
+    content = m.get("content", "")
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise BadRequest(f"messages[{i}].content must be a string")
+    if m.get("images"):
+        raise BadRequest(f"messages[{i}]: images are not supported yet (multimodal input)")
+    out: dict[str, Any] = {"role": role, "content": content}
+    calls = m.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list):
+            raise BadRequest(f"messages[{i}].tool_calls must be a list")
+        conv = []
+        for j, c in enumerate(calls):
+            fn = (c or {}).get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise BadRequest(f"messages[{i}].tool_calls[{j}] needs function.name")
+            args = fn.get("arguments", {})
+            conv.append({"id": c.get("id") or f"call_{i}_{j}", "type": "function",
+                         "function": {"name": fn["name"],
+                                      "arguments": args if isinstance(args, str) else json.dumps(args)}})
+        out["tool_calls"] = conv
+    if role == "tool":
+        name = m.get("tool_name") or m.get("name")
+        if name:
+            out["name"] = name
+        if m.get("tool_call_id"):
+            out["tool_call_id"] = m["tool_call_id"]
+    if m.get("thinking"):
+        out["reasoning_content"] = m["thinking"]
+    return out
+
+
+def parse_chat(body: dict) -> ChatRequest:
+    """``POST /api/chat``."""
+    model = _model_name(body)
+    messages = body.get("messages", [])
+    if messages is None:
+        messages = []
+    if not isinstance(messages, list):
+        raise BadRequest("messages must be a list")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("tools must be a list")
+    split = split_options(body.get("options"))
+    return ChatRequest(
+        model=model,
+        messages=[_chat_message(i, m) for i, m in enumerate(messages)],
+        stream=_bool(body, "stream", True),
+        keep_alive=parse_keep_alive(body.get("keep_alive")),
+        options=split.load_options(),
+        sampling=_sampling_from(body, split),
+        tools=tools or None,
+    )
+
+
+def _embed_common(body: dict) -> tuple[str, LoadOptions, float | None]:
+    model = _model_name(body)
+    split = split_options(body.get("options"))
+    return model, split.load_options(embedding=True), parse_keep_alive(body.get("keep_alive"))
+
+
+def parse_embed(body: dict) -> EmbedRequest:
+    """``POST /api/embed``: ``input`` is a string or a list of strings."""
+    model, opts, ka = _embed_common(body)
+    inp = body.get("input", "")
+    if isinstance(inp, str):
+        inputs = [inp] if inp else []
+    elif isinstance(inp, list) and all(isinstance(s, str) for s in inp):
+        inputs = list(inp)
+    else:
+        raise BadRequest("input must be a string or a list of strings")
+    dims = body.get("dimensions")
+    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
+        raise BadRequest(f"dimensions must be a positive whole number, got {dims!r}")
+    return EmbedRequest(model=model, inputs=inputs, truncate=_bool(body, "truncate", True), keep_alive=ka,
+                        options=opts, dimensions=dims)
+
+
+def parse_embeddings(body: dict) -> EmbedRequest:
+    """``POST /api/embeddings`` (Ollama's older endpoint): one ``prompt``."""
+    model, opts, ka = _embed_common(body)
+    prompt = _str(body, "prompt")
+    return EmbedRequest(model=model, inputs=[prompt] if prompt else [], keep_alive=ka, options=opts, legacy=True)
+
+
+def parse_show(body: dict) -> tuple[str, bool]:
+    """``POST /api/show``: (model, verbose)."""
+    return _model_name(body), _bool(body, "verbose", False)
+
+
+def parse_pull(body: dict) -> PullRequest:
+    """``POST /api/pull``: ``model`` is what to pull (a URL, ``hf.co/owner/repo[:quant]``);
+    our optional ``destination`` names it in the store (default: derived from the source)."""
+    dest = body.get("destination")
+    if dest is not None and (not isinstance(dest, str) or not dest.strip()):
+        raise BadRequest("destination must be a model name")
+    return PullRequest(source=_model_name(body), name=dest.strip() if dest else None,
+                       stream=_bool(body, "stream", True), insecure=_bool(body, "insecure", False))
+
+
+def parse_copy(body: dict) -> tuple[str, str]:
+    """``POST /api/copy``: (source, destination)."""
+    return _model_name(body, "source"), _model_name(body, "destination")
+
+
+def parse_delete(body: dict) -> str:
+    """``DELETE /api/delete``."""
+    return _model_name(body)
+
+
+_UNSUPPORTED_CREATE = ("quantize", "adapters", "template", "system", "parameters", "messages")
+
+
+def parse_create(body: dict) -> CreateRequest:
+    """``POST /api/create`` from uploaded blobs (``files``) or an existing model (``from``)."""
+    model = _model_name(body)
+    for key in _UNSUPPORTED_CREATE:
+        if body.get(key):
+            raise BadRequest(f"create: {key} is not supported")
+    files = body.get("files") or {}
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise BadRequest('files must be an object like {"model.gguf": "sha256:<hex>"}')
+    if len(files) > 2:
+        raise BadRequest("files: at most two GGUF files (a model and a multimodal projector)")
+    from_ = body.get("from")
+    if from_ is not None and (not isinstance(from_, str) or not from_.strip()):
+        raise BadRequest("from must be a model name")
+    if not files and not from_:
+        raise BadRequest("create needs files (uploaded GGUF blobs) or from (an existing model)")
+    return CreateRequest(model=model, files=dict(files), from_=from_.strip() if from_ else None,
+                         stream=_bool(body, "stream", True))
+
+
+# ----------------------------------------------------------------------------- chunks
+
+
+def rfc3339(t: float | None = None) -> str:
+    """RFC 3339 time in UTC with microseconds (``2026-01-02T03:04:05.123456+00:00``); cheap
+    enough for every streamed chunk."""
+    if t is None:
+        return _dt.datetime.now(_dt.timezone.utc).isoformat()
+    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).isoformat()
+
+
+def stats_from_timings(timings: dict | None, total_s: float, load_s: float) -> dict:
+    """Ollama's counts and durations (ns) from llama-server's ``timings`` and our clocks."""
+    t = timings or {}
+    out = {
+        "total_duration": int(total_s * 1e9),
+        "load_duration": int(load_s * 1e9),
+    }
+    if "prompt_n" in t:
+        out["prompt_eval_count"] = int(t.get("prompt_n") or 0)
+        out["prompt_eval_duration"] = int(float(t.get("prompt_ms") or 0) * 1e6)
+    if "predicted_n" in t:
+        out["eval_count"] = int(t.get("predicted_n") or 0)
+        out["eval_duration"] = int(float(t.get("predicted_ms") or 0) * 1e6)
+    return out
+
+
+def load_chunk(model: str, reason: str, chat: bool, total_s: float = 0.0, load_s: float = 0.0) -> dict:
+    """The one chunk an empty request answers with: done_reason "load" or "unload"."""
+    d: dict[str, Any] = {"model": model, "created_at": rfc3339()}
+    if chat:
+        d["message"] = {"role": "assistant", "content": ""}
+    else:
+        d["response"] = ""
+    d.update(done=True, done_reason=reason, total_duration=int(total_s * 1e9), load_duration=int(load_s * 1e9))
+    return d
+
+
+def error_chunk(message: str) -> dict:
+    return {"error": message}
+
+
+class GenerateTranslator:
+    """llama-server ``/completion`` events -> Ollama ``/api/generate`` chunks."""
+
+    def __init__(self, model: str, started: float, load_s: float):
+        self.model = model
+        self.started = started
+        self.load_s = load_s
+        self.parts: list[str] = []
+        self.final: dict | None = None
+
+    def chunk(self, text: str) -> dict:
+        return {"model": self.model, "created_at": rfc3339(), "response": text, "done": False}
+
+    def feed(self, event: dict) -> list[dict]:
+        """Ollama chunks for one event (none, one, or a text chunk then the final one)."""
+        out = []
+        text = event.get("content") or ""
+        if text:
+            self.parts.append(text)
+            out.append(self.chunk(text))
+        if event.get("stop"):
+            reason = "length" if event.get("stop_type") == "limit" else "stop"
+            self.final = {"model": self.model, "created_at": rfc3339(), "response": "", "done": True,
+                          "done_reason": reason,
+                          **stats_from_timings(event.get("timings"), time.monotonic() - self.started, self.load_s)}
+            out.append(self.final)
+        return out
+
+    def combined(self) -> dict:
+        """The single object of ``stream: false``."""
+        d = dict(self.final or {"model": self.model, "created_at": rfc3339(), "done": True, "done_reason": "stop"})
+        d["response"] = "".join(self.parts)
+        return d
+
+
+class ChatTranslator:
+    """llama-server ``/v1/chat/completions`` stream events -> Ollama ``/api/chat`` chunks."""
+
+    def __init__(self, model: str, started: float, load_s: float):
+        self.model = model
+        self.started = started
+        self.load_s = load_s
+        self.parts: list[str] = []
+        self.thinking: list[str] = []
+        self.tool_calls: dict[int, dict] = {}
+        self.final: dict | None = None
+
+    def chunk(self, text: str, thinking: str = "") -> dict:
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if thinking:
+            msg["thinking"] = thinking
+        return {"model": self.model, "created_at": rfc3339(), "message": msg, "done": False}
+
+    def _calls(self) -> list[dict]:
+        out = []
+        for _, c in sorted(self.tool_calls.items()):
+            args = c["arguments"]
+            try:
+                args = json.loads(args) if args else {}
+            except ValueError:
+                pass
+            out.append({"function": {"name": c["name"], "arguments": args}})
+        return out
+
+    def feed(self, event: dict) -> list[dict]:
+        out = []
+        choices = event.get("choices") or []
+        ch = choices[0] if choices else {}
+        delta = ch.get("delta") or ch.get("message") or {}
+        text = delta.get("content") or ""
+        think = delta.get("reasoning_content") or ""
+        for tc in delta.get("tool_calls") or []:
+            idx = tc.get("index", len(self.tool_calls))
+            slot = self.tool_calls.setdefault(idx, {"name": "", "arguments": ""})
+            fn = tc.get("function") or {}
+            if fn.get("name"):
+                slot["name"] += fn["name"]
+            if fn.get("arguments"):
+                slot["arguments"] += fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"])
+        if text or think:
+            self.parts.append(text)
+            self.thinking.append(think)
+            out.append(self.chunk(text, think))
+        finish = ch.get("finish_reason")
+        if finish:
+            msg: dict[str, Any] = {"role": "assistant", "content": ""}
+            if self.tool_calls:
+                msg["tool_calls"] = self._calls()
+            self.final = {"model": self.model, "created_at": rfc3339(), "message": msg, "done": True,
+                          "done_reason": "length" if finish == "length" else "stop",
+                          **stats_from_timings(event.get("timings"), time.monotonic() - self.started, self.load_s)}
+            # llama-server sends timings on the last chunk; if they come later, update() adds them
+            out.append(self.final)
+        elif event.get("timings") and self.final is not None:
+            self.final.update(stats_from_timings(event["timings"], time.monotonic() - self.started, self.load_s))
+        return out
+
+    def combined(self) -> dict:
+        d = dict(self.final or {"model": self.model, "created_at": rfc3339(), "done": True, "done_reason": "stop",
+                               "message": {"role": "assistant", "content": ""}})
+        msg = dict(d.get("message") or {"role": "assistant"})
+        msg["content"] = "".join(self.parts)
+        if any(self.thinking):
+            msg["thinking"] = "".join(self.thinking)
+        d["message"] = msg
+        return d
+
+
+# ----------------------------------------------------------------------------- bodies
+
+
+def _get(info, key: str, default=None):
+    if isinstance(info, dict):
+        return info.get(key, default)
+    return getattr(info, key, default)
+
+
+def details_from_info(info, parent_model: str = "", projector: bool = False) -> dict:
+    """Ollama's ``details`` from a GGUFInfo (or its dict form)."""
+    from ..models.store import parameter_size
+
+    arch = _get(info, "architecture") or "unknown"
+    quant = _get(info, "quantization")
+    if quant is None and not isinstance(info, dict):
+        quant = getattr(info, "quantization", None)
+    return {
+        "parent_model": parent_model,
+        "format": "gguf",
+        "family": arch,
+        "families": [arch] + (["clip"] if projector else []),
+        "parameter_size": parameter_size(int(_get(info, "parameter_count") or 0)),
+        "quantization_level": quant or _get(info, "file_type") or "unknown",
+    }
+
+
+def _expires(info: dict, now: float) -> str:
+    exp = info.get("expires_at")
+    if exp is not None:
+        return rfc3339(exp)
+    ka = info.get("keep_alive")
+    if info.get("pinned") or ka is None or (isinstance(ka, float) and math.isinf(ka)):
+        return (_dt.datetime.fromtimestamp(now, _dt.timezone.utc) + _FOREVER).isoformat()
+    return rfc3339(now + float(ka))  # busy: it expires keep_alive after its last request ends
+
+
+def ps_model(info: dict, gguf, now: float | None = None, projector: bool = False) -> dict:
+    """One ``/api/ps`` entry from ``Scheduler.ps()``'s dict and the model's GGUFInfo."""
+    now = time.time() if now is None else now
+    d = {
+        "name": info["name"],
+        "model": info["name"],
+        "size": int(info.get("size") or 0),
+        "size_vram": int(info.get("size_vram") or 0),
+        "digest": info.get("digest") or "",
+        "details": details_from_info(gguf, projector=projector),
+        "expires_at": _expires(info, now),
+        "context_length": int(info.get("context_length") or 0) or int(_get(gguf, "context_length") or 0),
+    }
+    # ours, beside Ollama's fields: what the scheduler knows
+    d["state"] = info.get("state")
+    d["refcount"] = info.get("refcount", 0)
+    d["pinned"] = bool(info.get("pinned"))
+    d["options"] = info.get("options")
+    d["layers_offloaded"] = info.get("layers_offloaded")
+    d["layers_total"] = info.get("layers_total")
+    d["pid"] = info.get("pid")
+    d["memory"] = info.get("memory")
+    return d
+
+
+def ps_body(models: Iterable[dict]) -> dict:
+    return {"models": list(models)}
+
+
+def tags_body(entries: Iterable) -> dict:
+    """``/api/tags`` from store entries (each has ``to_api()``)."""
+    return {"models": [e.to_api() for e in entries]}
+
+
+def _modelfile(show: dict) -> str:
+    lines = ["# Modelfile generated by jupyter-llama", "# To build a new Modelfile based on this, replace FROM with:",
+             f"# FROM {show.get('name')}", ""]
+    for f in show.get("files") or []:
+        lines.append(("FROM " if f.get("role") == "model" else "ADAPTER ") + str(f.get("path")))
+    return "\n".join(lines) + "\n"
+
+
+def show_body(show: dict, verbose: bool = False) -> dict:
+    """``/api/show`` from ``ModelStore.show(name)``'s dict."""
+    info = show.get("info") or {}
+    arch = info.get("architecture") or show.get("architecture") or "unknown"
+    model_info = {k: v for k, v in (show.get("model_info") or {}).items()
+                  if verbose or not (isinstance(v, str) and v.startswith("[array of"))}
+    model_info.setdefault("general.architecture", arch)
+    model_info["general.parameter_count"] = info.get("parameter_count") or show.get("parameters") or 0
+    for key in ("context_length", "embedding_length", "block_count", "feed_forward_length"):
+        if info.get(key) is not None:
+            model_info.setdefault(f"{arch}.{key}", info[key])
+    if not verbose:
+        model_info.pop("tokenizer.chat_template", None)
+    capabilities = ["completion"]
+    if show.get("projector_info"):
+        capabilities.append("vision")
+    return {
+        "license": str((show.get("model_info") or {}).get("general.license", "") or ""),
+        "modelfile": _modelfile(show),
+        "parameters": "",
+        "template": show.get("template") or "",
+        "details": show.get("details") or details_from_info(info),
+        "model_info": model_info,
+        "modified_at": show.get("modified_at") or "",
+        "capabilities": capabilities,
+        # ours
+        "name": show.get("name"),
+        "digest": show.get("digest"),
+        "size": show.get("size"),
+        "files": show.get("files"),
+        "source": show.get("source"),
+    }
+
+
+def mean_pool_normalize(vectors) -> list[float]:
+    """One unit-length vector from llama-server's embedding output.
+
+    ``/embedding`` answers one vector per input when the model pools, or one per token
+    when it does not (pooling ``none``); the latter is mean-pooled here. Ollama's
+    embeddings are L2-normalised, so these are too.
+    """
+    import numpy as np
+
+    arr = np.asarray(vectors, dtype=np.float64)
+    if arr.ndim == 2:
+        arr = arr.mean(axis=0)
+    norm = float(np.linalg.norm(arr))
+    if norm > 0:
+        arr = arr / norm
+    return arr.tolist()
+
+
+def embed_body(model: str, embeddings: list[list[float]], total_s: float, load_s: float, prompt_tokens: int,
+               dimensions: int | None = None) -> dict:
+    if dimensions:
+        embeddings = [mean_pool_normalize(e[:dimensions]) for e in embeddings]
+    return {"model": model, "embeddings": embeddings, "total_duration": int(total_s * 1e9),
+            "load_duration": int(load_s * 1e9), "prompt_eval_count": prompt_tokens}

@@ -1,0 +1,118 @@
+"""The OpenAI-compatible wire format: ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/embeddings``, ``/v1/models``.
+
+Requests are scheduled like Ollama's (the ``model`` field names the model to acquire) and
+then passed through to the child's own OpenAI-compatible endpoints, which speak this
+format already; what is here is the little that is ours: reading ``model``/``stream``,
+the error body OpenAI clients understand, Server-Sent Events framing, and the model list.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ..engine.launch import LoadOptions
+from ..scheduler import BadRequest
+from .options import parse_keep_alive
+
+__all__ = [
+    "ENDPOINTS",
+    "OpenAIRequest",
+    "parse_request",
+    "error_body",
+    "sse",
+    "SSE_DONE",
+    "models_body",
+    "model_object",
+]
+
+# our route -> the child's path
+ENDPOINTS = {
+    "chat/completions": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "api_error",
+    507: "api_error",
+}
+
+
+@dataclass
+class OpenAIRequest:
+    endpoint: str  # the child's path
+    model: str
+    body: dict  # what goes to the child
+    stream: bool = False
+    keep_alive: float | None = None
+    options: LoadOptions = field(default_factory=LoadOptions)
+
+
+def parse_request(route: str, body: dict) -> OpenAIRequest:
+    """Validate the little we read; the child validates the rest (and answers 400 itself)."""
+    if route not in ENDPOINTS:
+        raise BadRequest(f"unknown endpoint v1/{route}")
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise BadRequest("model is required" if not model else f"model must be a string, got {model!r}")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream must be true or false, got {stream!r}")
+    if route == "chat/completions":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("messages must be a non-empty list")
+    elif route == "completions":
+        if "prompt" not in body:
+            raise BadRequest("prompt is required")
+    else:
+        if "input" not in body:
+            raise BadRequest("input is required")
+        stream = False
+    out = dict(body)
+    ka = parse_keep_alive(out.pop("keep_alive", None))  # ours (as Ollama's OpenAI layer accepts it)
+    out.pop("stream", None)
+    options = LoadOptions(embedding=True) if route == "embeddings" else LoadOptions()
+    return OpenAIRequest(endpoint=ENDPOINTS[route], model=model.strip(), body=out, stream=stream,
+                         keep_alive=ka, options=options)
+
+
+def error_body(status: int, message: str) -> dict:
+    """OpenAI's error object (the openai client reads ``error.message``)."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "api_error"), "param": None,
+                      "code": status}}
+
+
+def sse(obj) -> bytes:
+    """One Server-Sent Event carrying a JSON object."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def model_object(name: str, created: int = 0, owned_by: str = "library") -> dict:
+    return {"id": name, "object": "model", "created": int(created), "owned_by": owned_by}
+
+
+def models_body(entries) -> dict:
+    """``/v1/models`` from store entries."""
+    import datetime as _dt
+
+    data = []
+    for e in entries:
+        created = 0
+        try:
+            created = int(_dt.datetime.fromisoformat(e.modified_at).timestamp()) if e.modified_at else 0
+        except ValueError:
+            pass
+        data.append(model_object(e.display, created, e.name.namespace))
+    return {"object": "list", "data": data}

@@ -1,0 +1,220 @@
+"""Ollama's ``options`` object, split into what starts a child and what shapes one request.
+
+Ollama puts load-time settings (``num_ctx``, ``num_gpu`` ...) and sampling settings
+(``temperature``, ``top_k`` ...) in one ``options`` dict. Here they part ways:
+
+* load options become a :class:`~jupyter_llama.engine.launch.LoadOptions` (changing one
+  reloads the model, REFERENCE section 5);
+* sampling options become the fields of llama-server's ``/completion`` (and of its
+  OpenAI-compatible endpoints, which read the same names), per request, never a reload.
+
+Unknown names are refused with HTTP 400 naming them, so a typo (``temprature``) does not
+silently do nothing. A few options Ollama still accepts but no longer uses are accepted
+and ignored (:data:`IGNORED_OPTIONS`).
+
+Pure functions; the only errors raised are :class:`~jupyter_llama.scheduler.BadRequest`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import ConfigError, parse_duration
+from ..engine.launch import FLASH_ATTN, KV_CACHE_TYPES, LoadOptions, LoadOptionsError
+from ..scheduler import BadRequest
+
+__all__ = [
+    "LOAD_OPTIONS",
+    "SAMPLING_OPTIONS",
+    "IGNORED_OPTIONS",
+    "SplitOptions",
+    "split_options",
+    "load_options",
+    "parse_keep_alive",
+    "format_to_schema",
+]
+
+# Ollama name -> LoadOptions field. Ours (num_parallel, cache types, flash_attn ...) too.
+LOAD_OPTIONS: dict[str, str] = {
+    "num_ctx": "num_ctx",
+    "num_batch": "num_batch",
+    "num_ubatch": "num_ubatch",
+    "num_gpu": "num_gpu",
+    "main_gpu": "main_gpu",
+    "use_mmap": "use_mmap",
+    "num_thread": "num_thread",
+    "num_parallel": "num_parallel",
+    "flash_attn": "flash_attn",
+    "cache_type_k": "cache_type_k",
+    "cache_type_v": "cache_type_v",
+    "kv_cache_type": "kv_cache_type",  # Ollama's server-wide OLLAMA_KV_CACHE_TYPE, per request: sets both
+    "kv_unified": "kv_unified",
+}
+
+# Ollama name -> (llama-server field, kind). Kinds: int, float, bool, stop.
+SAMPLING_OPTIONS: dict[str, tuple[str, str]] = {
+    "num_predict": ("n_predict", "int"),
+    "num_keep": ("n_keep", "int"),
+    "seed": ("seed", "int"),
+    "temperature": ("temperature", "float"),
+    "top_k": ("top_k", "int"),
+    "top_p": ("top_p", "float"),
+    "min_p": ("min_p", "float"),
+    "typical_p": ("typical_p", "float"),
+    "repeat_last_n": ("repeat_last_n", "int"),
+    "repeat_penalty": ("repeat_penalty", "float"),
+    "presence_penalty": ("presence_penalty", "float"),
+    "frequency_penalty": ("frequency_penalty", "float"),
+    "mirostat": ("mirostat", "int"),
+    "mirostat_tau": ("mirostat_tau", "float"),
+    "mirostat_eta": ("mirostat_eta", "float"),
+    "stop": ("stop", "stop"),
+    # llama.cpp samplers that Ollama does not name, under llama.cpp's names
+    "top_n_sigma": ("top_n_sigma", "float"),
+    "xtc_probability": ("xtc_probability", "float"),
+    "xtc_threshold": ("xtc_threshold", "float"),
+    "dry_multiplier": ("dry_multiplier", "float"),
+    "dry_base": ("dry_base", "float"),
+    "dry_allowed_length": ("dry_allowed_length", "int"),
+    "dry_penalty_last_n": ("dry_penalty_last_n", "int"),
+    "ignore_eos": ("ignore_eos", "bool"),
+}
+
+# Accepted for compatibility (older clients send them) and ignored, as Ollama does.
+IGNORED_OPTIONS = frozenset({
+    "numa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mlock", "tfs_z", "penalize_newline",
+})
+
+
+@dataclass
+class SplitOptions:
+    """An ``options`` dict taken apart."""
+
+    load: dict[str, Any] = field(default_factory=dict)  # LoadOptions field -> value
+    sampling: dict[str, Any] = field(default_factory=dict)  # llama-server field -> value
+    ignored: list[str] = field(default_factory=list)
+
+    def load_options(self, **extra) -> LoadOptions:
+        return load_options(self.load, **extra)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _sampling_value(name: str, kind: str, value):
+    if kind == "stop":
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return list(value)
+        raise BadRequest(f"option stop must be a string or a list of strings, got {value!r}")
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise BadRequest(f"option {name} must be true or false, got {value!r}")
+        return value
+    if not _is_number(value) or (isinstance(value, float) and not math.isfinite(value)):
+        raise BadRequest(f"option {name} must be a number, got {value!r}")
+    if kind == "int":
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise BadRequest(f"option {name} must be a whole number, got {value!r}")
+            value = int(value)
+        if name == "num_predict" and value < -1:  # Ollama's -2 (fill the context): llama-server's -1
+            value = -1
+        return value
+    return float(value)
+
+
+def _load_value(name: str, value):
+    if value is None:
+        return None
+    if name in ("use_mmap", "kv_unified"):
+        if not isinstance(value, bool):
+            raise BadRequest(f"option {name} must be true or false, got {value!r}")
+        return value
+    if name == "flash_attn":
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if value not in FLASH_ATTN:
+            raise BadRequest(f"option flash_attn must be true, false, or one of {', '.join(FLASH_ATTN)}; got {value!r}")
+        return value
+    if name in ("cache_type_k", "cache_type_v", "kv_cache_type"):
+        if value not in KV_CACHE_TYPES:
+            raise BadRequest(f"option {name} {value!r} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPES)}")
+        return value
+    if not _is_number(value) or (isinstance(value, float) and not value.is_integer()):
+        raise BadRequest(f"option {name} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def split_options(options: dict | None) -> SplitOptions:
+    """Split an Ollama ``options`` object; BadRequest naming any unknown or ill-typed option."""
+    out = SplitOptions()
+    if options is None:
+        return out
+    if not isinstance(options, dict):
+        raise BadRequest(f"options must be a JSON object, got {type(options).__name__}")
+    unknown = sorted(k for k in options if k not in LOAD_OPTIONS and k not in SAMPLING_OPTIONS
+                     and k not in IGNORED_OPTIONS)
+    if unknown:
+        raise BadRequest(f"unknown option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
+    for name, value in options.items():
+        if name in IGNORED_OPTIONS:
+            out.ignored.append(name)
+        elif name in LOAD_OPTIONS:
+            v = _load_value(name, value)
+            if v is None:
+                continue
+            if name == "kv_cache_type":
+                out.load.setdefault("cache_type_k", v)
+                out.load.setdefault("cache_type_v", v)
+            else:
+                out.load[LOAD_OPTIONS[name]] = v
+        else:
+            if value is None:
+                continue
+            field_name, kind = SAMPLING_OPTIONS[name]
+            out.sampling[field_name] = _sampling_value(name, kind, value)
+    return out
+
+
+def load_options(values: dict, **extra) -> LoadOptions:
+    """A LoadOptions from split load values; its own validation errors become BadRequest."""
+    data = dict(values)
+    data.update({k: v for k, v in extra.items() if v is not None})
+    if data.get("num_gpu") is not None and data["num_gpu"] < 0:
+        data["num_gpu"] = None  # -1: automatic
+    try:
+        return LoadOptions(**data)
+    except LoadOptionsError as e:
+        raise BadRequest(f"bad option: {e}") from None
+    except TypeError as e:  # pragma: no cover - a name mapped to a missing field
+        raise BadRequest(f"bad option: {e}") from None
+
+
+def parse_keep_alive(value) -> float | None:
+    """Seconds from a request's ``keep_alive`` (None when absent); BadRequest when unreadable.
+
+    JSON numbers are seconds, strings are durations (``"10m"``, ``"1h30m"``, ``"-1"``);
+    negative means forever (``math.inf``).
+    """
+    if value is None:
+        return None
+    try:
+        return parse_duration(value, "keep_alive")
+    except ConfigError as e:
+        raise BadRequest(str(e)) from None
+
+
+def format_to_schema(fmt) -> dict | None:
+    """Ollama's ``format`` (``"json"`` or a JSON schema object) as llama-server's ``json_schema``."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return {"type": "object"}  # Ollama's JSON mode answers with an object
+    if isinstance(fmt, dict):
+        return fmt
+    raise BadRequest(f'format must be "json" or a JSON schema object, got {fmt!r}')

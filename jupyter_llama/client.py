@@ -1,0 +1,480 @@
+"""A client for the jupyter-llama REST API, used by the magics, the widgets and the CLI.
+
+Finding the server (first match wins):
+
+1. explicit ``url`` (and ``token``) arguments;
+2. ``JUPYTER_LLAMA_URL``, which the server extension exports into the environment its
+   kernels inherit; the token then comes from ``token``, else ``JUPYTER_LLAMA_TOKEN``,
+   else the server's runtime file ``jpserver-<pid>.json`` (``pid`` from
+   ``JPY_PARENT_PID``, which Jupyter sets in every kernel) in Jupyter's runtime directory,
+   else any runtime file whose server URL the API URL lies under;
+3. nothing: :class:`ServerNotFound`, whose message says how to start a server.
+
+:class:`LlamaClient` is synchronous (``httpx.Client``), :class:`AsyncLlamaClient` the
+same over ``httpx.AsyncClient``. Streaming calls return iterators of Ollama's chunk dicts;
+closing one early (or breaking out of the loop) closes the connection, which stops the
+generation on the server. HTTP errors and mid-stream ``{"error": ...}`` lines raise
+:class:`LlamaError` (a subclass per status) carrying ``status`` and ``message``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator, Mapping
+
+import httpx
+
+__all__ = [
+    "LlamaError",
+    "BadRequestError",
+    "ModelNotFoundError",
+    "ServerBusyError",
+    "DoesNotFitError",
+    "ServerNotFound",
+    "ServerInfo",
+    "find_server",
+    "LlamaClient",
+    "AsyncLlamaClient",
+]
+
+URL_ENV = "JUPYTER_LLAMA_URL"
+TOKEN_ENV = "JUPYTER_LLAMA_TOKEN"
+
+HOW_TO_START = ("start one with `jupyter-llama serve` (then set JUPYTER_LLAMA_URL and JUPYTER_LLAMA_TOKEN, "
+                "or pass url= and token=), or run inside JupyterLab / Jupyter Server with the jupyter_llama "
+                "extension enabled, which exports JUPYTER_LLAMA_URL to its kernels")
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class LlamaError(Exception):
+    """An error answer from the server: ``status`` (HTTP, or None) and ``message``."""
+
+    status: int | None = None
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+    def __str__(self) -> str:
+        return self.message if self.status is None else f"{self.message} (HTTP {self.status})"
+
+
+class BadRequestError(LlamaError):
+    status = 400
+
+
+class ModelNotFoundError(LlamaError):
+    status = 404
+
+
+class ServerBusyError(LlamaError):
+    status = 503
+
+
+class DoesNotFitError(LlamaError):
+    status = 507
+
+
+class ServerNotFound(LlamaError):
+    """No jupyter-llama server could be found; the message says how to start one."""
+
+
+_BY_STATUS = {400: BadRequestError, 404: ModelNotFoundError, 503: ServerBusyError, 507: DoesNotFitError}
+
+
+def _error(status: int | None, message: str) -> LlamaError:
+    return _BY_STATUS.get(status or 0, LlamaError)(message, status)
+
+
+def _message_of(body: bytes | str, status: int) -> str:
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text.strip()[:500] or f"HTTP {status}"
+    if isinstance(data, dict):
+        err = data.get("error", data.get("message", data))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        return str(err)
+    return str(data)
+
+
+# ----------------------------------------------------------------------------- discovery
+
+
+@dataclass
+class ServerInfo:
+    url: str  # the API root, ending in "llama/"
+    token: str | None
+    source: str  # how it was found
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"token {self.token}"} if self.token else {}
+
+
+def api_url(url: str) -> str:
+    """The API root for a server URL: ``http://h:p/base/`` -> ``http://h:p/base/llama/``."""
+    url = url.strip()
+    if not url.endswith("/"):
+        url += "/"
+    if not url.endswith("/llama/"):
+        url += "llama/"
+    return url
+
+
+def _runtime_files() -> list[str]:
+    try:
+        from jupyter_core.paths import jupyter_runtime_dir
+
+        rdir = jupyter_runtime_dir()
+    except Exception:  # noqa: BLE001 - no jupyter_core config: no runtime files
+        return []
+    return sorted(glob.glob(os.path.join(rdir, "jpserver-*.json")), key=os.path.getmtime, reverse=True)
+
+
+def _read_runtime(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _same_server(server_url: str, api: str) -> bool:
+    a, b = urllib.parse.urlsplit(server_url), urllib.parse.urlsplit(api)
+    hosts = {"localhost", "127.0.0.1", "::1", "[::1]", "0.0.0.0", ""}
+    same_host = a.hostname == b.hostname or (a.hostname in hosts and b.hostname in hosts)
+    return same_host and a.port == b.port and b.path.startswith(a.path or "/")
+
+
+def token_from_runtime(api: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The token of the server serving ``api``: its ``jpserver-<JPY_PARENT_PID>.json`` first."""
+    environ = os.environ if environ is None else environ
+    candidates = []
+    pid = environ.get("JPY_PARENT_PID")
+    files = _runtime_files()
+    if pid:
+        candidates += [f for f in files if os.path.basename(f) == f"jpserver-{pid}.json"]
+    candidates += [f for f in files if f not in candidates]
+    for f in candidates:
+        data = _read_runtime(f)
+        if not data:
+            continue
+        server_url = data.get("url", "")
+        if server_url and data.get("base_url"):
+            server_url = urllib.parse.urljoin(server_url, data["base_url"])
+        if server_url and _same_server(server_url, api):
+            return data.get("token") or None
+    return None
+
+
+def find_server(url: str | None = None, token: str | None = None,
+                environ: Mapping[str, str] | None = None) -> ServerInfo:
+    """Where the API is and which token to send; :class:`ServerNotFound` when nowhere."""
+    environ = os.environ if environ is None else environ
+    if url:
+        api = api_url(url)
+        tok = token if token is not None else (environ.get(TOKEN_ENV) or token_from_runtime(api, environ))
+        return ServerInfo(api, tok, "argument")
+    env_url = environ.get(URL_ENV)
+    if env_url:
+        api = api_url(env_url)
+        tok = token if token is not None else (environ.get(TOKEN_ENV) or token_from_runtime(api, environ))
+        return ServerInfo(api, tok, URL_ENV)
+    raise ServerNotFound(f"no jupyter-llama server found ({URL_ENV} is not set): {HOW_TO_START}")
+
+
+def _is_loopback(url: str) -> bool:
+    return (urllib.parse.urlsplit(url).hostname or "") in ("localhost", "127.0.0.1", "::1")
+
+
+TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None)
+
+
+def _clean(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+# ----------------------------------------------------------------------------- request bodies
+
+
+def _generate_body(model, prompt, stream, options, keep_alive, system, raw, format):
+    return _clean({"model": model, "prompt": prompt, "stream": stream, "options": options,
+                   "keep_alive": keep_alive, "system": system, "raw": raw, "format": format})
+
+
+def _chat_body(model, messages, stream, options, keep_alive, tools, format):
+    return _clean({"model": model, "messages": list(messages or []), "stream": stream, "options": options,
+                   "keep_alive": keep_alive, "tools": tools, "format": format})
+
+
+def _check_line(line: str) -> dict | None:
+    if not line.strip():
+        return None
+    data = json.loads(line)
+    if isinstance(data, dict) and "error" in data and len(data) == 1:
+        err = data["error"]
+        raise _error(500, err.get("message", str(err)) if isinstance(err, dict) else str(err))
+    return data
+
+
+# ----------------------------------------------------------------------------- sync
+
+
+class LlamaClient:
+    """Synchronous client. ``LlamaClient()`` finds the server as the module docstring says."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: httpx.Timeout = TIMEOUT,
+                 environ: Mapping[str, str] | None = None):
+        self.server = find_server(url, token, environ)
+        self._http = httpx.Client(base_url=self.server.url, headers=self.server.headers(), timeout=timeout,
+                                  trust_env=not _is_loopback(self.server.url))
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "LlamaClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- plumbing
+
+    def _send(self, method: str, path: str, body: Any = None, params: dict | None = None) -> httpx.Response:
+        try:
+            r = self._http.request(method, path, json=body, params=params)
+        except httpx.ConnectError as e:
+            raise ServerNotFound(f"cannot reach the jupyter-llama server at {self.url}: {e}; {HOW_TO_START}") from None
+        if r.status_code >= 400:
+            raise _error(r.status_code, _message_of(r.content, r.status_code))
+        return r
+
+    def _json(self, method: str, path: str, body: Any = None, params: dict | None = None):
+        r = self._send(method, path, body, params)
+        return r.json() if r.content else {}
+
+    def _stream(self, method: str, path: str, body: Any = None, params: dict | None = None) -> Iterator[dict]:
+        try:
+            with self._http.stream(method, path, json=body, params=params) as r:
+                if r.status_code >= 400:
+                    raise _error(r.status_code, _message_of(r.read(), r.status_code))
+                for line in r.iter_lines():
+                    data = _check_line(line)
+                    if data is not None:
+                        yield data
+        except httpx.ConnectError as e:
+            raise ServerNotFound(f"cannot reach the jupyter-llama server at {self.url}: {e}; {HOW_TO_START}") from None
+
+    def _maybe_stream(self, path: str, body: dict, stream: bool):
+        if stream:
+            return self._stream("POST", path, body)
+        return self._json("POST", path, body)
+
+    # -- Ollama API
+
+    def generate(self, model: str, prompt: str = "", *, stream: bool = True, options: dict | None = None,
+                 keep_alive=None, system: str | None = None, raw: bool | None = None, format=None):
+        """Chunks (``stream=True``, an iterator) or the whole answer (one dict)."""
+        return self._maybe_stream("api/generate", _generate_body(model, prompt, stream, options, keep_alive, system,
+                                                                 raw, format), stream)
+
+    def chat(self, model: str, messages: list[dict], *, stream: bool = True, options: dict | None = None,
+             keep_alive=None, tools: list | None = None, format=None):
+        return self._maybe_stream("api/chat", _chat_body(model, messages, stream, options, keep_alive, tools, format),
+                                  stream)
+
+    def embed(self, model: str, input: str | list[str], *, options: dict | None = None, keep_alive=None) -> dict:
+        return self._json("POST", "api/embed", _clean({"model": model, "input": input, "options": options,
+                                                       "keep_alive": keep_alive}))
+
+    def load(self, model: str, *, options: dict | None = None, keep_alive=None) -> dict:
+        """Load without generating (Ollama's empty prompt)."""
+        return self.generate(model, "", stream=False, options=options, keep_alive=keep_alive)
+
+    def unload(self, model: str) -> dict:
+        return self.generate(model, "", stream=False, keep_alive=0)
+
+    def ps(self) -> dict:
+        return self._json("GET", "api/ps")
+
+    def tags(self) -> dict:
+        return self._json("GET", "api/tags")
+
+    list = tags
+
+    def show(self, model: str, verbose: bool = False) -> dict:
+        return self._json("POST", "api/show", {"model": model, "verbose": verbose})
+
+    def pull(self, source: str, name: str | None = None, *, stream: bool = True):
+        return self._maybe_stream("api/pull", _clean({"model": source, "destination": name, "stream": stream}), stream)
+
+    def copy(self, source: str, destination: str) -> dict:
+        return self._json("POST", "api/copy", {"source": source, "destination": destination})
+
+    def delete(self, model: str) -> dict:
+        return self._json("DELETE", "api/delete", {"model": model})
+
+    def create_blob(self, path: str | os.PathLike) -> str:
+        """Upload a file as a blob; returns its ``sha256:<hex>`` digest."""
+        import hashlib
+
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        digest = f"sha256:{h.hexdigest()}"
+        try:
+            r = self._http.head(f"api/blobs/{digest}")
+            if r.status_code == 200:
+                return digest
+        except httpx.ConnectError as e:
+            raise ServerNotFound(f"cannot reach the jupyter-llama server at {self.url}: {e}; {HOW_TO_START}") from None
+        with open(path, "rb") as fh:
+            r = self._http.post(f"api/blobs/{digest}", content=fh)
+        if r.status_code >= 400:
+            raise _error(r.status_code, _message_of(r.content, r.status_code))
+        return digest
+
+    def create(self, model: str, *, files: dict[str, str] | None = None, from_: str | None = None,
+               stream: bool = False):
+        return self._maybe_stream("api/create", _clean({"model": model, "files": files, "from": from_,
+                                                        "stream": stream}), stream)
+
+    def version(self) -> dict:
+        return self._json("GET", "api/version")
+
+    # -- ours
+
+    def devices(self) -> dict:
+        return self._json("GET", "api/devices")
+
+    def estimate(self, model: str, options: dict | None = None) -> dict:
+        return self._json("POST", "api/estimate", _clean({"model": model, "options": options}))
+
+    def events(self, model: str | None = None, since: int = 0, limit: int | None = None, *, stream: bool = False):
+        """The event history (a list), or with ``stream=True`` an endless iterator of new events."""
+        params = _clean({"model": model, "since": since or None, "limit": limit, "stream": "1" if stream else None})
+        if stream:
+            return self._stream("GET", "api/events", params=params)
+        return self._json("GET", "api/events", params=params)["events"]
+
+
+# ----------------------------------------------------------------------------- async
+
+
+class AsyncLlamaClient:
+    """The same API over ``httpx.AsyncClient``; streaming calls return async iterators."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: httpx.Timeout = TIMEOUT,
+                 environ: Mapping[str, str] | None = None):
+        self.server = find_server(url, token, environ)
+        self._http = httpx.AsyncClient(base_url=self.server.url, headers=self.server.headers(), timeout=timeout,
+                                       trust_env=not _is_loopback(self.server.url))
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncLlamaClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def _json(self, method: str, path: str, body: Any = None, params: dict | None = None):
+        try:
+            r = await self._http.request(method, path, json=body, params=params)
+        except httpx.ConnectError as e:
+            raise ServerNotFound(f"cannot reach the jupyter-llama server at {self.url}: {e}; {HOW_TO_START}") from None
+        if r.status_code >= 400:
+            raise _error(r.status_code, _message_of(r.content, r.status_code))
+        return r.json() if r.content else {}
+
+    async def _stream(self, method: str, path: str, body: Any = None, params: dict | None = None) -> AsyncIterator[dict]:
+        try:
+            async with self._http.stream(method, path, json=body, params=params) as r:
+                if r.status_code >= 400:
+                    raise _error(r.status_code, _message_of(await r.aread(), r.status_code))
+                async for line in r.aiter_lines():
+                    data = _check_line(line)
+                    if data is not None:
+                        yield data
+        except httpx.ConnectError as e:
+            raise ServerNotFound(f"cannot reach the jupyter-llama server at {self.url}: {e}; {HOW_TO_START}") from None
+
+    def generate(self, model: str, prompt: str = "", *, stream: bool = True, options: dict | None = None,
+                 keep_alive=None, system: str | None = None, raw: bool | None = None, format=None):
+        """``async for chunk in client.generate(...)`` when streaming, else ``await`` it."""
+        body = _generate_body(model, prompt, stream, options, keep_alive, system, raw, format)
+        return self._stream("POST", "api/generate", body) if stream else self._json("POST", "api/generate", body)
+
+    def chat(self, model: str, messages: list[dict], *, stream: bool = True, options: dict | None = None,
+             keep_alive=None, tools: list | None = None, format=None):
+        body = _chat_body(model, messages, stream, options, keep_alive, tools, format)
+        return self._stream("POST", "api/chat", body) if stream else self._json("POST", "api/chat", body)
+
+    async def embed(self, model: str, input: str | list[str], *, options: dict | None = None, keep_alive=None):
+        return await self._json("POST", "api/embed", _clean({"model": model, "input": input, "options": options,
+                                                             "keep_alive": keep_alive}))
+
+    async def load(self, model: str, *, options: dict | None = None, keep_alive=None) -> dict:
+        return await self.generate(model, "", stream=False, options=options, keep_alive=keep_alive)
+
+    async def unload(self, model: str) -> dict:
+        return await self.generate(model, "", stream=False, keep_alive=0)
+
+    async def ps(self) -> dict:
+        return await self._json("GET", "api/ps")
+
+    async def tags(self) -> dict:
+        return await self._json("GET", "api/tags")
+
+    async def show(self, model: str, verbose: bool = False) -> dict:
+        return await self._json("POST", "api/show", {"model": model, "verbose": verbose})
+
+    def pull(self, source: str, name: str | None = None, *, stream: bool = True):
+        body = _clean({"model": source, "destination": name, "stream": stream})
+        return self._stream("POST", "api/pull", body) if stream else self._json("POST", "api/pull", body)
+
+    async def copy(self, source: str, destination: str) -> dict:
+        return await self._json("POST", "api/copy", {"source": source, "destination": destination})
+
+    async def delete(self, model: str) -> dict:
+        return await self._json("DELETE", "api/delete", {"model": model})
+
+    async def version(self) -> dict:
+        return await self._json("GET", "api/version")
+
+    async def devices(self) -> dict:
+        return await self._json("GET", "api/devices")
+
+    async def estimate(self, model: str, options: dict | None = None) -> dict:
+        return await self._json("POST", "api/estimate", _clean({"model": model, "options": options}))
+
+    def events(self, model: str | None = None, since: int = 0, limit: int | None = None, *, stream: bool = False):
+        params = _clean({"model": model, "since": since or None, "limit": limit, "stream": "1" if stream else None})
+        if stream:
+            return self._stream("GET", "api/events", params=params)
+        return self._events_list(params)
+
+    async def _events_list(self, params: dict) -> list[dict]:
+        return (await self._json("GET", "api/events", params=params))["events"]
+

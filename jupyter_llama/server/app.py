@@ -1,0 +1,412 @@
+"""The Jupyter server extension: ``LlamaExtension``, mounted at ``<base_url>llama/``.
+
+It owns one :class:`~jupyter_llama.scheduler.Scheduler` (and so every llama-server child)
+and one :class:`~jupyter_llama.models.store.ModelStore`. Every setting is a traitlet
+(``c.LlamaExtension.<name>``) whose default comes from the ``JUPYTER_LLAMA_<NAME>``
+environment variable, so admins can use either.
+
+Lifecycle:
+
+* ``initialize_settings`` (server start-up, before the event loop runs) builds the store
+  and the scheduler; nothing there needs the loop (the scheduler is passive until asked).
+* the start hook (``_start_jupyter_server_extension``, after the loop runs) exports
+  ``JUPYTER_LLAMA_URL`` into ``os.environ`` so kernels started from now on inherit it, and
+  starts the activity ticker. Servers started without that hook (test harnesses) get the
+  same on their first request (:meth:`LlamaExtension.ensure_started`).
+* ``stop_extension`` (server shutdown, which jupyter_server also runs on SIGTERM and on
+  SIGINT once confirmed) stops every child and waits for them.
+
+Idle culling: JupyterHub's culler and ``shutdown_no_activity_timeout`` read the server's
+``last_activity()``, the latest of the ``*_last_activity`` settings and of
+``settings["last_activity_times"]``. While requests are in flight (generation, pulls,
+uploads) this extension stamps ``last_activity_times["jupyter_llama"]`` every
+``activity_interval`` seconds, and ``current_activity()`` reports them. A loaded model
+with no request does not count: an idle server with a model in memory can be culled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+
+from jupyter_server._tz import utcnow
+from jupyter_server.extension.application import ExtensionApp
+from jupyter_server.utils import url_path_join
+from tornado.ioloop import PeriodicCallback
+from traitlets import Bool, Float, Int, Type, Unicode, default, validate
+
+from .. import __version__, config
+from ..config import ConfigError
+from ..engine.launch import LoadOptions
+from ..scheduler import Scheduler, SchedulerError, SchedulerSettings
+
+URL_ENV = "JUPYTER_LLAMA_URL"
+ACTIVITY_KEY = "jupyter_llama"
+
+
+class EngineUnavailable(SchedulerError):
+    """No usable llama-server; the message says how to get one."""
+
+    status = 503
+
+
+class CachedResolver:
+    """The store's resolver with a cache in front, so a request for a loaded model does not
+    pay a worker-thread hop and a manifest read before its first token.
+
+    A hit is used only while the files behind it are unchanged: the manifest, the model blob
+    and the projector are ``stat``-ed (size, mtime, inode) on every call, which is the same
+    test after which the store itself skips rehashing; and for at most ``ttl`` seconds, so a
+    manifest created elsewhere under a name that used to resolve to a path is seen soon.
+    ``forget()`` drops everything (after our own create, copy, pull and delete).
+    """
+
+    def __init__(self, store, ttl: float = 5.0):
+        self.store = store
+        self.ttl = ttl
+        self._cache: dict[str, tuple[float, object, tuple]] = {}
+
+    @staticmethod
+    def _stamps(paths) -> tuple:
+        out = []
+        for p in paths:
+            st = os.stat(p)
+            out.append((p, st.st_size, st.st_mtime_ns, st.st_ino))
+        return tuple(out)
+
+    def _resolve(self, name: str):
+        ref = self.store.resolve_sync(name)
+        paths = [ref.path] + ([ref.mmproj] if ref.mmproj else [])
+        try:
+            paths.append(str(self.store.entry(ref.name).manifest_path))
+        except (SchedulerError, ValueError, OSError):
+            pass  # a GGUF path, not a named model
+        return ref, self._stamps(paths)
+
+    async def __call__(self, name: str):
+        hit = self._cache.get(name)
+        if hit is not None:
+            at, ref, stamps = hit
+            try:
+                if time.monotonic() - at < self.ttl and self._stamps(p for p, *_ in stamps) == stamps:
+                    return ref
+            except OSError:
+                pass
+            self._cache.pop(name, None)
+        ref, stamps = await asyncio.to_thread(self._resolve, name)
+        if len(self._cache) > 256:
+            self._cache.clear()
+        self._cache[name] = (time.monotonic(), ref, stamps)
+        return ref
+
+    def forget(self) -> None:
+        self._cache.clear()
+
+
+def _env_default(name: str, fallback: str = "") -> str:
+    return config.env(name, fallback) or fallback
+
+
+class LlamaExtension(ExtensionApp):
+    """Ollama's manager layer over llama.cpp's llama-server, as a Jupyter server extension."""
+
+    name = "jupyter_llama"
+    description = __doc__.splitlines()[0] if __doc__ else ""
+    extension_url = "/llama/api/version"
+    load_other_extensions = True
+
+    # ------------------------------------------------------------------ settings
+
+    keep_alive = Unicode(
+        help="How long an idle model stays loaded: seconds, or a duration such as '5m', '1h30m'; "
+             "negative keeps it forever; 0 unloads at once. A request's own keep_alive overrides it. "
+             "Default from JUPYTER_LLAMA_KEEP_ALIVE, else 5m.",
+    ).tag(config=True)
+
+    @default("keep_alive")
+    def _default_keep_alive(self):
+        return _env_default("KEEP_ALIVE", "5m")
+
+    max_loaded_models = Int(
+        help="Most models loaded at once; 0 means 3 x max(number of GPUs, 1). "
+             "Default from JUPYTER_LLAMA_MAX_LOADED_MODELS, else 0.",
+    ).tag(config=True)
+
+    @default("max_loaded_models")
+    def _default_max_loaded(self):
+        return config.env_int("MAX_LOADED_MODELS", 0)
+
+    num_parallel = Int(
+        help="Request slots per loaded model (llama-server -np); 0 leaves it to llama-server (automatic). "
+             "Default from JUPYTER_LLAMA_NUM_PARALLEL, else 0.",
+    ).tag(config=True)
+
+    @default("num_parallel")
+    def _default_num_parallel(self):
+        return config.env_int("NUM_PARALLEL", 0)
+
+    max_queue = Int(
+        help="Most requests waiting for a model to load; past it requests fail at once with 503. "
+             "Default from JUPYTER_LLAMA_MAX_QUEUE, else 512.",
+    ).tag(config=True)
+
+    @default("max_queue")
+    def _default_max_queue(self):
+        return config.env_int("MAX_QUEUE", 512)
+
+    load_timeout = Unicode(
+        help="How long a loading model may stay silent (no log output, no health answer) before the "
+             "load fails, as a duration. Default from JUPYTER_LLAMA_LOAD_TIMEOUT, else 5m.",
+    ).tag(config=True)
+
+    @default("load_timeout")
+    def _default_load_timeout(self):
+        return _env_default("LOAD_TIMEOUT", "5m")
+
+    memory_limit = Unicode(
+        help="Memory budget for all loaded models together: a size for every device ('8GiB') or per "
+             "device ('cuda:0=20GiB,cpu=6GiB'); empty means no budget. "
+             "Default from JUPYTER_LLAMA_MEMORY_LIMIT.",
+    ).tag(config=True)
+
+    @default("memory_limit")
+    def _default_memory_limit(self):
+        return _env_default("MEMORY_LIMIT")
+
+    gpu_overhead = Unicode(
+        help="Memory kept free on every GPU (a size such as '512MiB'). "
+             "Default from JUPYTER_LLAMA_GPU_OVERHEAD.",
+    ).tag(config=True)
+
+    @default("gpu_overhead")
+    def _default_gpu_overhead(self):
+        return _env_default("GPU_OVERHEAD")
+
+    models_dir = Unicode(
+        help="The model registry's directory. Default from JUPYTER_LLAMA_MODELS, else "
+             "<jupyter data dir>/llama/models.",
+    ).tag(config=True)
+
+    @default("models_dir")
+    def _default_models_dir(self):
+        return _env_default("MODELS")
+
+    server_binary = Unicode(
+        help="Path of the llama-server binary. Default from JUPYTER_LLAMA_SERVER, else the project's own "
+             "cached build, else llama-server on PATH.",
+    ).tag(config=True)
+
+    @default("server_binary")
+    def _default_server_binary(self):
+        return _env_default("SERVER")
+
+    fit_estimator = Unicode(
+        help="Which memory prediction decides whether a model fits: 'detailed' or 'coarse' (Ollama's). "
+             "Default from JUPYTER_LLAMA_FIT_ESTIMATOR, else detailed.",
+    ).tag(config=True)
+
+    @default("fit_estimator")
+    def _default_fit_estimator(self):
+        return _env_default("FIT_ESTIMATOR", "detailed")
+
+    @validate("fit_estimator")
+    def _check_fit_estimator(self, proposal):
+        if proposal["value"] not in ("detailed", "coarse"):
+            raise ConfigError(f"LlamaExtension.fit_estimator must be 'detailed' or 'coarse', got {proposal['value']!r}")
+        return proposal["value"]
+
+    evict_pinned = Bool(
+        help="Whether pinned models (negative keep_alive) may be evicted when nothing else makes room. "
+             "Default from JUPYTER_LLAMA_EVICT_PINNED, else false.",
+    ).tag(config=True)
+
+    @default("evict_pinned")
+    def _default_evict_pinned(self):
+        return config.env_bool("EVICT_PINNED", False)
+
+    max_request_size = Int(
+        help="Largest JSON request body accepted, in bytes (larger ones get 413). "
+             "Default from JUPYTER_LLAMA_MAX_REQUEST_SIZE, else 64 MiB.",
+    ).tag(config=True)
+
+    @default("max_request_size")
+    def _default_max_request_size(self):
+        return config.parse_size(_env_default("MAX_REQUEST_SIZE", "64MiB"), "JUPYTER_LLAMA_MAX_REQUEST_SIZE")
+
+    max_upload_size = Int(
+        help="Largest blob upload (POST api/blobs/sha256:...) accepted, in bytes. "
+             "Default from JUPYTER_LLAMA_MAX_UPLOAD_SIZE, else 256 GiB.",
+    ).tag(config=True)
+
+    @default("max_upload_size")
+    def _default_max_upload_size(self):
+        return config.parse_size(_env_default("MAX_UPLOAD_SIZE", "256GiB"), "JUPYTER_LLAMA_MAX_UPLOAD_SIZE")
+
+    activity_interval = Float(
+        10.0,
+        help="Seconds between activity stamps while requests are in flight (what JupyterHub's idle "
+             "culler reads).",
+    ).tag(config=True)
+
+    scheduler_class = Type(
+        default_value=Scheduler,
+        klass=Scheduler,
+        help="The scheduler class (a subclass of jupyter_llama.scheduler.Scheduler).",
+    ).tag(config=True)
+
+    # ------------------------------------------------------------------ state
+
+    scheduler: Scheduler | None = None
+    store = None
+    resolver: CachedResolver | None = None
+    engine = None
+    engine_error: str | None = None
+    _active = 0
+    _started = False
+    _activity_pc: PeriodicCallback | None = None
+    _previous_url_env: str | None = None
+    _scheduler_lock: asyncio.Lock | None = None
+    _engine_checked_at = 0.0
+
+    def scheduler_settings(self, binary: str) -> SchedulerSettings:
+        """The SchedulerSettings these traitlets describe (parsed and validated like the env vars)."""
+        env = {
+            "JUPYTER_LLAMA_KEEP_ALIVE": self.keep_alive,
+            "JUPYTER_LLAMA_MAX_LOADED_MODELS": str(self.max_loaded_models),
+            "JUPYTER_LLAMA_MAX_QUEUE": str(self.max_queue),
+            "JUPYTER_LLAMA_LOAD_TIMEOUT": self.load_timeout,
+            "JUPYTER_LLAMA_FIT_ESTIMATOR": self.fit_estimator,
+            "JUPYTER_LLAMA_EVICT_PINNED": "1" if self.evict_pinned else "0",
+            "JUPYTER_LLAMA_NUM_PARALLEL": str(self.num_parallel) if self.num_parallel > 0 else "",
+            "JUPYTER_LLAMA_MEMORY_LIMIT": self.memory_limit,
+            "JUPYTER_LLAMA_GPU_OVERHEAD": self.gpu_overhead,
+        }
+        try:
+            return SchedulerSettings.from_env(env, binary=binary)
+        except (ConfigError, ValueError) as e:
+            raise ConfigError(f"LlamaExtension settings: {e}") from None
+
+    # ------------------------------------------------------------------ server hooks
+
+    def initialize_settings(self) -> None:
+        from ..models.store import ModelStore
+
+        self.store = ModelStore(self.models_dir or None)
+        self._scheduler_lock = None
+        self.scheduler = None
+        self._find_engine_and_build()
+        self.log.info("jupyter-llama %s: models in %s; engine %s", __version__, self.store.root,
+                      self.engine.path if self.engine else f"unavailable ({self.engine_error})")
+
+    def _find_engine_and_build(self) -> None:
+        from ..engine.binary import EngineBroken, EngineNotFound, find_engine
+
+        self._engine_checked_at = time.monotonic()
+        try:
+            self.engine = find_engine(self.server_binary or None)
+        except (EngineNotFound, EngineBroken) as e:
+            self.engine, self.engine_error = None, str(e)
+            return
+        self.engine_error = None
+        settings = self.scheduler_settings(self.engine.path)
+        self.resolver = CachedResolver(self.store)
+        self.scheduler = self.scheduler_class(settings, resolver=self.resolver, default_options=LoadOptions())
+
+    def initialize_handlers(self) -> None:
+        from .handlers import default_handlers
+
+        self.handlers.extend(default_handlers())
+
+    async def _start_jupyter_server_extension(self, serverapp) -> None:
+        self.ensure_started()
+
+    def ensure_started(self) -> None:
+        """Export the URL and start the activity ticker (once; needs the running loop)."""
+        if self._started:
+            return
+        self._started = True
+        self.export_url()
+        self._activity_pc = PeriodicCallback(self._tick_activity, max(0.05, self.activity_interval) * 1000)
+        self._activity_pc.start()
+
+    @property
+    def url(self) -> str:
+        """This extension's root URL (non-secret): server URL + base_url + ``llama/``."""
+        return url_path_join(self.serverapp.connection_url, "llama/")
+
+    def export_url(self) -> None:
+        self._previous_url_env = os.environ.get(URL_ENV)
+        os.environ[URL_ENV] = self.url
+        self.log.info("jupyter-llama API at %s (exported as %s for kernels)", self.url, URL_ENV)
+
+    async def get_scheduler(self) -> Scheduler:
+        """The scheduler; when no engine was found at start-up, look again (it may be built since)."""
+        if self.scheduler is not None:
+            return self.scheduler
+        if self._scheduler_lock is None:
+            self._scheduler_lock = asyncio.Lock()
+        async with self._scheduler_lock:
+            # look again at most every 10 s (finding one runs `llama-server --version`)
+            if self.scheduler is None and time.monotonic() - self._engine_checked_at > 10:
+                await asyncio.to_thread(self._find_engine_and_build)
+        if self.scheduler is None:
+            raise EngineUnavailable(self.engine_error or "no llama-server available")
+        return self.scheduler
+
+    async def stop_extension(self) -> None:
+        """Stop every llama-server child (jupyter_server calls this on shutdown, SIGTERM included)."""
+        if self._activity_pc is not None:
+            self._activity_pc.stop()
+            self._activity_pc = None
+        if self.scheduler is not None:
+            self.log.info("jupyter-llama: stopping %d model runner(s)", len(self.scheduler.loaded))
+            await self.scheduler.shutdown()
+        if self._started and os.environ.get(URL_ENV) == self.url:
+            if self._previous_url_env is None:
+                os.environ.pop(URL_ENV, None)
+            else:
+                os.environ[URL_ENV] = self._previous_url_env
+        self._started = False
+
+    # ------------------------------------------------------------------ activity
+
+    @property
+    def busy(self) -> int:
+        """Requests doing work now: handler requests plus leases held on runners."""
+        return self._active + (self.scheduler.in_flight if self.scheduler is not None else 0)
+
+    def current_activity(self):
+        """What jupyter_server's ``shutdown_no_activity`` asks each extension; None when idle."""
+        if self.busy:
+            return {"requests": self._active,
+                    "in_flight": self.scheduler.in_flight if self.scheduler is not None else 0}
+        return None
+
+    def stamp_activity(self) -> None:
+        try:
+            times = self.serverapp.web_app.settings.setdefault("last_activity_times", {})
+        except AttributeError:  # no web app (yet)
+            return
+        times[ACTIVITY_KEY] = utcnow()
+
+    def _tick_activity(self) -> None:
+        if self.busy:
+            self.stamp_activity()
+
+    def store_changed(self) -> None:
+        """Our own handlers changed the registry: resolve names afresh."""
+        if self.resolver is not None:
+            self.resolver.forget()
+
+    @contextlib.contextmanager
+    def work(self):
+        """Count a request as activity for as long as it runs."""
+        self._active += 1
+        self.stamp_activity()
+        try:
+            yield
+        finally:
+            self._active -= 1
+            self.stamp_activity()

@@ -1,0 +1,964 @@
+"""HTTP handlers under ``<base_url>llama/``: thin shells that parse, call the core, stream.
+
+Routes (Ollama-compatible unless noted):
+
+    POST   api/generate  api/chat        NDJSON stream (``stream: false``: one object)
+    POST   api/embed  api/embeddings
+    GET    api/ps  api/tags  api/version
+    POST   api/show  api/pull  api/copy  api/create
+    DELETE api/delete
+    HEAD   api/blobs/sha256:<hex>        200 present / 404 absent
+    POST   api/blobs/sha256:<hex>        streamed upload, 201
+    POST   v1/chat/completions  v1/completions  v1/embeddings     (OpenAI; SSE when streaming)
+    GET    v1/models  v1/models/<name>                            (OpenAI)
+    GET    api/devices  api/events       POST api/estimate        (ours)
+
+Every method requires Jupyter authentication (token in ``Authorization: token|Bearer``,
+or the login cookie plus XSRF, exactly as jupyter_server's own API) and authorization on
+the resource ``llama``.
+
+Errors: the HTTP status is the core error's ``status`` (404 unknown model, 400 bad
+request, 503 queue full, 507 does not fit, 500 load failure or a crashed runner) and the
+body is ``{"error": "..."}`` (OpenAI routes: ``{"error": {"message": ...}}``). Once a
+stream has started, an error becomes its last line (``{"error": ...}``).
+
+A client that goes away mid-request (``on_connection_close``, or a write that fails)
+cancels the work: the stream from the child is closed (llama-server stops generating for
+it) and the runner is released, so its refcount drops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import math
+import queue
+import time
+from http.client import responses
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.extension.handler import ExtensionHandlerMixin
+from tornado import web
+from tornado.iostream import StreamClosedError
+
+from .. import __version__
+from ..api import ollama as oa
+from ..api import openai as oai
+from ..api.options import split_options
+from ..config import ConfigError
+from ..engine.launch import LoadOptionsError
+from ..engine.runner import EngineError, RequestError, RunnerCrashed
+from ..models.gguf_info import GGUFError
+from ..scheduler import BadRequest, ModelNotFound, SchedulerError
+
+if TYPE_CHECKING:
+    from .app import LlamaExtension
+
+AUTH_RESOURCE = "llama"
+NDJSON = "application/x-ndjson"
+SSE = "text/event-stream"
+
+
+class ClientGone(Exception):
+    """The client closed the connection; stop quietly."""
+
+
+class PayloadTooLarge(SchedulerError):
+    status = 413
+
+
+def error_status(exc: BaseException) -> tuple[int, str]:
+    """(HTTP status, message) for an exception from the core."""
+    if isinstance(exc, web.HTTPError):
+        return exc.status_code, exc.log_message or exc.reason or responses.get(exc.status_code, "error")
+    if isinstance(exc, SchedulerError):
+        return int(getattr(exc, "status", 500) or 500), str(exc)
+    if isinstance(exc, RequestError):
+        return (exc.status if 400 <= exc.status < 500 else 500), str(exc)
+    if isinstance(exc, (LoadOptionsError, ConfigError, GGUFError)):
+        return 400, str(exc)
+    if isinstance(exc, (RunnerCrashed, EngineError)):
+        return 500, str(exc)
+    return 500, f"internal error: {exc!r}"
+
+
+def _finite(obj):
+    """JSON-safe copy: non-finite floats (a pinned keep_alive is inf) become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj) -> str:
+    return json.dumps(_finite(obj), default=str)
+
+
+def ndjson(obj) -> bytes:
+    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+
+
+@contextlib.asynccontextmanager
+async def closing(agen):
+    """Like ``contextlib.aclosing``, but the close survives a cancellation: closing the stream
+    from a child is what makes llama-server stop, so it must run to its end."""
+    try:
+        yield agen
+    finally:
+        closer = asyncio.ensure_future(agen.aclose())
+        try:
+            await asyncio.shield(closer)
+        except asyncio.CancelledError:
+            closer.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
+
+
+def api_method(method):
+    """Turn core errors into statuses and JSON bodies; a client that left ends quietly."""
+
+    @functools.wraps(method)
+    async def inner(self: "LlamaHandler", *args, **kwargs):
+        try:
+            return await method(self, *args, **kwargs)
+        except ClientGone:
+            return None
+        except asyncio.CancelledError:
+            if self._gone:
+                return None
+            raise
+        except Exception as e:  # noqa: BLE001 - every error reaches the client in its format
+            await self.fail(e)
+
+    return inner
+
+
+class LlamaHandler(ExtensionHandlerMixin, APIHandler):
+    """Base: auth resource, JSON bodies with a size limit, errors, cancellable streaming."""
+
+    auth_resource = AUTH_RESOURCE
+
+    def initialize(self, name: str, *args, **kwargs) -> None:
+        super().initialize(name, *args, **kwargs)
+        self._gone = False
+        self._acquiring = False
+        self._task: asyncio.Future | None = None
+
+    @property
+    def ext(self) -> "LlamaExtension":
+        return self.extensionapp  # type: ignore[return-value]
+
+    async def prepare(self):
+        await super().prepare()
+        self.ext.ensure_started()
+
+    # ------------------------------------------------------------------ bodies
+
+    def json_body(self) -> dict:
+        body = self.request.body or b""
+        limit = self.ext.max_request_size
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body of {len(body):,} bytes is larger than the limit of {limit:,} bytes "
+                                  "(LlamaExtension.max_request_size)")
+        return oa.parse_body(body)
+
+    def finish_json(self, obj, status: int = 200):
+        self.set_status(status)
+        return self.finish(json.dumps(obj))
+
+    # ------------------------------------------------------------------ errors
+
+    def error_payload(self, status: int, message: str) -> dict:
+        return {"error": message}
+
+    def error_line(self, message: str) -> bytes:
+        return ndjson({"error": message})
+
+    async def fail(self, exc: BaseException) -> None:
+        status, message = error_status(exc)
+        if status >= 500 and not isinstance(exc, (SchedulerError, EngineError)):
+            self.log.error("jupyter-llama: %s %s failed", self.request.method, self.request.path, exc_info=exc)
+        else:
+            self.log.info("jupyter-llama: %s %s -> %s %s", self.request.method, self.request.path, status, message)
+        if self._finished or self._gone:
+            return
+        if self._headers_written:  # mid-stream: the error is the last line
+            with contextlib.suppress(ClientGone):
+                await self.send(self.error_line(message))
+            self.finish()
+            return
+        self.clear()
+        self.set_status(status)
+        self.finish(json.dumps(self.error_payload(status, message)))
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """Errors raised before our code runs (403 unauthenticated, 404 origin) in our format."""
+        message = responses.get(status_code, "error")
+        exc_info = kwargs.get("exc_info")
+        if exc_info and exc_info[1] is not None:
+            message = error_status(exc_info[1])[1] if isinstance(exc_info[1], web.HTTPError) else message
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(self.error_payload(status_code, message)))
+
+    # ------------------------------------------------------------------ streaming
+
+    def on_connection_close(self) -> None:
+        # Cancel only on the first sign that the client left: when a failed write noticed it
+        # first, the request is already unwinding (closing its stream to the child), and a
+        # cancellation now would interrupt that close and leave the child generating.
+        first = not self._gone
+        self._gone = True
+        if first and not self._acquiring and self._task is not None and not self._task.done():
+            self._task.cancel()
+        super().on_connection_close()
+
+    async def cancellable(self, coro):
+        """Run ``coro`` as a task the client's disconnect cancels."""
+        if self._gone:
+            coro.close()
+            raise ClientGone()
+        self._task = asyncio.ensure_future(coro)
+        try:
+            return await self._task
+        except asyncio.CancelledError:
+            if self._gone:
+                raise ClientGone() from None
+            raise
+        finally:
+            self._task = None
+
+    def start_stream(self, content_type: str) -> None:
+        self.set_header("Content-Type", content_type)
+        self.set_header("Cache-Control", "no-cache")
+        self.set_header("X-Accel-Buffering", "no")  # reverse proxies: do not buffer the stream
+        # Tornado leaves Nagle's algorithm on until finish(): each small chunk would wait for
+        # the ACK of the one before (up to the client's 40 ms delayed ACK). Tornado turns it
+        # back off when the response finishes.
+        stream = getattr(self.request.connection, "stream", None)
+        if stream is not None and not stream.closed():
+            stream.set_nodelay(True)
+
+    async def send(self, data: bytes) -> None:
+        """Write and flush one piece; ClientGone when the client has left."""
+        if self._gone:
+            raise ClientGone()
+        self.write(data)
+        try:
+            await self.flush()
+        except StreamClosedError:
+            self._gone = True
+            raise ClientGone() from None
+
+    def end_stream(self, content_type: str):
+        return self.finish(set_content_type=content_type)
+
+    async def acquire(self, name: str, options, keep_alive):
+        """``scheduler.acquire``, never cancelled half-way (a load is not abandoned because one
+        client left): a disconnect meanwhile is acted on once the lease is in hand."""
+        sched = await self.ext.get_scheduler()
+        self._acquiring = True
+        try:
+            lease = await sched.acquire(name, options, keep_alive)
+        finally:
+            self._acquiring = False
+        if self._gone:
+            lease.release()
+            raise ClientGone()
+        return lease
+
+    async def relay(self, events: AsyncIterator[dict], translate, stream: bool, combined) -> None:
+        """Feed child events through ``translate`` (event -> chunks); NDJSON or one object."""
+        async with closing(events) as evs:
+            if not stream:
+                async for ev in evs:
+                    translate(ev)
+                self.finish_json(combined())
+                return
+            self.start_stream(NDJSON)
+            async for ev in evs:
+                for chunk in translate(ev):
+                    await self.send(ndjson(chunk))
+        self.end_stream(NDJSON)
+
+
+# ============================================================================ Ollama
+
+
+class GenerateHandler(LlamaHandler):
+    @web.authenticated
+    @authorized
+    @api_method
+    async def post(self):
+        req = oa.parse_generate(self.json_body())
+        with self.ext.work():
+            await self.cancellable(self._generate(req))
+
+    async def _generate(self, req: oa.GenerateRequest) -> None:
+        started = time.monotonic()
+        if req.unloads:
+            await _unload(self, req.model)
+            self.finish_json(oa.load_chunk(req.model, "unload", chat=False, total_s=time.monotonic() - started))
+            return
+        lease = await self.acquire(req.model, req.options, req.keep_alive)
+        try:
+            if req.is_load_only:
+                self.finish_json(oa.load_chunk(req.model, "load", chat=False, total_s=time.monotonic() - started,
+                                               load_s=lease.load_duration))
+                return
+            prompt = await _prompt(lease, req)
+            tr = oa.GenerateTranslator(req.model, started, lease.load_duration)
+            await self.relay(lease.runner.completion(prompt, **req.sampling), tr.feed, req.stream, tr.combined)
+        finally:
+            lease.release()
+
+
+async def _unload(handler: LlamaHandler, name: str) -> None:
+    sched = await handler.ext.get_scheduler()
+    await sched.resolver(name)  # 404 for a model that does not exist
+    await sched.unload(name, reason="unloaded on request (keep_alive 0)")
+
+
+async def _prompt(lease, req: oa.GenerateRequest) -> str:
+    """The text for ``/completion``: raw, or through the model's chat template (llama-server's)."""
+    info = lease.loaded.ref.info
+    has_template = bool((getattr(info, "metadata", None) or {}).get("tokenizer.chat_template"))
+    if req.raw:
+        return req.prompt
+    if not has_template:
+        return (req.system + "\n\n" if req.system else "") + req.prompt
+    messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
+        {"role": "user", "content": req.prompt}]
+    res = await lease.runner.post("/apply-template", {"messages": messages})
+    return res.get("prompt", req.prompt)
+
+
+class ChatHandler(LlamaHandler):
+    @web.authenticated
+    @authorized
+    @api_method
+    async def post(self):
+        req = oa.parse_chat(self.json_body())
+        with self.ext.work():
+            await self.cancellable(self._chat(req))
+
+    async def _chat(self, req: oa.ChatRequest) -> None:
+        started = time.monotonic()
+        if req.unloads:
+            await _unload(self, req.model)
+            self.finish_json(oa.load_chunk(req.model, "unload", chat=True, total_s=time.monotonic() - started))
+            return
+        lease = await self.acquire(req.model, req.options, req.keep_alive)
+        try:
+            if req.is_load_only:
+                self.finish_json(oa.load_chunk(req.model, "load", chat=True, total_s=time.monotonic() - started,
+                                               load_s=lease.load_duration))
+                return
+            params = dict(req.sampling)
+            if req.tools:
+                params["tools"] = req.tools
+            tr = oa.ChatTranslator(req.model, started, lease.load_duration)
+            await self.relay(lease.runner.chat(req.messages, **params), tr.feed, req.stream, tr.combined)
+        finally:
+            lease.release()
+
+
+async def _embed(lease, inputs: list[str]) -> tuple[list[list[float]], int]:
+    """Unit vectors for ``inputs`` from the child's ``/embedding`` (mean-pooled when it does not
+    pool), and the number of prompt tokens."""
+    if not inputs:
+        return [], 0
+    res = await lease.runner.post("/embedding", {"content": inputs})
+    items = res if isinstance(res, list) else [res]
+    items = sorted(items, key=lambda it: it.get("index", 0))
+    raw = [it.get("embedding") or [] for it in items]
+    vectors = await asyncio.to_thread(lambda: [oa.mean_pool_normalize(v) for v in raw])
+    if raw and raw[0] and isinstance(raw[0][0], list):  # per-token vectors: one per prompt token
+        tokens = sum(len(v) for v in raw)
+    else:
+        tokens = 0
+        for text in inputs:
+            try:
+                tok = await lease.runner.post("/tokenize", {"content": text})
+                tokens += len(tok.get("tokens", []))
+            except EngineError:
+                break
+    return vectors, tokens
+
+
+class EmbedHandler(LlamaHandler):
+    legacy = False
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def post(self):
+        body = self.json_body()
+        req = oa.parse_embeddings(body) if self.legacy else oa.parse_embed(body)
+        with self.ext.work():
+            await self.cancellable(self._embed(req))
+
+    async def _embed(self, req: oa.EmbedRequest) -> None:
+        started = time.monotonic()
+        lease = await self.acquire(req.model, req.options, req.keep_alive)
+        try:
+            vectors, tokens = await _embed(lease, req.inputs)
+        finally:
+            lease.release()
+        if req.legacy:
+            self.finish_json({"embedding": vectors[0] if vectors else []})
+            return
+        self.finish_json(oa.embed_body(req.model, vectors, time.monotonic() - started, lease.load_duration, tokens,
+                                       req.dimensions))
+
+
+class EmbeddingsHandler(EmbedHandler):
+    legacy = True
+
+
+class PsHandler(LlamaHandler):
+    _track_activity = False  # a panel polling ps must not keep an idle server alive
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def get(self):
+        sched = self.ext.scheduler
+        models = []
+        if sched is not None:
+            now = time.time()
+            for lo in list(sched.loaded.values()):
+                if lo.state == "gone":
+                    continue
+                models.append(oa.ps_model(lo.info(), lo.ref.info, now, projector=bool(lo.ref.mmproj)))
+        self.finish(dumps(oa.ps_body(models)))
+
+
+class TagsHandler(LlamaHandler):
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def get(self):
+        entries = await asyncio.to_thread(self.ext.store.list)
+        self.finish(dumps(oa.tags_body(entries)))
+
+
+class ShowHandler(LlamaHandler):
+    @web.authenticated
+    @authorized
+    @api_method
+    async def post(self):
+        name, verbose = oa.parse_show(self.json_body())
+        data = await asyncio.to_thread(self.ext.store.show, name)
+        self.finish(dumps(oa.show_body(data, verbose)))
+
+
+class PullHandler(LlamaHandler):
+    @web.authenticated
+    @authorized
+    @api_method
+    async def post(self):
+        req = oa.parse_pull(self.json_body())
+        with self.ext.work():
+            await self.cancellable(self._pull(req))
+
+    async def _pull(self, req: oa.PullRequest) -> None:
+        try:
+            await self._pull_stream(req)
+        finally:
+            self.ext.store_changed()
+
+    async def _pull_stream(self, req: oa.PullRequest) -> None:
+        gen = self.ext.store.pull_stream(req.source, req.name)
+        async with closing(gen) as statuses:
+            if not req.stream:
+                last = {"status": "success"}
+                async for st in statuses:
+                    last = st
+                self.finish_json(last if last.get("status") == "success" else {"status": "success"})
+                return
+            first = await anext(statuses, None)  # an error before any progress is an HTTP status
+            self.start_stream(NDJSON)
+            if first is not None:
+                await self.send(ndjson(first))
+                async for st in statuses:
+                    await self.send(ndjson(st))
+        self.end_stream(NDJSON)
+
+
+class CopyHandler(LlamaHandler):
+    @web.authenticated
+    @authorized
+    @api_method
+    async def post(self):
+        src, dst = oa.parse_copy(self.json_body())
+        await asyncio.to_thread(self.ext.store.copy, src, dst)
+        self.ext.store_changed()
+        self.finish_json({"status": "success"})
+
+
+class DeleteHandler(LlamaHandler):
+    @web.authenticated
+    @authorized
+    @api_method
+    async def delete(self):
+        name = oa.parse_delete(self.json_body())
+        sched = self.ext.scheduler
+
+        async def unload_first(ref) -> None:
+            if sched is None:
+                return
+            for lo in list(sched.loaded.values()):
+                if lo.ref.key == ref.path and lo.state != "gone":
+                    await sched.unload(lo.name, reason=f"model {name} deleted")
+
+        with self.ext.work():
+            try:
+                removed = await self.ext.store.remove(name, before_remove=unload_first)
+            finally:
+                self.ext.store_changed()
+        self.finish_json({"status": "success", "removed_blobs": [f"sha256:{d}" for d in removed]})
+
+
+class CreateHandler(LlamaHandler):
+    @web.authenticated
+    @authorized
+    @api_method
+    async def post(self):
+        req = oa.parse_create(self.json_body())
+        with self.ext.work():
+            await self.cancellable(self._create(req))
+
+    async def _create(self, req: oa.CreateRequest) -> None:
+        store = self.ext.store
+        statuses: list[dict] = [{"status": "parsing GGUF"}]
+        if req.files:
+            model_digest, projector_digest = await asyncio.to_thread(_split_files, store, req.files)
+            for d in filter(None, (model_digest, projector_digest)):
+                statuses.append({"status": f"using existing layer sha256:{_hex(d)}"})
+            entry = await asyncio.to_thread(store.create_from_blobs, req.model, model_digest, projector_digest)
+        else:
+            src = req.from_ or ""
+            if await asyncio.to_thread(store.exists, src):
+                statuses.append({"status": f"using existing model {src}"})
+                entry = await asyncio.to_thread(store.copy, src, req.model)
+            else:
+                import os
+
+                path = os.path.abspath(os.path.expanduser(src))
+                if not os.path.isfile(path):
+                    raise BadRequest(f'from: "{src}" is neither a model in the store nor a GGUF file on the server')
+                entry = await asyncio.to_thread(store.create, req.model, path)
+        self.ext.store_changed()
+        statuses += [{"status": "writing manifest"}, {"status": "success", "model": entry.display}]
+        if not req.stream:
+            self.finish_json(statuses[-1])
+            return
+        self.start_stream(NDJSON)
+        for st in statuses:
+            await self.send(ndjson(st))
+        self.end_stream(NDJSON)
+
+
+def _hex(digest: str) -> str:
+    from ..models.store import normalize_digest
+
+    return normalize_digest(digest)
+
+
+def _split_files(store, files: dict[str, str]) -> tuple[str, str | None]:
+    """(model digest, projector digest or None) from Ollama's ``files`` map."""
+    from ..models.gguf_info import read_gguf_info
+
+    digests = {}
+    for fname, digest in files.items():
+        hexd = _hex(digest)
+        if not store.has_blob(hexd):
+            raise BadRequest(f"files: {fname} (sha256:{hexd}) has not been uploaded; POST it to api/blobs first")
+        digests[fname] = hexd
+    if len(digests) == 1:
+        return next(iter(digests.values())), None
+
+    def is_projector(fname: str, hexd: str) -> bool:
+        if "mmproj" in fname.lower() or "projector" in fname.lower():
+            return True
+        try:
+            info = read_gguf_info(store.blob_path(hexd))
+        except GGUFError:
+            return True  # not a language model: the projector, if anything
+        return info.architecture in ("clip", "mllama_vision")
+
+    proj = [f for f, d in digests.items() if is_projector(f, d)]
+    if len(proj) != 1:
+        raise BadRequest("files: with two GGUF files one must be the model and one the multimodal projector "
+                         "(mmproj); could not tell which is which")
+    model = next(d for f, d in digests.items() if f != proj[0])
+    return model, digests[proj[0]]
+
+
+_ABORT = object()
+
+
+@web.stream_request_body
+class BlobHandler(LlamaHandler):
+    """``HEAD|POST api/blobs/sha256:<hex>``: the digest is checked before anything touches disk,
+    the body streams to the store (hashed on the way, bounded by ``max_upload_size``)."""
+
+    _track_activity = True
+
+    def initialize(self, name: str, *args, **kwargs) -> None:
+        super().initialize(name, *args, **kwargs)
+        self._queue: queue.Queue | None = None
+        self._receiver: asyncio.Future | None = None
+        self._received = 0
+        self._work = None
+
+    def _digest(self) -> str:
+        from ..models.store import normalize_digest
+
+        digest = self.path_kwargs.get("digest", "")
+        if not digest.startswith(("sha256:", "sha256-")):
+            raise BadRequest(f"invalid digest {digest!r}: expected sha256:<64 hex digits>")
+        return normalize_digest(digest)
+
+    async def prepare(self):
+        await super().prepare()  # authentication first: nothing is accepted from strangers
+        if self.request.method != "POST":
+            return
+        try:
+            hexd = self._digest()
+            limit = self.ext.max_upload_size
+            length = self.request.headers.get("Content-Length")
+            if length is not None and length.isdigit() and int(length) > limit:
+                raise PayloadTooLarge(f"blob of {int(length):,} bytes is larger than the upload limit of {limit:,} "
+                                      "bytes (LlamaExtension.max_upload_size)")
+        except Exception as e:  # noqa: BLE001
+            await self.fail(e)
+            return
+        self.request.connection.set_max_body_size(limit)
+        self._work = self.ext.work()
+        self._work.__enter__()
+        self._queue = queue.Queue(maxsize=64)
+        store = self.ext.store
+        chunks = self._chunks(self._queue)  # bound now: the generator first runs later, in the thread
+        self._receiver = asyncio.ensure_future(asyncio.to_thread(store.receive_blob, hexd, chunks))
+        # an aborted upload's error is nobody's to await: mark it seen
+        self._receiver.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    @staticmethod
+    def _chunks(q: "queue.Queue"):
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            if item is _ABORT:
+                raise ClientGone("upload aborted")
+            yield item
+
+    async def data_received(self, chunk: bytes):
+        if self._queue is None:
+            return
+        self._received += len(chunk)
+        try:
+            self._queue.put_nowait(chunk)
+        except queue.Full:  # back-pressure: the writer thread is behind
+            await asyncio.to_thread(self._queue.put, chunk)
+
+    def _end_upload(self, item) -> None:
+        if self._queue is not None:
+            q, self._queue = self._queue, None
+            try:
+                q.put_nowait(item)
+            except queue.Full:
+                # the thread drains the queue; hand over the marker without blocking the loop
+                asyncio.get_running_loop().run_in_executor(None, q.put, item)
+
+    def on_connection_close(self) -> None:
+        self._end_upload(_ABORT)
+        super().on_connection_close()
+
+    def on_finish(self) -> None:
+        self._end_upload(_ABORT)
+        if self._work is not None:
+            self._work.__exit__(None, None, None)
+            self._work = None
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def head(self, digest: str):
+        hexd = self._digest()
+        present = await asyncio.to_thread(self.ext.store.has_blob, hexd)
+        self.set_status(200 if present else 404)
+        self.finish()
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def post(self, digest: str):
+        if self._receiver is None:  # prepare refused it (and answered)
+            return
+        self._end_upload(None)
+        try:
+            await self._receiver
+        finally:
+            self._receiver = None
+        self.set_status(201)
+        self.finish()
+
+
+# ============================================================================ OpenAI
+
+
+class OpenAIHandler(LlamaHandler):
+    def error_payload(self, status: int, message: str) -> dict:
+        return oai.error_body(status, message)
+
+    def error_line(self, message: str) -> bytes:
+        return oai.sse(oai.error_body(500, message))
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def post(self, route: str):
+        req = oai.parse_request(route, self.json_body())
+        with self.ext.work():
+            await self.cancellable(self._run(req))
+
+    async def _run(self, req: oai.OpenAIRequest) -> None:
+        lease = await self.acquire(req.model, req.options, req.keep_alive)
+        try:
+            if not req.stream:
+                try:
+                    res = await lease.runner.post(req.endpoint, req.body)
+                except RequestError as e:
+                    if req.endpoint != "/v1/embeddings" or "pooling" not in str(e).lower():
+                        raise
+                    res = await _openai_embeddings(lease, req)  # the model does not pool: we do
+                self.finish_json(res)
+                return
+            self.start_stream(SSE)
+            async with closing(lease.runner.stream_sse(req.endpoint, req.body)) as events:
+                async for ev in events:
+                    await self.send(oai.sse(ev))
+            await self.send(oai.SSE_DONE)
+            self.end_stream(SSE)
+        finally:
+            lease.release()
+
+
+async def _openai_embeddings(lease, req: oai.OpenAIRequest) -> dict:
+    inp = req.body.get("input")
+    inputs = [inp] if isinstance(inp, str) else list(inp or [])
+    if not all(isinstance(s, str) for s in inputs):
+        raise BadRequest("input must be a string or a list of strings")
+    vectors, tokens = await _embed(lease, inputs)
+    return {"object": "list", "model": req.model,
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+class OpenAIModelsHandler(OpenAIHandler):
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def get(self, model: str | None = None):
+        entries = await asyncio.to_thread(self.ext.store.list)
+        body = oai.models_body(entries)
+        if model is None:
+            self.finish_json(body)
+            return
+        for m in body["data"]:
+            if m["id"] == model or m["id"] == f"{model}:latest":
+                self.finish_json(m)
+                return
+        raise ModelNotFound(model)
+
+
+# ============================================================================ ours
+
+
+class VersionHandler(LlamaHandler):
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def get(self):
+        eng = self.ext.engine
+        self.finish_json({"version": oa.OLLAMA_VERSION, "jupyter_llama": __version__,
+                          "engine": eng.version if eng else None,
+                          "engine_error": None if eng else self.ext.engine_error})
+
+
+class RootHandler(LlamaHandler):
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def get(self):
+        self.finish("jupyter-llama is running", set_content_type="text/plain; charset=utf-8")
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def head(self):
+        self.finish(set_content_type="text/plain; charset=utf-8")
+
+
+class DevicesHandler(LlamaHandler):
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def get(self):
+        from ..memory import devices as devmod
+
+        inv = await asyncio.to_thread(devmod.inventory)
+        sched = self.ext.scheduler
+        usage: dict[str, int] = {}
+        loaded = []
+        if sched is not None:
+            inv.budgets = sched.settings.budgets
+            for lo in list(sched.loaded.values()):
+                if lo.state == "gone":
+                    continue
+                charge = lo.charge
+                for dev, n in charge.by_device().items():
+                    usage[dev] = usage.get(dev, 0) + n
+                loaded.append({"name": lo.name, "state": lo.state, "source": charge.source,
+                               "by_device": charge.by_device()})
+        body = inv.to_dict()
+        body["usage"] = usage
+        body["loaded"] = loaded
+        body["text"] = devmod.format_inventory(inv)
+        self.finish(dumps(body))
+
+
+class EstimateHandler(LlamaHandler):
+    @web.authenticated
+    @authorized
+    @api_method
+    async def post(self):
+        body = self.json_body()
+        name = oa._model_name(body)
+        opts = split_options(body.get("options")).load_options()
+        sched = self.ext.scheduler
+        if sched is not None and opts.num_parallel is None and sched.settings.num_parallel:
+            opts = opts.replace(num_parallel=sched.settings.num_parallel)
+        ref = await self.ext.store.resolve(name)
+        from ..memory import devices as devmod
+        from ..memory import estimate as est
+
+        inv = await asyncio.to_thread(devmod.inventory)
+        gpus = [g.id for g in inv.gpus]
+        estimates = None
+        if hasattr(est, "estimate_all_async"):
+            try:
+                estimates = await est.estimate_all_async(ref.info, opts, gpus, engine=self.ext.engine,
+                                                         model_path=ref.path)
+            except Exception as e:  # noqa: BLE001 - llama.cpp's projection is optional
+                self.log.warning("jupyter-llama: estimate_all failed (%s); using the scheduler's predictions", e)
+        if estimates is None:
+            estimates = await asyncio.to_thread(_predict, ref, opts, gpus)
+        out: dict[str, Any] = {"model": name, "options": opts.to_dict(),
+                               "estimates": {k: v.to_dict() for k, v in estimates.items()},
+                               "loaded": None, "actual": None}
+        actual = None
+        if sched is not None:
+            lo = next((lo for lo in sched.loaded.values() if lo.ref.key == ref.key and lo.state != "gone"), None)
+            if lo is not None:
+                actual = lo.actual
+                out["loaded"] = {"name": lo.name, "options": lo.options.to_dict(), "fit_source": lo.fit_source,
+                                 "predictions": {k: v.to_dict() for k, v in lo.predictions.items()}}
+                out["actual"] = actual.to_dict() if actual else None
+        if hasattr(est, "format_estimates"):
+            try:
+                out["table"] = est.format_estimates(estimates, actual)
+            except Exception:  # noqa: BLE001 - text is a convenience
+                out["table"] = None
+        self.finish(dumps(out))
+
+
+def _predict(ref, opts, gpus):
+    from ..scheduler import default_predictor
+
+    return default_predictor(ref, opts, gpus)
+
+
+class EventsHandler(LlamaHandler):
+    _track_activity = False  # a live event feed is watching, not working
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def get(self):
+        model = self.get_argument("model", None) or None
+        try:
+            since = int(self.get_argument("since", "0") or 0)
+            limit = int(self.get_argument("limit", "1000") or 1000)
+        except ValueError:
+            raise BadRequest("since and limit must be whole numbers") from None
+        stream = self.get_argument("stream", "0").lower() in ("1", "true", "yes")
+        sched = self.ext.scheduler
+        if not stream:
+            events = sched.events.recent(model, limit, since) if sched is not None else []
+            self.finish(dumps({"events": [e.to_dict() for e in events]}))
+            return
+        sched = await self.ext.get_scheduler()
+        await self.cancellable(self._follow(sched, model, since, limit))
+
+    async def _follow(self, sched, model, since, limit) -> None:
+        with sched.events.listen() as sub:  # listening before reading history: nothing falls between
+            self.start_stream(NDJSON)
+            last = since
+            for e in sched.events.recent(model, limit, since):
+                await self.send(ndjson(_finite(e.to_dict())))
+                last = e.seq
+            await self.send(b"")  # headers out now, even with no history
+            while True:
+                e = await sub.get()
+                if e.seq <= last or (model is not None and e.model != model):
+                    continue
+                last = e.seq
+                await self.send(ndjson(_finite(e.to_dict())))
+
+
+# ============================================================================ routes
+
+
+def default_handlers() -> list[tuple]:
+    p = "/llama"
+    return [
+        (p + r"/?", RootHandler),
+        (p + r"/api/generate", GenerateHandler),
+        (p + r"/api/chat", ChatHandler),
+        (p + r"/api/embed", EmbedHandler),
+        (p + r"/api/embeddings", EmbeddingsHandler),
+        (p + r"/api/ps", PsHandler),
+        (p + r"/api/tags", TagsHandler),
+        (p + r"/api/show", ShowHandler),
+        (p + r"/api/pull", PullHandler),
+        (p + r"/api/copy", CopyHandler),
+        (p + r"/api/delete", DeleteHandler),
+        (p + r"/api/create", CreateHandler),
+        (p + r"/api/blobs/(?P<digest>[^/]+)", BlobHandler),
+        (p + r"/api/version", VersionHandler),
+        (p + r"/api/devices", DevicesHandler),
+        (p + r"/api/estimate", EstimateHandler),
+        (p + r"/api/events", EventsHandler),
+        (p + r"/v1/models", OpenAIModelsHandler),
+        (p + r"/v1/models/(?P<model>.+)", OpenAIModelsHandler),
+        (p + r"/v1/(?P<route>chat/completions|completions|embeddings)", OpenAIHandler),
+    ]

@@ -1,0 +1,100 @@
+"""``jupyter-llama serve``: a Jupyter server with only this extension, for clients outside
+JupyterLab (the CLI, VS Code, Ollama and OpenAI clients).
+
+    jupyter-llama serve [--ip 127.0.0.1] [--port N] [--token T] [--no-browser] [--allow-root]
+
+It is a plain jupyter_server ``ServerApp`` (same auth, same config files, same runtime
+file that ``client.py`` reads) with ``jupyter_llama`` enabled and other extensions left
+out. Ollama clients point at ``http://<ip>:<port>/llama`` with the header
+``Authorization: token <token>``; OpenAI clients at ``http://<ip>:<port>/llama/v1`` with
+the token as API key. Ctrl-C and SIGTERM stop every model runner before the server exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Sequence
+
+from .. import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jupyter-llama serve",
+                                description="Serve the jupyter-llama API (Ollama- and OpenAI-compatible) "
+                                            "from a Jupyter server with only this extension.")
+    p.add_argument("--ip", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default: jupyter_server's, 8888, or the next free)")
+    p.add_argument("--token", default=None,
+                   help="the token clients must send (default: a random one, printed at start; '' disables auth "
+                        "only if the server also allows it)")
+    p.add_argument("--base-url", default=None, help="URL prefix (default /)")
+    p.add_argument("--no-browser", action="store_true",
+                   help="do not open a browser (the default: there is no page to show, only an API)")
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARN, ERROR or CRITICAL")
+    p.add_argument("--allow-root", action="store_true", help="allow running as root (jupyter_server refuses by default)")
+    return p
+
+
+def server_argv(args: argparse.Namespace) -> list[str]:
+    """The ServerApp command line for parsed ``serve`` arguments (config files still apply below it)."""
+    argv = [f"--ServerApp.ip={args.ip}", "--ServerApp.open_browser=False", "--ServerApp.answer_yes=True"]
+    if args.port is not None:
+        argv.append(f"--ServerApp.port={args.port}")
+    if args.token is not None:
+        argv.append(f"--IdentityProvider.token={args.token}")
+    if args.base_url:
+        argv.append(f"--ServerApp.base_url={args.base_url}")
+    if args.log_level:
+        argv.append(f"--ServerApp.log_level={args.log_level}")
+    if args.allow_root:
+        argv.append("--ServerApp.allow_root=True")
+    return argv
+
+
+def make_server(argv: Sequence[str] | None = None):
+    """An initialised (not yet started) ServerApp running only this extension."""
+    from jupyter_server.serverapp import ServerApp
+
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    app = ServerApp.instance(jpserver_extensions={"jupyter_llama": True})
+    app.initialize(argv=server_argv(args), find_extensions=False, starter_extension="jupyter_llama")
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the server until it is stopped; returns the exit status."""
+    app = make_server(argv)
+    # Stop cleanly on Ctrl-C whether or not a terminal is attached (jupyter_server asks for
+    # confirmation only on a tty; without one Python's default would skip the extension's
+    # clean-up and rely on the children's parent-death signal alone).
+    signal.signal(signal.SIGINT, app._signal_stop)
+    url = app.connection_url.rstrip("/") + "/llama"
+    token = app.identity_provider.token
+    app.log.info("jupyter-llama %s serving %s", __version__, url)
+    app.log.info("  Ollama clients: OLLAMA_HOST=%s with header 'Authorization: token %s'", url,
+                 token if token else "")
+    app.log.info("  OpenAI clients: base_url=%s/v1 api_key=<the token>", url)
+    try:
+        app.start()
+    finally:
+        # If the loop ended without the normal clean-up (an exception), stop the children now.
+        ext = _extension(app)
+        if ext is not None and ext.scheduler is not None and ext.scheduler.loaded:
+            for lo in list(ext.scheduler.loaded.values()):
+                if lo.runner is not None:
+                    lo.runner.kill_now()
+    return 0
+
+
+def _extension(app):
+    try:
+        point = app.extension_manager.extension_points["jupyter_llama"]
+    except (AttributeError, KeyError):
+        return None
+    return point.app
+
+
+if __name__ == "__main__":
+    sys.exit(main())

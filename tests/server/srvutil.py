@@ -1,0 +1,144 @@
+"""Helpers shared by the server tests (imported by name: the tests tree has no packages)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+# Small shapes keep loads and generation fast on a 2-core CPU.
+TINY = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=4096, seed=3)
+OTHER = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=4096, seed=4)
+# One thread: on a busy 2-core machine two spinning threads per child run ~50x slower.
+OPTS = {"num_ctx": 1024, "num_parallel": 1, "num_thread": 1}
+LONG = {"num_ctx": 4096, "num_parallel": 1, "num_thread": 1}
+
+
+async def wait_until(cond, timeout: float = 10.0, interval: float = 0.02):
+    """Poll ``cond()`` (sync or async) until truthy; return its value or fail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if asyncio.iscoroutine(v):
+            v = await v
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(interval)
+
+
+def lines(body: bytes) -> list[dict]:
+    return [json.loads(ln) for ln in body.decode().splitlines() if ln.strip()]
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def llama_children(parent: int | None = None) -> list[int]:
+    """PIDs of live llama-server processes (children of ``parent`` when given)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if b"llama-server" not in cmd.split(b"\0")[0] and b"llama-server" not in cmd:
+            continue
+        if fields[0] == "Z":
+            continue
+        if parent is None or int(fields[1]) == parent:
+            out.append(int(d))
+    return out
+
+
+def our_children() -> list[int]:
+    return llama_children(os.getpid())
+
+
+# ----------------------------------------------------------------------------- a file host
+
+
+class FileHost:
+    """A threaded local HTTP server that serves files with ``Range`` support (206, Content-Range,
+    ETag), for pulls. ``FileHost({"/m.gguf": path})``; use as a context manager."""
+
+    def __init__(self, files: dict):
+        import hashlib
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.files = {k: str(v) for k, v in files.items()}
+        self.requests: list[tuple[str, str, str | None]] = []
+        host = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _serve(self, body: bool):
+                host.requests.append((self.command, self.path, self.headers.get("Range")))
+                path = host.files.get(self.path.split("?")[0])
+                if path is None:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                with open(path, "rb") as fh:
+                    data = fh.read()
+                etag = '"' + hashlib.sha256(data).hexdigest()[:16] + '"'
+                start, end, status = 0, len(data) - 1, 200
+                rng = self.headers.get("Range")
+                if rng and rng.startswith("bytes="):
+                    a, _, b = rng[6:].partition("-")
+                    start = int(a) if a else 0
+                    end = int(b) if b else len(data) - 1
+                    status = 206
+                chunk = data[start:end + 1]
+                self.send_response(status)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(len(chunk)))
+                self.send_header("Accept-Ranges", "bytes")
+                self.send_header("ETag", etag)
+                if status == 206:
+                    self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+                self.end_headers()
+                if body:
+                    self.wfile.write(chunk)
+
+            def do_GET(self):
+                self._serve(True)
+
+            def do_HEAD(self):
+                self._serve(False)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> "FileHost":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)

@@ -1,0 +1,347 @@
+"""The Ollama-compatible REST API through a real Jupyter server and real llama-server children."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import math
+
+import httpx
+import pytest
+from srvutil import LONG, OPTS, FileHost, lines, wait_until
+
+pytestmark = pytest.mark.engine
+
+NOT_FOUND = 'model "nope" not found, try pulling it first'  # the store may add " (did you mean ...?)"
+
+
+def gen(model="tiny", prompt="Once upon a time", **kw):
+    body = {"model": model, "prompt": prompt, "raw": True, "options": dict(OPTS, num_predict=4)}
+    body.update(kw)
+    return body
+
+
+# ----------------------------------------------------------------------------- auth
+
+
+async def test_every_route_needs_auth(llama_url, token):
+    routes = [("GET", "api/version"), ("GET", "api/ps"), ("GET", "api/tags"), ("POST", "api/generate"),
+              ("POST", "api/chat"), ("POST", "api/show"), ("POST", "api/pull"), ("DELETE", "api/delete"),
+              ("POST", "api/copy"), ("POST", "api/create"), ("POST", "api/embed"),
+              ("HEAD", "api/blobs/sha256:" + "0" * 64), ("POST", "api/blobs/sha256:" + "0" * 64),
+              ("GET", "api/devices"), ("POST", "api/estimate"), ("GET", "api/events"), ("GET", "v1/models"),
+              ("POST", "v1/chat/completions"), ("POST", "v1/completions"), ("POST", "v1/embeddings")]
+    async with httpx.AsyncClient(base_url=llama_url + "/", trust_env=False) as c:
+        for method, path in routes:
+            for headers in ({}, {"Authorization": "token wrong"}, {"Authorization": "Bearer wrong"}):
+                r = await c.request(method, path, headers=headers, content=b'{"model": "tiny"}')
+                assert r.status_code == 403, (method, path, headers, r.status_code, r.text)
+                if method != "HEAD":
+                    assert "error" in r.json()
+        # the token works in either spelling of the header (openai sends Bearer)
+        for scheme in ("token", "Bearer"):
+            r = await c.get("api/version", headers={"Authorization": f"{scheme} {token}"})
+            assert r.status_code == 200, r.text
+
+
+async def test_cookie_requests_need_xsrf(llama_url, token):
+    """A browser-style request (login cookie, no token) must carry the XSRF token to POST."""
+    async with httpx.AsyncClient(base_url=llama_url + "/", trust_env=False) as c:
+        r = await c.get("api/version", params={"token": token})  # logs in: sets the cookie
+        assert r.status_code == 200
+        assert any(k.startswith("username-") for k in c.cookies.keys()), c.cookies
+        r = await c.get("api/tags")  # GET with the cookie alone is fine
+        assert r.status_code == 200
+        r = await c.post("api/show", json={"model": "tiny"})
+        assert r.status_code == 403, r.text
+        xsrf = c.cookies.get("_xsrf")
+        if xsrf:
+            r = await c.post("api/show", json={"model": "tiny"}, headers={"X-XSRFToken": xsrf})
+            assert r.status_code == 200, r.text
+
+
+# ----------------------------------------------------------------------------- listing
+
+
+async def test_version_tags_show(jp_fetch):
+    r = await jp_fetch("llama", "api", "version")
+    v = json.loads(r.body)
+    assert v["version"].count(".") == 2 and v["engine"]
+    tags = json.loads((await jp_fetch("llama", "api", "tags")).body)
+    names = {m["name"] for m in tags["models"]}
+    assert {"tiny:latest", "other:latest"} <= names
+    m = next(m for m in tags["models"] if m["name"] == "tiny:latest")
+    assert m["details"]["format"] == "gguf" and m["details"]["family"] == "llama"
+    assert m["details"]["parameter_size"] and m["details"]["quantization_level"]
+    assert m["size"] > 0 and len(m["digest"]) == 64 and m["modified_at"]
+    r = await jp_fetch("llama", "api", "show", method="POST", body=json.dumps({"model": "tiny"}))
+    show = json.loads(r.body)
+    assert show["details"]["family"] == "llama"
+    assert show["model_info"]["general.architecture"] == "llama"
+    assert show["model_info"]["llama.context_length"] == 4096
+    assert "im_start" in show["template"]
+    assert show["capabilities"] == ["completion"]
+    ps = json.loads((await jp_fetch("llama", "api", "ps")).body)
+    assert ps == {"models": []}
+
+
+# ----------------------------------------------------------------------------- generate / chat
+
+
+async def test_generate_streams_ndjson(http):
+    async with http.stream("POST", "api/generate", json=gen()) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        chunks = [json.loads(ln) async for ln in r.aiter_lines() if ln.strip()]
+    *parts, last = chunks
+    assert parts and all(c["done"] is False and c["model"] == "tiny" for c in parts)
+    assert "".join(c["response"] for c in parts)
+    dt.datetime.fromisoformat(parts[0]["created_at"])
+    assert last["done"] is True and last["done_reason"] == "length" and last["response"] == ""
+    assert last["eval_count"] == 4 and last["prompt_eval_count"] >= 1
+    for k in ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration"):
+        assert isinstance(last[k], int) and last[k] >= 0, k
+    assert last["total_duration"] >= last["eval_duration"] > 0
+
+
+async def test_generate_non_stream_seed_and_format(http):
+    body = gen(stream=False, options=dict(OPTS, num_predict=8, seed=42, temperature=1.0))
+    a = (await http.post("api/generate", json=body)).json()
+    b = (await http.post("api/generate", json=body)).json()
+    assert a["done"] and a["response"] and a["eval_count"] == 8
+    assert a["response"] == b["response"]  # seed and temperature reach the child
+    # templated (not raw) prompts go through the model's chat template
+    c = (await http.post("api/generate", json=gen(raw=False, system="Be brief.", stream=False))).json()
+    assert c["prompt_eval_count"] > a["prompt_eval_count"]
+    # format: llama-server constrains the output to JSON
+    j = (await http.post("api/generate", json=gen(format="json", stream=False,
+                                                  options=dict(OPTS, num_predict=6)))).json()
+    assert j["response"].lstrip().startswith("{"), j["response"]
+
+
+async def test_empty_prompt_loads_and_keep_alive_0_unloads(http, ext):
+    r = (await http.post("api/generate", json={"model": "tiny", "options": OPTS})).json()
+    assert r["done"] is True and r["done_reason"] == "load" and r["load_duration"] > 0
+    ps = (await http.get("api/ps")).json()["models"]
+    assert [m["name"] for m in ps] == ["tiny:latest"]
+    m = ps[0]
+    assert m["size"] > 0 and m["size_vram"] == 0 and m["context_length"] == 1024 and len(m["digest"]) == 64
+    assert m["details"]["family"] == "llama"
+    expires = dt.datetime.fromisoformat(m["expires_at"])
+    left = (expires - dt.datetime.now(dt.timezone.utc)).total_seconds()
+    assert 20 < left <= 31  # the server's keep_alive is 30s
+    r = (await http.post("api/generate", json={"model": "tiny", "keep_alive": 0})).json()
+    assert r["done_reason"] == "unload"
+    assert (await http.get("api/ps")).json()["models"] == []
+    # chat: no messages loads; a pinned keep_alive shows a far-away expiry
+    r = (await http.post("api/chat", json={"model": "other", "messages": [], "keep_alive": -1,
+                                           "options": OPTS})).json()
+    assert r["done_reason"] == "load" and r["message"] == {"role": "assistant", "content": ""}
+    m = (await http.get("api/ps")).json()["models"][0]
+    assert dt.datetime.fromisoformat(m["expires_at"]).year > 2200 and m["pinned"] is True
+    r = (await http.post("api/chat", json={"model": "other", "messages": [], "keep_alive": "0s"})).json()
+    assert r["done_reason"] == "unload"
+    assert (await http.get("api/ps")).json()["models"] == []
+
+
+async def test_chat_stream_and_not(http):
+    body = {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hello"}],
+            "options": dict(OPTS, num_predict=4)}
+    r = await http.post("api/chat", json=body)
+    assert r.headers["content-type"].startswith("application/x-ndjson")
+    *parts, last = lines(r.content)
+    assert parts and all(p["message"]["role"] == "assistant" and not p["done"] for p in parts)
+    assert last["done"] and last["done_reason"] == "length" and last["eval_count"] == 4
+    assert last["prompt_eval_count"] > 5 and last["eval_duration"] > 0
+    one = (await http.post("api/chat", json=dict(body, stream=False))).json()
+    assert one["done"] and one["message"]["role"] == "assistant" and one["message"]["content"]
+
+
+async def test_embed(http):
+    r = (await http.post("api/embed", json={"model": "tiny", "input": ["hello", "world peace"],
+                                            "options": OPTS})).json()
+    vecs = r["embeddings"]
+    assert len(vecs) == 2 and len(vecs[0]) == 64
+    assert all(abs(math.sqrt(sum(x * x for x in v)) - 1) < 1e-6 for v in vecs)
+    assert r["prompt_eval_count"] > 0
+    legacy = (await http.post("api/embeddings", json={"model": "tiny", "prompt": "hello", "options": OPTS})).json()
+    assert len(legacy["embedding"]) == 64
+    ps = (await http.get("api/ps")).json()["models"]
+    assert ps[0]["options"]["embedding"] is True
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+async def test_error_statuses(http):
+    async def err(method, path, status, **kw):
+        r = await http.request(method, path, **kw)
+        assert r.status_code == status, (path, r.status_code, r.text)
+        return r.json()["error"]
+
+    far = "qqqqqqqqqqqqqqqqqqqqqqqq"  # nothing like it in the store: Ollama's message exactly
+    assert await err("POST", "api/generate", 404, json=gen(far)) == f'model "{far}" not found, try pulling it first'
+    assert (await err("POST", "api/generate", 404, json=gen("nope"))).startswith(NOT_FOUND)
+    assert (await err("POST", "api/chat", 404,
+                      json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})).startswith(NOT_FOUND)
+    assert (await err("POST", "api/generate", 404, json={"model": "nope", "keep_alive": 0})).startswith(NOT_FOUND)
+    assert (await err("POST", "api/show", 404, json={"model": "nope"})).startswith(NOT_FOUND)
+    # the store names the model in its full form here ("nope:latest")
+    assert "not found, try pulling it first" in await err("DELETE", "api/delete", 404, json={"model": "nope"})
+    assert "not found, try pulling it first" in await err("POST", "api/copy", 404,
+                                                          json={"source": "nope", "destination": "x"})
+    assert (await err("POST", "api/embed", 404, json={"model": "nope", "input": "x"})).startswith(NOT_FOUND)
+    assert "malformed JSON" in await err("POST", "api/generate", 400, content=b'{"model": "tiny",')
+    assert "JSON object" in await err("POST", "api/generate", 400, content=b"[1, 2]")
+    assert "model is required" in await err("POST", "api/generate", 400, json={"prompt": "x"})
+    assert "temprature" in await err("POST", "api/generate", 400,
+                                     json=gen(options={"temprature": 0.5, "num_predict": 2}))
+    assert "num_ctx" in await err("POST", "api/generate", 400, json=gen(options={"num_ctx": "big"}))
+    assert "keep_alive" in await err("POST", "api/generate", 400, json=gen(keep_alive="forever-ish"))
+    assert "keep_alive" in await err("POST", "api/chat", 400, json={"model": "tiny", "messages": [], "keep_alive": True})
+    assert "role" in await err("POST", "api/chat", 400, json={"model": "tiny", "messages": [{"content": "x"}]})
+    for bad in ("sha256:xyz", "md5:" + "0" * 32, "sha256:" + "0" * 63, "..%2F..%2Fetc"):
+        assert "digest" in await err("POST", f"api/blobs/{bad}", 400, content=b"data")
+        r = await http.head(f"api/blobs/{bad}")
+        assert r.status_code == 400
+    # nothing touched the store for the bad digests
+    assert (await http.get("api/ps")).json()["models"] == []
+
+
+@pytest.mark.llama_config(max_request_size=2000)
+async def test_request_size_limit(http):
+    r = await http.post("api/generate", json=gen(prompt="x" * 5000))
+    assert r.status_code == 413 and "limit" in r.json()["error"]
+
+
+# ----------------------------------------------------------------------------- blobs, create, copy, delete
+
+
+async def test_blobs_create_copy_delete(http, make_model, ext):
+    from srvutil import TINY
+
+    path = make_model("srv-upload", **dict(TINY, seed=11))
+    data = path.read_bytes()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    assert (await http.head(f"api/blobs/{digest}")).status_code == 404
+    wrong = "sha256:" + "1" * 64
+    r = await http.post(f"api/blobs/{wrong}", content=data)
+    assert r.status_code == 400 and "mismatch" in r.json()["error"]
+    assert (await http.head(f"api/blobs/{wrong}")).status_code == 404
+
+    async def body():  # streamed in pieces, as a large upload would be
+        for i in range(0, len(data), 256 * 1024):
+            yield data[i:i + 256 * 1024]
+
+    r = await http.post(f"api/blobs/{digest}", content=body())
+    assert r.status_code == 201, r.text
+    assert (await http.head(f"api/blobs/{digest}")).status_code == 200
+
+    r = await http.post("api/create", json={"model": "made", "files": {"nope.gguf": "sha256:" + "2" * 64}})
+    assert r.status_code == 400 and "uploaded" in r.json()["error"]
+    r = await http.post("api/create", json={"model": "made", "files": {"made.gguf": digest}})
+    statuses = [s["status"] for s in lines(r.content)]
+    assert statuses[0] == "parsing GGUF" and statuses[-1] == "success", statuses
+    r = await http.post("api/create", json={"model": "made2", "from": "made", "stream": False})
+    assert r.json()["status"] == "success"
+    names = {m["name"] for m in (await http.get("api/tags")).json()["models"]}
+    assert {"made:latest", "made2:latest"} <= names
+
+    # copy, load the copy, delete it: it is unloaded first; the original keeps its blob
+    assert (await http.post("api/copy", json={"source": "made", "destination": "made3"})).status_code == 200
+    await http.post("api/generate", json={"model": "made3", "options": OPTS})
+    assert [m["name"] for m in (await http.get("api/ps")).json()["models"]] == ["made3:latest"]
+    r = await http.request("DELETE", "api/delete", json={"model": "made3"})
+    assert r.status_code == 200, r.text
+    assert (await http.get("api/ps")).json()["models"] == []
+    names = {m["name"] for m in (await http.get("api/tags")).json()["models"]}
+    assert "made3:latest" not in names and "made:latest" in names
+    r = await http.post("api/generate", json=gen("made", stream=False))
+    assert r.status_code == 200 and r.json()["eval_count"] == 4
+    assert (await http.request("DELETE", "api/delete", json={"model": "made3"})).status_code == 404
+
+
+@pytest.mark.llama_config(max_upload_size=1000)
+async def test_upload_size_limit(http):
+    r = await http.post("api/blobs/sha256:" + "3" * 64, content=b"x" * 5000)
+    assert r.status_code == 413 and "limit" in r.json()["error"]
+
+
+async def test_pull_stream_from_a_local_host(http, make_model):
+    from srvutil import TINY
+
+    path = make_model("srv-pull", **dict(TINY, seed=21))
+    with FileHost({"/m/pulled.gguf": path}) as host:
+        async with http.stream("POST", "api/pull", json={"model": host.url + "/m/pulled.gguf",
+                                                         "destination": "pulled"}) as r:
+            assert r.status_code == 200
+            statuses = [json.loads(ln) async for ln in r.aiter_lines() if ln.strip()]
+        assert statuses[-1] == {"status": "success"}, statuses
+        assert any(s.get("total") == path.stat().st_size and s.get("completed") == s.get("total") for s in statuses)
+        # an error before any progress is an HTTP status; a missing file upstream is an error
+        r = await http.post("api/pull", json={"model": host.url + "/m/missing.gguf", "destination": "x"})
+        assert r.status_code >= 400 or "error" in lines(r.content)[-1], r.text
+        r = await http.post("api/pull", json={"model": "ftp://example/x.gguf"})
+        assert r.status_code == 400
+    names = {m["name"] for m in (await http.get("api/tags")).json()["models"]}
+    assert "pulled:latest" in names
+
+
+# ----------------------------------------------------------------------------- ours
+
+
+async def test_devices_estimate_events(http, ext):
+    dev = (await http.get("api/devices")).json()
+    assert dev["devices"][0]["id"] == "cpu" and dev["usage"] == {} and "text" in dev
+    est = (await http.post("api/estimate", json={"model": "tiny", "options": OPTS})).json()
+    assert {"coarse", "detailed"} <= set(est["estimates"]) and est["actual"] is None
+    assert est["estimates"]["detailed"]["total"] > 0
+    assert (await http.post("api/estimate", json={"model": "nope"})).status_code == 404
+
+    await http.post("api/generate", json={"model": "tiny", "options": OPTS})
+    est = (await http.post("api/estimate", json={"model": "tiny", "options": OPTS})).json()
+    assert est["actual"]["total"] > 0 and est["loaded"]["name"] == "tiny:latest"
+    dev = (await http.get("api/devices")).json()
+    assert dev["usage"]["cpu"] > 0 and dev["loaded"][0]["name"] == "tiny:latest"
+
+    events = (await http.get("api/events")).json()["events"]
+    kinds = [e["kind"] for e in events]
+    assert "fit" in kinds and "loaded" in kinds
+    last = events[-1]["seq"]
+    assert (await http.get("api/events", params={"since": last})).json()["events"] == []
+    assert all(e["model"] == "tiny:latest"
+               for e in (await http.get("api/events", params={"model": "tiny:latest"})).json()["events"])
+
+    # the live feed: history after `since`, then new events as they happen
+    async with http.stream("GET", "api/events", params={"stream": "1", "since": last}) as r:
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        await http.post("api/generate", json={"model": "other", "options": OPTS})
+        seen = []
+        async for ln in r.aiter_lines():
+            if ln.strip():
+                seen.append(json.loads(ln))
+                if seen[-1]["kind"] == "loaded":
+                    break
+    assert seen[-1]["model"] == "other:latest" and all(e["seq"] > last for e in seen)
+    assert (await http.get("api/events", params={"since": "x"})).status_code == 400
+
+
+async def test_long_options_reach_the_child(http, ext):
+    """Load options are load options: num_ctx reaches llama-server's -c, num_thread its -t."""
+    await http.post("api/generate", json={"model": "tiny", "options": LONG})
+    lo = next(iter(ext.scheduler.loaded.values()))
+    assert "-c" in lo.runner.argv and lo.runner.argv[lo.runner.argv.index("-c") + 1] == "4096"
+    assert lo.runner.argv[lo.runner.argv.index("-t") + 1] == "1"
+    await wait_until(lambda: lo.refcount == 0)
+
+
+@pytest.mark.llama_config(server_binary="/nonexistent/llama-server")
+async def test_without_an_engine_the_registry_still_works(http):
+    r = await http.post("api/generate", json=gen())
+    assert r.status_code == 503 and "llama-server" in r.json()["error"]
+    assert (await http.get("api/version")).json()["engine_error"]
+    assert "tiny:latest" in {m["name"] for m in (await http.get("api/tags")).json()["models"]}
+    assert (await http.get("api/ps")).json() == {"models": []}
+    assert (await http.post("api/show", json={"model": "tiny"})).status_code == 200

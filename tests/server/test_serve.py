@@ -1,0 +1,95 @@
+"""``jupyter-llama serve`` as a real process: it serves, and no llama-server outlives it,
+whether it is stopped (SIGTERM, SIGINT) or killed (SIGKILL: the children's parent-death signal)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from srvutil import OPTS, TINY, is_alive, llama_children
+
+pytestmark = pytest.mark.engine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def serve(tmp_path, engine, make_model):
+    """Start ``python -m jupyter_llama.server.serve``; yields (process, base url, token)."""
+    from jupyter_llama.models.store import ModelStore
+
+    models = tmp_path / "models"
+    ModelStore(models).create("tiny", make_model("serve-tiny", **TINY))
+    env = dict(os.environ)
+    for k in list(env):
+        if k.startswith(("JUPYTER_LLAMA_", "JPY_")):
+            del env[k]
+    home = tmp_path / "home"
+    env.update(JUPYTER_LLAMA_MODELS=str(models), JUPYTER_LLAMA_SERVER=engine.path, HOME=str(home),
+               JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_DATA_DIR=str(home / "data"),
+               JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_PLATFORM_DIRS="1")
+    port, token = _free_port(), "serve-test-token"
+    procs = []
+
+    def start():
+        log = open(tmp_path / "serve.log", "wb")
+        p = subprocess.Popen([sys.executable, "-m", "jupyter_llama.server.serve", "--port", str(port),
+                              "--token", token, "--allow-root", "--no-browser"],
+                             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        procs.append(p)
+        url = f"http://127.0.0.1:{port}/llama/"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert p.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(url + "api/version", headers={"Authorization": f"token {token}"},
+                             timeout=1, trust_env=False).status_code == 200:
+                    return p, url, token
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("serve did not answer within 60s:\n" + (tmp_path / "serve.log").read_text())
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        for pid in llama_children(p.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if is_alive(pid)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return [pid for pid in pids if is_alive(pid)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_no_child_outlives_the_server(serve, sig):
+    proc, url, token = serve()
+    h = {"Authorization": f"token {token}"}
+    with httpx.Client(base_url=url, headers=h, trust_env=False, timeout=60) as c:
+        r = c.post("api/generate", json={"model": "tiny", "prompt": "Once", "raw": True, "stream": False,
+                                         "options": dict(OPTS, num_predict=3)})
+        assert r.status_code == 200 and r.json()["eval_count"] == 3
+        pid = c.get("api/ps").json()["models"][0]["pid"]
+    assert is_alive(pid) and pid in llama_children(proc.pid)
+    proc.send_signal(sig)
+    assert proc.wait(30) is not None
+    assert _wait_gone([pid]) == [], f"llama-server {pid} outlived the server ({sig.name})"
+    assert llama_children(proc.pid) == []

@@ -1,0 +1,201 @@
+"""The wire formats as pure functions (no server, no engine)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+
+import pytest
+
+from jupyter_llama.api import ollama as oa
+from jupyter_llama.api import openai as oai
+from jupyter_llama.api.options import parse_keep_alive, split_options
+from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.scheduler import BadRequest
+
+
+def test_options_split_into_load_and_sampling():
+    s = split_options({"num_ctx": 2048, "num_gpu": -1, "num_thread": 2, "use_mmap": False, "flash_attn": True,
+                       "kv_cache_type": "q8_0", "temperature": 0.2, "top_k": 5, "num_predict": -2,
+                       "stop": "END", "seed": 7.0, "low_vram": True})
+    opts = s.load_options()
+    assert opts == LoadOptions(num_ctx=2048, num_thread=2, use_mmap=False, flash_attn="on", cache_type_k="q8_0",
+                               cache_type_v="q8_0")
+    assert opts.num_gpu is None  # -1: automatic
+    assert s.sampling == {"temperature": 0.2, "top_k": 5, "n_predict": -1, "stop": ["END"], "seed": 7}
+    assert s.ignored == ["low_vram"]
+    assert split_options(None).load_options() == LoadOptions()
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"temprature": 1}, "unknown option: temprature"),
+    ({"a": 1, "b": 2}, "unknown options: a, b"),
+    ({"num_ctx": "big"}, "num_ctx"),
+    ({"num_ctx": 8}, "num_ctx"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"stop": [1]}, "stop"),
+    ({"cache_type_k": "q3"}, "cache_type_k"),
+    ({"use_mmap": "no"}, "use_mmap"),
+    ({"temperature": float("nan")}, "temperature"),
+    ([1, 2], "options must be a JSON object"),
+])
+def test_bad_options_are_400_naming_them(options, words):
+    with pytest.raises(BadRequest) as e:
+        split_options(options).load_options()
+    assert words in str(e.value)
+    assert e.value.status == 400
+
+
+def test_keep_alive():
+    assert parse_keep_alive(None) is None
+    assert parse_keep_alive(30) == 30.0
+    assert parse_keep_alive("1h30m") == 5400.0
+    assert parse_keep_alive(-1) == math.inf and parse_keep_alive("-1") == math.inf
+    assert parse_keep_alive(0) == 0.0
+    for bad in ("soon", True, "5x"):
+        with pytest.raises(BadRequest, match="keep_alive"):
+            parse_keep_alive(bad)
+
+
+def test_parse_requests():
+    g = oa.parse_generate({"model": "m", "prompt": "hi", "format": "json", "options": {"num_predict": 3},
+                           "keep_alive": "5m", "stream": False})
+    assert g.sampling == {"n_predict": 3, "json_schema": {"type": "object"}} and g.keep_alive == 300 and not g.stream
+    assert oa.parse_generate({"name": "m"}).is_load_only  # "name": Ollama's older spelling
+    assert oa.parse_generate({"model": "m", "keep_alive": 0}).unloads
+    assert not oa.parse_generate({"model": "m", "prompt": "x", "keep_alive": 0}).unloads
+    for body, words in (({}, "model is required"), ({"model": 3}, "model must be a string"),
+                        ({"model": "m", "stream": "yes"}, "stream"), ({"model": "m", "images": ["x"]}, "images"),
+                        ({"model": "m", "format": "xml"}, "format")):
+        with pytest.raises(BadRequest, match=words):
+            oa.parse_generate(body)
+    c = oa.parse_chat({"model": "m", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "3", "tool_name": "f"}]})
+    assert c.messages[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert c.messages[2]["name"] == "f"
+    assert oa.parse_chat({"model": "m"}).is_load_only
+    with pytest.raises(BadRequest, match="role"):
+        oa.parse_chat({"model": "m", "messages": [{"role": "robot", "content": "x"}]})
+    e = oa.parse_embed({"model": "m", "input": ["a", "b"]})
+    assert e.inputs == ["a", "b"] and e.options.embedding is True
+    assert oa.parse_embeddings({"model": "m", "prompt": "a"}).legacy
+    assert oa.parse_pull({"model": "https://x/y.gguf", "destination": "y"}).name == "y"
+    assert oa.parse_copy({"source": "a", "destination": "b"}) == ("a", "b")
+    cr = oa.parse_create({"model": "m", "files": {"m.gguf": "sha256:" + "0" * 64}})
+    assert cr.files and cr.stream
+    for body, words in (({"model": "m"}, "needs files"), ({"model": "m", "quantize": "q4_0", "from": "x"}, "quantize"),
+                        ({"model": "m", "files": ["x"]}, "files")):
+        with pytest.raises(BadRequest, match=words):
+            oa.parse_create(body)
+    for raw, words in ((b"", "missing"), (b"{", "malformed JSON"), (b"[]", "JSON object"), (b"\xff", "malformed")):
+        with pytest.raises(BadRequest, match=words):
+            oa.parse_body(raw)
+
+
+def test_generate_translator():
+    tr = oa.GenerateTranslator("m", started=0.0, load_s=0.5)
+    assert tr.feed({"content": "Hel", "stop": False})[0]["response"] == "Hel"
+    assert tr.feed({"content": "", "stop": False}) == []
+    out = tr.feed({"content": "lo", "stop": True, "stop_type": "limit",
+                   "timings": {"prompt_n": 4, "prompt_ms": 1.5, "predicted_n": 2, "predicted_ms": 3.25}})
+    assert [c["done"] for c in out] == [False, True]
+    final = out[1]
+    assert final["done_reason"] == "length" and final["load_duration"] == 500_000_000
+    assert final["prompt_eval_count"] == 4 and final["prompt_eval_duration"] == 1_500_000
+    assert final["eval_count"] == 2 and final["eval_duration"] == 3_250_000
+    assert dt.datetime.fromisoformat(final["created_at"]).tzinfo is not None
+    assert tr.combined()["response"] == "Hello"
+    tr2 = oa.GenerateTranslator("m", 0.0, 0.0)
+    assert tr2.feed({"content": "", "stop": True, "stop_type": "eos"})[0]["done_reason"] == "stop"
+
+
+def test_chat_translator_with_tool_calls():
+    tr = oa.ChatTranslator("m", 0.0, 0.0)
+    tr.feed({"choices": [{"delta": {"role": "assistant", "content": None}}]})
+    assert tr.feed({"choices": [{"delta": {"content": "Hi"}}]})[0]["message"] == {"role": "assistant",
+                                                                                 "content": "Hi"}
+    tr.feed({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": "add", "arguments": '{"a":'}}]}}]})
+    tr.feed({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": ' 1}'}}]}}]})
+    out = tr.feed({"choices": [{"delta": {}, "finish_reason": "tool_calls"}],
+                   "timings": {"prompt_n": 9, "prompt_ms": 1, "predicted_n": 5, "predicted_ms": 2}})
+    final = out[-1]
+    assert final["done"] and final["done_reason"] == "stop" and final["eval_count"] == 5
+    assert final["message"]["tool_calls"] == [{"function": {"name": "add", "arguments": {"a": 1}}}]
+    assert tr.combined()["message"]["content"] == "Hi"
+
+
+def test_ps_and_show_bodies():
+    from jupyter_llama.models.gguf_info import GGUFInfo
+
+    info = GGUFInfo(path="/x", file_size=10, version=3, architecture="llama", name="x", block_count=2,
+                    embedding_length=64, feed_forward_length=128, head_count=4, head_count_kv=2, key_length=None,
+                    value_length=None, context_length=4096, sliding_window=None, swa_layers=None, file_type="Q8_0",
+                    parameter_count=1_230_000, vocab_size=512)
+    base = {"name": "x:latest", "size": 100, "size_vram": 0, "digest": "d" * 64, "context_length": 1024,
+            "expires_at": None, "keep_alive": 30.0, "pinned": False, "state": "ready", "refcount": 1}
+    now = 1_000_000.0
+    m = oa.ps_model(base, info, now)
+    assert m["details"] == {"parent_model": "", "format": "gguf", "family": "llama", "families": ["llama"],
+                            "parameter_size": "1.2M", "quantization_level": "Q8_0"}
+    assert dt.datetime.fromisoformat(m["expires_at"]).timestamp() == now + 30  # busy: keep_alive after it ends
+    m = oa.ps_model(dict(base, expires_at=now + 5), info, now)
+    assert dt.datetime.fromisoformat(m["expires_at"]).timestamp() == now + 5
+    m = oa.ps_model(dict(base, keep_alive=None, pinned=True), info, now)
+    assert dt.datetime.fromisoformat(m["expires_at"]).year > 2200
+    json.dumps(m)
+    show = oa.show_body({"name": "x:latest", "info": {"architecture": "llama", "parameter_count": 5,
+                                                     "context_length": 4096},
+                         "model_info": {"general.architecture": "llama", "tokenizer.ggml.tokens": "[array of 5]",
+                                        "tokenizer.chat_template": "{{x}}"},
+                         "template": "{{x}}", "files": [{"role": "model", "path": "/b"}],
+                         "details": {"family": "llama"}, "modified_at": "2026-01-01T00:00:00+00:00"})
+    assert show["model_info"]["llama.context_length"] == 4096 and show["model_info"]["general.parameter_count"] == 5
+    assert "tokenizer.ggml.tokens" not in show["model_info"] and "FROM /b" in show["modelfile"]
+    assert show["template"] == "{{x}}" and show["capabilities"] == ["completion"]
+
+
+def test_embeddings_are_pooled_and_unit_length():
+    v = oa.mean_pool_normalize([[1.0, 0.0], [0.0, 1.0]])
+    assert v == pytest.approx([math.sqrt(0.5), math.sqrt(0.5)])
+    assert oa.mean_pool_normalize([3.0, 4.0]) == pytest.approx([0.6, 0.8])
+    body = oa.embed_body("m", [[0.6, 0.8]], 1.0, 0.0, 3, dimensions=1)
+    assert body["embeddings"] == [[1.0]] and body["prompt_eval_count"] == 3
+
+
+def test_openai_requests():
+    r = oai.parse_request("chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                               "stream": True, "keep_alive": "1m", "max_tokens": 3})
+    assert r.endpoint == "/v1/chat/completions" and r.stream and r.keep_alive == 60
+    assert "stream" not in r.body and "keep_alive" not in r.body and r.body["max_tokens"] == 3
+    assert oai.parse_request("embeddings", {"model": "m", "input": "x", "stream": True}).stream is False
+    assert oai.parse_request("embeddings", {"model": "m", "input": "x"}).options.embedding
+    for route, body, words in (("chat/completions", {"model": "m"}, "messages"),
+                               ("completions", {"model": "m"}, "prompt"),
+                               ("chat/completions", {"messages": [{}]}, "model")):
+        with pytest.raises(BadRequest, match=words):
+            oai.parse_request(route, body)
+    assert oai.error_body(404, "gone")["error"] == {"message": "gone", "type": "not_found_error", "param": None,
+                                                    "code": 404}
+    assert oai.sse({"a": 1}) == b'data: {"a":1}\n\n'
+
+
+def test_client_discovery(tmp_path, monkeypatch):
+    from jupyter_llama.client import ServerNotFound, api_url, find_server
+
+    assert api_url("http://h:1/base") == "http://h:1/base/llama/"
+    assert api_url("http://h:1/base/llama") == "http://h:1/base/llama/"
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "jpserver-4242.json").write_text(json.dumps(
+        {"url": "http://localhost:8888/", "base_url": "/user/me/", "token": "tok", "pid": 4242}))
+    env = {"JUPYTER_LLAMA_URL": "http://127.0.0.1:8888/user/me/llama/", "JPY_PARENT_PID": "4242"}
+    s = find_server(environ=env)
+    assert s.url == "http://127.0.0.1:8888/user/me/llama/" and s.token == "tok"
+    assert find_server(environ=dict(env, JUPYTER_LLAMA_TOKEN="t2")).token == "t2"
+    assert find_server("http://other:1/", "explicit", environ=env).token == "explicit"
+    assert find_server(environ={"JUPYTER_LLAMA_URL": "http://127.0.0.1:9999/llama/"}).token is None
+    with pytest.raises(ServerNotFound, match="jupyter-llama serve"):
+        find_server(environ={})
