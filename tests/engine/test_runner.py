@@ -138,10 +138,8 @@ async def test_cancelled_consumer_stops_generation(start_runner, tiny_model):
             break
     await stream.aclose()
     # With one slot, a fresh request is served only once the abandoned one was stopped.
-    t0 = time.monotonic()
     text, timings = await asyncio.wait_for(r.complete_text("Hi", n_predict=4), 60)
     assert timings["predicted_n"] >= 1
-    assert time.monotonic() - t0 < 60
 
 
 async def _enumerate(aiter):
