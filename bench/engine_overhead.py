@@ -35,7 +35,17 @@ PROMPTS = ["Once upon a time", "The quick brown fox", "In a small village", "Wri
 
 
 async def plain_stream(client: httpx.AsyncClient, url: str, key: str, payload: dict) -> tuple[float, float, int]:
-    """Time to first content chunk, generation seconds after it, tokens generated."""
+    """Time to first content chunk, generation seconds after it, tokens generated.
+
+    llama-server closes idle keep-alive connections; like the runner, retry once when a
+    pooled connection turns out to be closed before any byte came back."""
+    try:
+        return await _plain_stream(client, url, key, payload)
+    except httpx.RemoteProtocolError:
+        return await _plain_stream(client, url, key, payload)
+
+
+async def _plain_stream(client: httpx.AsyncClient, url: str, key: str, payload: dict) -> tuple[float, float, int]:
     t0 = time.perf_counter()
     first = None
     n = 0

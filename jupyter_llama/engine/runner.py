@@ -337,10 +337,17 @@ class Runner:
     async def post(self, path: str, payload: dict, timeout: float | None = None) -> dict:
         """A non-streaming request; returns the decoded JSON body."""
         self._check_ready()
-        try:
-            r = await self.client.post(self.url + path, json=payload, headers=self._headers(), timeout=timeout)
-        except httpx.HTTPError as e:
-            raise await self._after_transport_error(e) from None
+        for attempt in (1, 2):
+            try:
+                r = await self.client.post(self.url + path, json=payload, headers=self._headers(), timeout=timeout)
+                break
+            except httpx.RemoteProtocolError as e:
+                # A pooled keep-alive connection the child had already closed: nothing was
+                # processed, so one retry on a fresh connection is safe.
+                if attempt == 2 or not self.alive:
+                    raise await self._after_transport_error(e) from None
+            except httpx.HTTPError as e:
+                raise await self._after_transport_error(e) from None
         if r.status_code >= 400:
             raise RequestError(r.status_code, _error_text(r.text, r.status_code))
         return r.json()
@@ -363,25 +370,33 @@ class Runner:
         """
         self._check_ready()
         body = dict(payload, stream=True)
-        try:
-            async with self.client.stream("POST", self.url + path, json=body, headers=self._headers()) as r:
-                if r.status_code >= 400:
-                    text = (await r.aread()).decode("utf-8", "replace")
-                    raise RequestError(r.status_code, _error_text(text, r.status_code))
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        if line.startswith("error:"):
-                            raise RequestError(500, _error_text(line[6:].strip(), 500))
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    event = json.loads(data)
-                    if isinstance(event, dict) and "error" in event and len(event) == 1:
-                        raise RequestError(500, _error_text(data, 500))
-                    yield event
-        except httpx.HTTPError as e:
-            raise await self._after_transport_error(e) from None
+        started = False
+        for attempt in (1, 2):
+            try:
+                async with self.client.stream("POST", self.url + path, json=body, headers=self._headers()) as r:
+                    if r.status_code >= 400:
+                        text = (await r.aread()).decode("utf-8", "replace")
+                        raise RequestError(r.status_code, _error_text(text, r.status_code))
+                    async for line in r.aiter_lines():
+                        started = True
+                        if not line.startswith("data:"):
+                            if line.startswith("error:"):
+                                raise RequestError(500, _error_text(line[6:].strip(), 500))
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            return
+                        event = json.loads(data)
+                        if isinstance(event, dict) and "error" in event and len(event) == 1:
+                            raise RequestError(500, _error_text(data, 500))
+                        yield event
+                    return
+            except httpx.RemoteProtocolError as e:
+                # A stale pooled connection fails before any byte arrives: retry once, fresh.
+                if started or attempt == 2 or not self.alive:
+                    raise await self._after_transport_error(e) from None
+            except httpx.HTTPError as e:
+                raise await self._after_transport_error(e) from None
 
     def completion(self, prompt: str, **params) -> AsyncIterator[dict]:
         """Stream llama-server's native ``/completion`` chunks (``content``, ``stop``, ``timings``)."""
