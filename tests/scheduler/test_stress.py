@@ -9,6 +9,7 @@ import random
 import pytest
 
 from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.engine.runner import child_pids
 from jupyter_llama.scheduler import ServerBusy
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -18,20 +19,7 @@ OPTS = LoadOptions(num_ctx=256, num_parallel=2)
 
 def llama_children() -> list[int]:
     """PIDs of llama-server processes whose parent is this test process."""
-    me, out = os.getpid(), []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1: stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        if comm.startswith("llama-server") and int(fields[1]) == me and fields[0] != "Z":
-            out.append(int(d))
-    return out
+    return child_pids(os.getpid(), "llama-server")
 
 
 async def test_stress_cap_and_budget_hold(make_scheduler, small_models):

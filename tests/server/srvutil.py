@@ -7,6 +7,10 @@ import json
 import os
 import time
 
+from jupyter_llama.engine.runner import child_pids, process_alive
+
+is_alive = process_alive  # the tests' name for it
+
 # Small shapes keep loads and generation fast on a 2-core CPU.
 TINY = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=4096, seed=3)
 OTHER = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=4096, seed=4)
@@ -33,39 +37,13 @@ def lines(body: bytes) -> list[dict]:
     return [json.loads(ln) for ln in body.decode().splitlines() if ln.strip()]
 
 
-def is_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def llama_children(parent: int | None = None) -> list[int]:
-    """PIDs of live llama-server processes (children of ``parent`` when given)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if b"llama-server" not in cmd.split(b"\0")[0] and b"llama-server" not in cmd:
-            continue
-        if fields[0] == "Z":
-            continue
-        if parent is None or int(fields[1]) == parent:
-            out.append(int(d))
-    return out
+    """PIDs of live llama-server processes that are children of ``parent`` (default: this one)."""
+    return child_pids(os.getpid() if parent is None else parent, "llama-server")
 
 
 def our_children() -> list[int]:
-    return llama_children(os.getpid())
+    return llama_children()
 
 
 # ----------------------------------------------------------------------------- a file host

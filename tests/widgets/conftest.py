@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from jupyter_llama.engine.runner import child_pids, process_alive
+
 TINY = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=4096, seed=3)
 OTHER = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=4096, seed=4)
 BUDGET = "cpu=32MiB"
@@ -48,29 +50,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _children(ppid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[-1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == ppid and fields[0] != "Z":
-            out.append(int(d))
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -125,7 +104,7 @@ def manager(engine, make_model, tmp_path_factory):
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM (the server stops its children), then SIGKILL; then any llama-server it left."""
     if proc.poll() is None:
-        runners = _children(proc.pid)
+        runners = child_pids(proc.pid)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=20)
@@ -133,10 +112,10 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.kill()
             proc.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while any(_is_alive(p) for p in runners) and time.monotonic() < deadline:
+        while any(process_alive(p) for p in runners) and time.monotonic() < deadline:
             time.sleep(0.1)
         for pid in runners:
-            if _is_alive(pid):
+            if process_alive(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
