@@ -7,7 +7,14 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: lab test venv engine system-deps demo clean bench
+.PHONY: lab test venv engine system-deps demo clean bench labext ui-deps
+
+# The JupyterLab extension (TypeScript in labextension/, built into jupyter_llama/labextension/).
+LABEXT_DIR  := labextension
+LABEXT_OUT  := jupyter_llama/labextension
+LABEXT_SRC  := $(shell find $(LABEXT_DIR)/src $(LABEXT_DIR)/style $(LABEXT_DIR)/schema -type f 2>/dev/null) \
+               $(LABEXT_DIR)/package.json $(LABEXT_DIR)/tsconfig.json
+LABEXT_LINK := $(VENV)/share/jupyter/labextensions/jupyter-llama
 
 # Compiler and cmake for the engine build; installed from Debian when missing (root only).
 system-deps:
@@ -26,11 +33,43 @@ system-deps:
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	@# a development link from `make labext` must not be written through by pip
+	@if [ -L $(LABEXT_LINK) ]; then rm -f $(LABEXT_LINK); fi
 	$(BIN)/python -m pip install -q -e '.[test,lab]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
 venv: $(STAMP)
+
+# Node packages from the committed package-lock.json (reproducible), again when it changes.
+$(LABEXT_DIR)/node_modules/.package-lock.json: $(LABEXT_DIR)/package-lock.json $(LABEXT_DIR)/package.json
+	@command -v npm >/dev/null 2>&1 || { echo "npm is missing: install Node.js (20 or newer) and npm"; exit 1; }
+	cd $(LABEXT_DIR) && npm ci --no-audit --no-fund
+	@touch $@
+
+# Rebuilt when a source changed (`jupyter labextension build` needs the venv's jupyter).
+$(LABEXT_OUT)/package.json: $(LABEXT_SRC) $(LABEXT_DIR)/node_modules/.package-lock.json | venv
+	cd $(LABEXT_DIR) && PATH="$(CURDIR)/$(BIN):$$PATH" npm run build:prod
+	@touch $@
+
+# Build, then point the venv's labextensions entry at the build output (what
+# `jupyter labextension develop` does), so JupyterLab serves the latest build.
+labext: venv $(LABEXT_OUT)/package.json
+	@if [ "$$(readlink $(LABEXT_LINK) 2>/dev/null)" != "$(CURDIR)/$(LABEXT_OUT)" ]; then \
+	  mkdir -p $(dir $(LABEXT_LINK)) && rm -rf $(LABEXT_LINK) && ln -s $(CURDIR)/$(LABEXT_OUT) $(LABEXT_LINK) && \
+	  echo "linked $(LABEXT_LINK) -> $(LABEXT_OUT)"; \
+	fi
+
+# Chromium for the browser tests (tests/ui), from Debian when missing (root only).
+ui-deps:
+	@if ! command -v chromium >/dev/null 2>&1 && [ -z "$$JUPYTER_LLAMA_CHROMIUM" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium from Debian"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	  else \
+	    echo "missing: chromium (Debian: sudo apt-get install chromium) for the browser tests"; exit 1; \
+	  fi; \
+	fi
 
 engine: venv system-deps
 	$(BIN)/jupyter-llama engine build
@@ -40,16 +79,17 @@ engine: venv system-deps
 demo: engine
 	@$(BIN)/python -m jupyter_llama.demo
 
-lab: demo
+lab: demo labext
 	$(BIN)/jupyter lab --ServerApp.root_dir=$(CURDIR) $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 # pytest's exit code 5 means "no tests collected": that must fail, not pass.
-test: engine
-	@JUPYTER_LLAMA_REQUIRE_ENGINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+test: engine labext ui-deps
+	@JUPYTER_LLAMA_REQUIRE_ENGINE=1 JUPYTER_LLAMA_REQUIRE_UI=1 $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 bench: engine
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache tests/artifacts
+	rm -rf $(VENV) .pytest_cache tests/artifacts $(LABEXT_OUT) $(LABEXT_DIR)/lib \
+	  $(LABEXT_DIR)/tsconfig.tsbuildinfo $(LABEXT_DIR)/node_modules tests/ui/node_modules

@@ -10,6 +10,11 @@ def _jupyter_server_extension_points():
     return [{"module": "jupyter_llama.server.app", "app": LlamaExtension}]
 
 
+def _jupyter_labextension_paths():
+    """The prebuilt JupyterLab panel (for `jupyter labextension develop` and discovery)."""
+    return [{"src": "labextension", "dest": "jupyter-llama"}]
+
+
 def load_ipython_extension(ipython):
     """``%load_ext jupyter_llama``: registers the ``%llama`` magic."""
     from .magics import load_ipython_extension as load

@@ -1,0 +1,33 @@
+/** A tiny DOM builder for the panel (no framework: the views are small). */
+
+export type Child = Node | string | null | undefined | false;
+
+export interface IAttrs {
+  [name: string]: string | number | boolean | null | undefined | ((ev: Event) => void);
+}
+
+/** ``h('div', {class: 'x', onclick: f}, child, ...)``: attributes, listeners (``on*``), children. */
+export function h(tag: string, attrs: IAttrs | null, ...children: (Child | Child[])[]): HTMLElement {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs ?? {})) {
+    if (v === null || v === undefined || v === false) {
+      continue;
+    }
+    if (typeof v === 'function') {
+      el.addEventListener(k.replace(/^on/, ''), v);
+    } else if (k === 'style') {
+      el.setAttribute('style', String(v));
+    } else if (v === true) {
+      el.setAttribute(k, '');
+    } else {
+      el.setAttribute(k, String(v));
+    }
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined || c === false) {
+      continue;
+    }
+    el.appendChild(typeof c === 'string' ? document.createTextNode(c) : c);
+  }
+  return el;
+}

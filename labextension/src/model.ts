@@ -1,0 +1,796 @@
+/**
+ * Pure functions that turn the jupyter-llama REST answers (api/tags, api/ps,
+ * api/devices, api/events, api/pull progress) into view rows and words.
+ *
+ * Nothing here touches the DOM, the network or JupyterLab, so all of it is
+ * unit-tested in plain Node.
+ */
+
+// ---------------------------------------------------------------- API shapes
+
+/** Bytes per component on one device (``MemoryReport.to_dict()["devices"][dev]``). */
+export type Components = { [component: string]: number };
+
+/** One memory report: a prediction (coarse, detailed, llama_cpp) or the actual figures. */
+export interface IMemoryReport {
+  source?: string;
+  devices?: { [device: string]: Components };
+  total?: number;
+  layers_offloaded?: number | null;
+  layers_total?: number | null;
+  n_ctx?: number | null;
+  warnings?: string[];
+}
+
+export interface IModelDetails {
+  format?: string;
+  family?: string;
+  parameter_size?: string;
+  quantization_level?: string;
+}
+
+/** One entry of ``GET api/tags``. */
+export interface ITagModel {
+  name?: string;
+  model?: string;
+  size?: number;
+  digest?: string;
+  modified_at?: string;
+  details?: IModelDetails;
+}
+
+export interface ITags {
+  models?: ITagModel[];
+}
+
+/** One entry of ``GET api/ps`` (Ollama's fields plus the scheduler's). */
+export interface IPsModel {
+  name?: string;
+  model?: string;
+  size?: number;
+  size_vram?: number;
+  details?: IModelDetails;
+  expires_at?: string | null;
+  context_length?: number;
+  state?: string | null;
+  refcount?: number;
+  pinned?: boolean;
+  options?: { [key: string]: unknown } | null;
+  layers_offloaded?: number | null;
+  layers_total?: number | null;
+  pid?: number | null;
+  memory?: { [source: string]: IMemoryReport | null } | null;
+}
+
+export interface IPs {
+  models?: IPsModel[];
+}
+
+export interface IDevice {
+  id: string;
+  name?: string;
+  total?: number;
+  free?: number;
+  budget?: number | null;
+  overhead?: number;
+  usable?: number;
+}
+
+/** ``GET api/devices``. */
+export interface IDevices {
+  devices?: IDevice[];
+  usage?: { [device: string]: number };
+  loaded?: {
+    name: string;
+    state?: string;
+    source?: string;
+    by_device?: { [device: string]: number };
+  }[];
+  budgets?: {
+    limits?: { [device: string]: number };
+    gpu_overhead?: number;
+    limits_source?: string;
+    overhead_source?: string;
+  };
+  gpu_error?: string | null;
+}
+
+/** One scheduler decision from ``GET api/events``. */
+export interface IEvent {
+  seq?: number;
+  time?: number;
+  kind?: string;
+  model?: string | null;
+  message?: string;
+  data?: unknown;
+}
+
+/** One line of ``POST api/pull``'s NDJSON stream. */
+export interface IPullStatus {
+  status?: string;
+  digest?: string;
+  total?: number;
+  completed?: number;
+  model?: string;
+  error?: string;
+}
+
+// ---------------------------------------------------------------- constants
+
+export const ACTUAL = 'actual';
+export const DETAILED = 'detailed';
+export const COARSE = 'coarse';
+export const LLAMA_CPP = 'llama_cpp';
+
+/** An ``expires_at`` further away than this means "kept loaded for good". */
+export const FOREVER_S = 50 * 365 * 86400;
+
+const KiB = 1024;
+const MiB = 1024 * KiB;
+const GiB = 1024 * MiB;
+
+// ---------------------------------------------------------------- words
+
+/** ``1536`` -> ``1.5 KiB``; ``3 * 2**30`` -> ``3.00 GiB`` (the Python side's format). */
+export function formatBytes(n: number | null | undefined): string {
+  if (n === null || n === undefined || !Number.isFinite(n)) {
+    return '-';
+  }
+  const sign = n < 0 ? '-' : '';
+  const a = Math.abs(n);
+  if (a >= GiB) {
+    return `${sign}${(a / GiB).toFixed(2)} GiB`;
+  }
+  if (a >= MiB) {
+    return `${sign}${(a / MiB).toFixed(1)} MiB`;
+  }
+  if (a >= KiB) {
+    return `${sign}${(a / KiB).toFixed(1)} KiB`;
+  }
+  return `${sign}${Math.trunc(a)} B`;
+}
+
+/** Shorter, for tight places: like formatBytes, but GiB with one decimal (``22.6 GiB``). */
+export function formatBytesShort(n: number | null | undefined): string {
+  if (n !== null && n !== undefined && Number.isFinite(n) && Math.abs(n) >= GiB) {
+    return `${(n / GiB).toFixed(1)} GiB`;
+  }
+  return formatBytes(n);
+}
+
+/** ``9`` -> ``9s``; ``75`` -> ``1m 15s``; ``3700`` -> ``1h 01m``; ``90000`` -> ``1d 01h``. */
+export function durationText(seconds: number): string {
+  const s = Math.max(0, Math.round(seconds));
+  const pad = (v: number) => String(v).padStart(2, '0');
+  if (s < 60) {
+    return `${s}s`;
+  }
+  if (s < 3600) {
+    return `${Math.floor(s / 60)}m ${pad(s % 60)}s`;
+  }
+  if (s < 86400) {
+    return `${Math.floor(s / 3600)}h ${pad(Math.floor((s % 3600) / 60))}m`;
+  }
+  return `${Math.floor(s / 86400)}d ${pad(Math.floor((s % 86400) / 3600))}h`;
+}
+
+/** RFC 3339 text (or epoch seconds) -> epoch seconds; null when absent or unreadable. */
+export function parseTime(value: unknown): number | null {
+  if (value === null || value === undefined || value === '') {
+    return null;
+  }
+  if (typeof value === 'number') {
+    return Number.isFinite(value) ? value : null;
+  }
+  if (typeof value !== 'string') {
+    return null;
+  }
+  let text = value.trim();
+  // Date.parse wants at most millisecond precision and an explicit zone.
+  text = text.replace(/(\.\d{3})\d+/, '$1');
+  if (!/(Z|[+-]\d{2}:?\d{2})$/i.test(text)) {
+    text += 'Z';
+  }
+  const ms = Date.parse(text);
+  return Number.isNaN(ms) ? null : ms / 1000;
+}
+
+/** A signed percentage with a true minus sign: one decimal under 10 %, none above. */
+export function signedPct(v: number): string {
+  const a = Math.abs(v);
+  const digits = a < 10 ? 1 : 0;
+  const text = a.toFixed(digits);
+  if (Number(text) === 0) {
+    return `±${text}%`;
+  }
+  return `${v > 0 ? '+' : '−'}${text}%`;
+}
+
+/** ``"1 model"``, ``"2 models"``. */
+export function plural(n: number, word: string): string {
+  return `${n} ${word}${n === 1 ? '' : 's'}`;
+}
+
+/** Devices in display order: GPUs (by id) first, host memory last. */
+export function deviceOrder(devs: Iterable<string>): string[] {
+  return Array.from(new Set(devs)).sort((a, b) => {
+    if (a === b) {
+      return 0;
+    }
+    if (a === 'cpu') {
+      return 1;
+    }
+    if (b === 'cpu') {
+      return -1;
+    }
+    return a < b ? -1 : 1;
+  });
+}
+
+/** ``MemoryReport`` -> {device: total bytes}. */
+export function reportByDevice(report: IMemoryReport | null | undefined): {
+  [device: string]: number;
+} {
+  const out: { [device: string]: number } = {};
+  for (const [dev, comps] of Object.entries(report?.devices ?? {})) {
+    out[dev] = Object.values(comps ?? {}).reduce(
+      (s, v) => s + (Number(v) || 0),
+      0
+    );
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- registry
+
+export interface IModelRow {
+  name: string;
+  size: number;
+  sizeText: string;
+  quantization: string;
+  parameters: string;
+  family: string;
+  loaded: boolean;
+  /** The scheduler state when loaded (``loading``, ``ready``, ``unloading``), else null. */
+  state: string | null;
+}
+
+/** Does ``name`` (from tags) name the same model as ``other`` (from ps)? ``x`` is ``x:latest``. */
+export function sameModel(name: string, other: string): boolean {
+  const norm = (n: string) => (n.includes(':') ? n : `${n}:latest`);
+  return norm(name) === norm(other);
+}
+
+/** One row per registered model, with whether it is loaded. */
+export function modelRows(
+  tags: ITags | null | undefined,
+  ps?: IPs | null
+): IModelRow[] {
+  const loaded = (ps?.models ?? []).map(m => ({
+    name: m.name || m.model || '',
+    state: m.state ?? 'ready'
+  }));
+  return (tags?.models ?? [])
+    .map(m => {
+      const name = m.name || m.model || '';
+      const hit = loaded.find(l => sameModel(name, l.name));
+      const size = Number(m.size) || 0;
+      return {
+        name,
+        size,
+        sizeText: formatBytes(size),
+        quantization: m.details?.quantization_level ?? '',
+        parameters: m.details?.parameter_size ?? '',
+        family: m.details?.family ?? '',
+        loaded: hit !== undefined,
+        state: hit ? hit.state : null
+      };
+    })
+    .sort((a, b) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0));
+}
+
+// ---------------------------------------------------------------- loaded models
+
+export interface IKeepAlive {
+  /** Plain words: "unloads in 4m 59s", "kept loaded", "busy; ...". */
+  text: string;
+  /** Seconds left while the countdown runs (idle model), else null. */
+  secondsLeft: number | null;
+  /** Epoch seconds of the expiry when the countdown runs, else null. */
+  expiresAt: number | null;
+}
+
+/** The keep-alive words for one ``api/ps`` entry at ``now`` (epoch seconds). */
+export function keepAlive(model: IPsModel, now: number): IKeepAlive {
+  const forever = {
+    text: 'kept loaded (keep_alive < 0)',
+    secondsLeft: null,
+    expiresAt: null
+  };
+  if (model.pinned) {
+    return forever;
+  }
+  const exp = parseTime(model.expires_at);
+  if (exp === null) {
+    return { text: 'no expiry', secondsLeft: null, expiresAt: null };
+  }
+  const left = exp - now;
+  if (left > FOREVER_S) {
+    return forever;
+  }
+  const busy = Number(model.refcount) || 0;
+  if (busy > 0) {
+    return {
+      text: `busy; unloads ${durationText(Math.max(0, left))} after its last request`,
+      secondsLeft: null,
+      expiresAt: null
+    };
+  }
+  if (left <= 0) {
+    return { text: 'unloading now', secondsLeft: 0, expiresAt: exp };
+  }
+  return {
+    text: `unloads in ${durationText(left)}`,
+    secondsLeft: left,
+    expiresAt: exp
+  };
+}
+
+/** The countdown words for an expiry time at ``now`` (the panel re-renders them each second). */
+export function countdownText(expiresAt: number, now: number): string {
+  const left = expiresAt - now;
+  return left <= 0 ? 'unloading now' : `unloads in ${durationText(left)}`;
+}
+
+export interface IMarker {
+  source: string;
+  bytes: number;
+  /** Position on the bar, 0..100 (clamped). */
+  pct: number;
+  /** True when the prediction is past the bar's end (drawn at the edge). */
+  offScale: boolean;
+}
+
+export interface IDeviceMemory {
+  device: string;
+  /** Bytes llama.cpp allocated (from its log); null while not yet known. */
+  actual: number | null;
+  /** The prediction the scheduler fits with (detailed, else coarse, else llama.cpp's). */
+  predicted: number | null;
+  predictedSource: string | null;
+  /** Every prediction on this device. */
+  predictions: { [source: string]: number };
+  /** Bar fill 0..100 for the actual bytes (or the prediction while actual is unknown). */
+  fillPct: number;
+  markers: IMarker[];
+  /** (predicted - actual) / actual in percent; null without both. */
+  errorPct: number | null;
+  /** Share of the device's budget (or total) the model holds, in percent. */
+  sharePct: number | null;
+  capacity: number | null;
+  capacityKind: 'budget' | 'total' | null;
+  /** Plain words for the line beside the bar. */
+  text: string;
+}
+
+export interface ILoadedRow {
+  name: string;
+  state: string;
+  pid: number | null;
+  size: number;
+  sizeVram: number;
+  context: number | null;
+  /** GPU layers as words: ``N/M``, ``0 (CPU only)``, ``?``. */
+  layers: string;
+  refcount: number;
+  pinned: boolean;
+  keepAlive: IKeepAlive;
+  devices: IDeviceMemory[];
+  hasActual: boolean;
+}
+
+/** Per device: total, free, budget, what loaded models use, what is left to plan with. */
+export interface IDeviceRow {
+  device: string;
+  name: string;
+  total: number;
+  free: number;
+  budget: number | null;
+  overhead: number;
+  used: number;
+  available: number;
+  capacity: number;
+  capacityKind: 'budget' | 'total';
+  usedPct: number;
+  text: string;
+}
+
+function deviceRoom(devices: IDevices | null | undefined): Map<string, IDeviceRow> {
+  const used = new Map<string, number>();
+  for (const lo of devices?.loaded ?? []) {
+    for (const [d, n] of Object.entries(lo.by_device ?? {})) {
+      used.set(d, (used.get(d) ?? 0) + (Number(n) || 0));
+    }
+  }
+  const out = new Map<string, IDeviceRow>();
+  for (const d of devices?.devices ?? []) {
+    const id = d.id;
+    const total = Number(d.total) || 0;
+    const free = Number(d.free) || 0;
+    const budget =
+      d.budget === null || d.budget === undefined ? null : Number(d.budget);
+    const overhead = id === 'cpu' ? 0 : Number(d.overhead) || 0;
+    const u = used.get(id) ?? 0;
+    const capacity = budget !== null ? budget : total;
+    const available = Math.max(0, Math.min(free - overhead, capacity - u));
+    const capacityKind = budget !== null ? 'budget' : 'total';
+    const words =
+      `${formatBytes(free)} free` +
+      (budget !== null ? ` · budget ${formatBytes(budget)}` : ' · no budget') +
+      (overhead ? ` · ${formatBytes(overhead)} kept free` : '') +
+      ` · ${formatBytes(available)} left to plan with`;
+    out.set(id, {
+      device: id,
+      name: d.name || id,
+      total,
+      free,
+      budget,
+      overhead,
+      used: u,
+      available,
+      capacity,
+      capacityKind,
+      usedPct: capacity > 0 ? Math.min(100, (100 * u) / capacity) : 0,
+      text: words
+    });
+  }
+  return out;
+}
+
+/** One row per device of ``api/devices``, GPUs first. */
+export function deviceRows(devices: IDevices | null | undefined): IDeviceRow[] {
+  const room = deviceRoom(devices);
+  return deviceOrder(room.keys()).map(d => room.get(d)!);
+}
+
+const PREDICTION_ORDER = [DETAILED, COARSE, LLAMA_CPP];
+
+function clampPct(v: number): number {
+  return Math.min(100, Math.max(0, v));
+}
+
+/** One row per loaded model of ``api/ps``: memory per device (actual, predictions), layers,
+ * context, requests in flight, keep-alive. */
+export function loadedRows(
+  ps: IPs | null | undefined,
+  devices: IDevices | null | undefined,
+  now: number
+): ILoadedRow[] {
+  const room = deviceRoom(devices);
+  const rows: ILoadedRow[] = [];
+  for (const m of ps?.models ?? []) {
+    const mem = m.memory ?? {};
+    const actualReport = mem[ACTUAL];
+    const actual = reportByDevice(actualReport);
+    const preds: { [src: string]: { [dev: string]: number } } = {};
+    for (const src of PREDICTION_ORDER) {
+      if (mem[src]) {
+        preds[src] = reportByDevice(mem[src]);
+      }
+    }
+    const devs = deviceOrder([
+      ...Object.keys(actual),
+      ...Object.values(preds).flatMap(p => Object.keys(p))
+    ]);
+    const perDevice: IDeviceMemory[] = devs.map(dev => {
+      const a = actualReport ? (actual[dev] ?? 0) : null;
+      const p: { [src: string]: number } = {};
+      for (const [src, v] of Object.entries(preds)) {
+        p[src] = v[dev] ?? 0;
+      }
+      const mainSource =
+        PREDICTION_ORDER.find(src => p[src] !== undefined) ?? null;
+      const main = mainSource !== null ? p[mainSource] : null;
+      // The bar spans the actual figure and the main prediction (with some room);
+      // other predictions far off that scale are marked at the edge.
+      const scale = Math.max(a ?? 0, main ?? 0, 1) * 1.15;
+      const markers: IMarker[] = [];
+      for (const src of PREDICTION_ORDER) {
+        if (p[src] === undefined) {
+          continue;
+        }
+        const pct = (100 * p[src]) / scale;
+        markers.push({
+          source: src,
+          bytes: p[src],
+          pct: clampPct(pct),
+          offScale: pct > 100
+        });
+      }
+      const r = room.get(dev);
+      const capacity = r ? r.capacity : null;
+      const capacityKind = r ? r.capacityKind : null;
+      const held = a !== null ? a : (main ?? 0);
+      const errorPct = a && main !== null ? (100 * (main - a)) / a : null;
+      const sharePct = capacity ? (100 * held) / capacity : null;
+      const words: string[] = [
+        a !== null ? `actual ${formatBytes(a)}` : 'actual: not yet known'
+      ];
+      if (mainSource !== null && main !== null) {
+        let w = `predicted ${formatBytes(main)} (${mainSource}`;
+        if (errorPct !== null) {
+          w += `, ${signedPct(errorPct)}`;
+        }
+        words.push(w + ')');
+      }
+      for (const src of PREDICTION_ORDER) {
+        if (src !== mainSource && p[src] !== undefined) {
+          words.push(`${src} ${formatBytes(p[src])}`);
+        }
+      }
+      if (sharePct !== null && capacityKind !== null) {
+        words.push(
+          `${sharePct < 0.1 && sharePct > 0 ? '<0.1' : sharePct.toFixed(1)}% of the ${capacityKind}`
+        );
+      }
+      return {
+        device: dev,
+        actual: a,
+        predicted: main,
+        predictedSource: mainSource,
+        predictions: p,
+        fillPct: clampPct((100 * held) / scale),
+        markers,
+        errorPct,
+        sharePct,
+        capacity,
+        capacityKind,
+        text: words.join(' · ')
+      };
+    });
+    const lo = m.layers_offloaded;
+    const lt = m.layers_total;
+    let layers: string;
+    if (lo !== null && lo !== undefined && lt) {
+      layers = `${lo}/${lt}`;
+    } else if ((Number(m.size_vram) || 0) === 0) {
+      layers = lt ? `0/${lt}` : '0 (CPU only)';
+    } else {
+      layers = '?';
+    }
+    const opts = m.options ?? {};
+    const ctx =
+      Number(m.context_length) || Number(opts['num_ctx'] as number) || null;
+    rows.push({
+      name: m.name || m.model || '',
+      state: m.state || 'ready',
+      pid: m.pid ?? null,
+      size: Number(m.size) || 0,
+      sizeVram: Number(m.size_vram) || 0,
+      context: ctx,
+      layers,
+      refcount: Number(m.refcount) || 0,
+      pinned: !!m.pinned,
+      keepAlive: keepAlive(m, now),
+      devices: perDevice,
+      hasActual: !!actualReport
+    });
+  }
+  return rows;
+}
+
+// ---------------------------------------------------------------- decisions
+
+export interface IEventRow {
+  seq: number;
+  time: string;
+  kind: string;
+  model: string;
+  message: string;
+}
+
+/** ``HH:MM:SS`` in local time for epoch seconds. */
+export function clockText(epochSeconds: number): string {
+  const d = new Date(epochSeconds * 1000);
+  const pad = (v: number) => String(v).padStart(2, '0');
+  return `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+}
+
+/** The latest ``limit`` scheduler decisions, newest first. */
+export function eventRows(
+  events: IEvent[] | null | undefined,
+  limit = 8
+): IEventRow[] {
+  const sorted = [...(events ?? [])].sort(
+    (a, b) => (a.seq ?? 0) - (b.seq ?? 0)
+  );
+  return sorted
+    .slice(Math.max(0, sorted.length - limit))
+    .reverse()
+    .map(e => ({
+      seq: e.seq ?? 0,
+      time: typeof e.time === 'number' ? clockText(e.time) : '',
+      kind: e.kind ?? '',
+      model: e.model ?? '',
+      message: e.message ?? ''
+    }));
+}
+
+// ---------------------------------------------------------------- status bar
+
+export interface IStatusSummary {
+  loaded: number;
+  /** Short words for the status bar. */
+  text: string;
+  /** Longer words for its tooltip: one line per device. */
+  title: string;
+}
+
+/** Number of loaded models and memory in use against the budget, for the status bar. */
+export function statusSummary(
+  ps: IPs | null | undefined,
+  devices: IDevices | null | undefined
+): IStatusSummary {
+  const n = (ps?.models ?? []).length;
+  const rows = deviceRows(devices);
+  // The device that matters most: the first GPU when there is one, else host memory.
+  const main = rows.find(r => r.device !== 'cpu') ?? rows[0];
+  let text = `Llama: ${plural(n, 'model')}`;
+  if (main) {
+    text += ` · ${formatBytesShort(main.used)} / ${formatBytesShort(main.capacity)}`;
+    if (rows.length > 1) {
+      text += ` ${main.device}`;
+    }
+  }
+  const lines = [`${plural(n, 'model')} loaded`];
+  for (const r of rows) {
+    lines.push(
+      `${r.device} (${r.name}): ${formatBytes(r.used)} used by loaded models of ` +
+        `${formatBytes(r.capacity)} (${r.capacityKind}); ${r.text}`
+    );
+  }
+  lines.push('Click to open the Llama panel.');
+  return { loaded: n, text, title: lines.join('\n') };
+}
+
+// ---------------------------------------------------------------- pull progress
+
+export interface IPullProgress {
+  /** 0..1 when the size is known, else null (an indeterminate bar). */
+  fraction: number | null;
+  text: string;
+  done: boolean;
+  error: string | null;
+}
+
+/** One pull status line -> what the progress bar shows. */
+export function pullProgress(st: IPullStatus): IPullProgress {
+  if (st.error) {
+    return { fraction: null, text: st.error, done: true, error: st.error };
+  }
+  const status = st.status ?? '';
+  if (status === 'success') {
+    return {
+      fraction: 1,
+      text: st.model ? `success: ${st.model}` : 'success',
+      done: true,
+      error: null
+    };
+  }
+  const total = Number(st.total) || 0;
+  if (total > 0) {
+    const done = Math.min(total, Math.max(0, Number(st.completed) || 0));
+    const frac = done / total;
+    return {
+      fraction: frac,
+      text: `${status}: ${formatBytes(done)} / ${formatBytes(total)} (${Math.floor(frac * 100)}%)`,
+      done: false,
+      error: null
+    };
+  }
+  return { fraction: null, text: status, done: false, error: null };
+}
+
+/**
+ * Splits a byte stream of newline-delimited JSON into objects. ``push`` returns the
+ * complete lines so far; ``end`` returns what a last unterminated line holds.
+ */
+export class NdjsonSplitter {
+  private _buffer = '';
+
+  push(text: string): unknown[] {
+    this._buffer += text;
+    const parts = this._buffer.split('\n');
+    this._buffer = parts.pop() ?? '';
+    return parts.filter(p => p.trim()).map(p => JSON.parse(p));
+  }
+
+  end(): unknown[] {
+    const rest = this._buffer.trim();
+    this._buffer = '';
+    return rest ? [JSON.parse(rest)] : [];
+  }
+}
+
+// ---------------------------------------------------------------- polling policy
+
+export interface IPollFrequency {
+  interval: number;
+  backoff: number;
+  max: number;
+}
+
+export const MIN_INTERVAL_S = 1;
+export const MAX_INTERVAL_S = 600;
+
+/**
+ * The ``@lumino/polling`` frequency for a refresh interval in seconds: clamped to
+ * [1 s, 10 min]; after failures the interval doubles up to 30 times itself, at most
+ * 5 minutes (and never below the interval).
+ */
+export function pollFrequency(intervalSeconds: number): IPollFrequency {
+  let s = Number(intervalSeconds);
+  if (!Number.isFinite(s) || s <= 0) {
+    s = 3;
+  }
+  s = Math.min(MAX_INTERVAL_S, Math.max(MIN_INTERVAL_S, s));
+  const interval = Math.round(s * 1000);
+  return {
+    interval,
+    backoff: 2,
+    max: Math.max(interval, Math.min(interval * 30, 300_000))
+  };
+}
+
+/**
+ * Decides which failures become notifications, so a server that is down does not
+ * produce one per poll: a failure is reported when it is the first after a success
+ * or its message changed; ``success()`` re-arms it and says whether to announce
+ * the recovery.
+ */
+export class ErrorGate {
+  private _last: string | null = null;
+
+  get failing(): boolean {
+    return this._last !== null;
+  }
+
+  get message(): string | null {
+    return this._last;
+  }
+
+  /** Record a failure; true when it should be shown. */
+  fail(message: string): boolean {
+    const show = this._last !== message;
+    this._last = message;
+    return show;
+  }
+
+  /** Record a success; true when it ends a run of failures. */
+  success(): boolean {
+    const recovered = this._last !== null;
+    this._last = null;
+    return recovered;
+  }
+}
+
+/** The message of an API error body (``{"error": "..."}``, or OpenAI's nested form). */
+export function errorMessage(body: unknown, status?: number): string {
+  let msg = '';
+  if (body && typeof body === 'object') {
+    const err = (body as { error?: unknown; message?: unknown }).error;
+    if (typeof err === 'string') {
+      msg = err;
+    } else if (err && typeof err === 'object' && 'message' in err) {
+      msg = String((err as { message: unknown }).message);
+    } else if (typeof (body as { message?: unknown }).message === 'string') {
+      msg = (body as { message: string }).message;
+    }
+  } else if (typeof body === 'string') {
+    msg = body.trim().split('\n')[0];
+  }
+  if (!msg) {
+    msg = 'request failed';
+  }
+  return status && status >= 400 ? `${msg} (HTTP ${status})` : msg;
+}

@@ -1,0 +1,248 @@
+"""The teaching notebooks in notebooks/, executed top to bottom through a real kernel.
+
+The kernel finds the session's manager (a real `jupyter-llama serve` child) through
+JUPYTER_LLAMA_URL / JUPYTER_LLAMA_TOKEN in its environment, exactly as a kernel started by
+JupyterLab with the extension does. Notebooks 04 and 05 start budgeted managers of their own
+and stop them in their last cell; the test also watches the kernel's child processes and makes
+sure every manager a notebook started is gone once the kernel has shut down, even after a
+failed cell.
+
+Each notebook ends with a cell that prints ``CLAIMS {json}``: the numbers its prose is about.
+The test checks them, renders the executed notebook to tests/artifacts/notebooks/NAME.html
+(outputs included, for a person to read) and records its run time (printed after the run).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+
+
+def notebook_test(func):
+    """A notebook run: needs the engine, takes seconds to a minute."""
+    return pytest.mark.engine(pytest.mark.slow(pytest.mark.timeout(600)(func)))
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = ROOT / "notebooks"
+ARTIFACTS = ROOT / "tests" / "artifacts" / "notebooks"
+STORIES = ROOT.parent / "shared" / "models" / "stories260K.gguf"
+NAMES = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]-*.ipynb"))
+MiB = 1024 * 1024
+
+
+def test_the_course_is_complete():
+    assert [n[:2] for n in NAMES] == ["01", "02", "03", "04", "05", "06"], NAMES
+
+
+def test_notebooks_are_committed_without_outputs():
+    for name in NAMES:
+        nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, f"{name} cell {i} has outputs"
+        assert "widgets" not in nb.metadata, f"{name} carries saved widget state"
+
+
+def _serve_descendants(pid: int) -> set[int]:
+    """Managers (`jupyter_llama.server.serve`) started under process ``pid``."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return set()
+    out = set()
+    for p in children:
+        try:
+            if "jupyter_llama.server.serve" in " ".join(p.cmdline()):
+                out.add(p.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def execute(name: str) -> tuple[nbformat.NotebookNode, float, set[int]]:
+    """Run one notebook in a fresh kernel with cwd notebooks/; returns it, its run time and the
+    managers its kernel started (all of which are stopped, by pid, before this returns)."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    started: set[int] = set()
+    client = NotebookClient(nb, timeout=240, kernel_name="python3", allow_errors=False, coalesce_streams=True,
+                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+
+    def watch(**_):
+        pid = client.km.provisioner.pid if client.km is not None and client.km.provisioner else None
+        if pid:
+            started.update(_serve_descendants(pid))
+
+    client.on_cell_executed = watch
+    t0 = time.monotonic()
+    error = None
+    try:
+        client.execute()
+    except CellExecutionError as e:
+        error = e
+    elapsed = time.monotonic() - t0
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    render(nb, ARTIFACTS / name.replace(".ipynb", ".html"))
+    leftovers = _stop_all(started)
+    if error is not None:
+        pytest.fail(f"{name}: a cell failed (rendered to {ARTIFACTS / name.replace('.ipynb', '.html')}):\n{error}")
+    assert not leftovers, f"{name}: managers still running after the kernel stopped: {leftovers}"
+    return nb, elapsed, started
+
+
+def _stop_all(pids: set[int], grace: float = 20.0) -> list[int]:
+    """Wait for the notebook's managers to end (their kernel stops them); kill stragglers by pid."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return [p.pid for p in alive]
+
+
+def render(nb: nbformat.NotebookNode, path: Path) -> None:
+    from nbconvert import HTMLExporter
+
+    body, _ = HTMLExporter().from_notebook_node(nb)
+    path.write_text(body, encoding="utf-8")
+
+
+def claims_of(nb: nbformat.NotebookNode) -> dict:
+    for cell in reversed(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                for line in out.get("text", "").splitlines():
+                    if line.startswith("CLAIMS "):
+                        return json.loads(line[len("CLAIMS "):])
+    raise AssertionError("the notebook printed no CLAIMS line")
+
+
+def all_text(nb: nbformat.NotebookNode) -> str:
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            parts.append(out.get("text", "") if out.get("output_type") == "stream" else
+                         out.get("data", {}).get("text/plain", ""))
+    return "\n".join(parts)
+
+
+@pytest.fixture
+def run_notebook(manager, engine, monkeypatch, notebook_timings):
+    """Execute a notebook in a kernel that finds the session's manager the way JupyterLab's kernels do."""
+    monkeypatch.setenv("JUPYTER_LLAMA_URL", manager["env"]["JUPYTER_LLAMA_URL"])
+    monkeypatch.setenv("JUPYTER_LLAMA_TOKEN", manager["env"]["JUPYTER_LLAMA_TOKEN"])
+    monkeypatch.setenv("JUPYTER_LLAMA_SERVER", engine.path)  # notebooks' own managers use the same engine
+    monkeypatch.delenv("JUPYTER_TOKEN", raising=False)
+
+    def run(name: str):
+        nb, elapsed, managers = execute(name)
+        notebook_timings[name] = elapsed
+        print(f"{name}: {elapsed:.1f} s")
+        return nb, claims_of(nb), managers
+
+    return run
+
+
+@notebook_test
+def test_01_first_model(run_notebook, manager):
+    nb, c, _ = run_notebook("01-first-model.ipynb")
+    assert c["host"] == "127.0.0.1" and c["port_in_argv"]
+    assert c["parent_pid"] == manager["pid"], "the llama-server child belongs to the manager"
+    assert not c["api_key_on_command_line"]
+    assert c["actual_total"] > 0 and c["ps_size"] == c["actual_total"]
+    assert c["tokens"] == 24
+    assert c["gone_after_stop"] and "llama-server" not in " ".join(_cmdline(c["pid"]))
+    if STORIES.is_file():
+        assert c["story_model"] == "nb1-stories" and c["story_chars"] > 0
+    assert "application/vnd.jupyter.widget-view+json" in json.dumps([o for cell in nb.cells
+                                                                     for o in cell.get("outputs", [])])
+
+
+@notebook_test
+def test_02_who_decides_gpu_layers(run_notebook):
+    _, c, _ = run_notebook("02-who-decides-gpu-layers.ipynb")
+    M = c["M"]
+    assert c["ngl"] == {"automatic": None, "num_gpu 0": "0", "num_gpu 3": "3"}, "-ngl only when num_gpu is set"
+    assert c["reloads"] == 2 and c["reload_changed"] == [["num_gpu"], ["num_gpu"]]
+    assert c["distinct_pids"] == 3
+    assert c["predicted_ngl3"] == f"3/{M}"
+    if c["offloaded"]["automatic"] is None:  # a CPU build prints no offload line, and ps says so
+        assert set(c["offloaded"].values()) == {None} and set(c["layers_total"].values()) == {None}
+        assert c["same_memory"]
+    else:
+        assert c["layers_total"] == {k: M for k in c["ngl"]}
+        assert c["offloaded"]["num_gpu 0"] == 0 and c["offloaded"]["num_gpu 3"] == 3
+
+
+@notebook_test
+def test_03_where_the_memory_goes(run_notebook):
+    _, c, _ = run_notebook("03-where-the-memory-goes.ipynb")
+    assert c["kv_by_hand"] == 2 * 8 * 2 * 64 * 4096 * 2  # K and V x layers x kv heads x head dim x cells x f16
+    assert c["kv_matches"] and f"{c['kv_log'] / MiB:.2f}" == f"{c['kv_by_hand'] / MiB:.2f}", \
+        "the KV figure from the log equals the hand formula"
+    assert c["formula_matches_sweep"] and c["linear"] and c["kv_growth"] == pytest.approx(c["ctx_growth"], rel=0.01)
+    assert c["q8_ratio"] == pytest.approx(34 / 64, abs=0.005) and c["q8_ratio_rule"] == 34 / 64
+    assert c["detailed_max_error"] < 0.10
+    assert c["coarse_ignores_cache_type"]
+    assert c["kv_vs_weights"] > 1
+
+
+@notebook_test
+def test_04_estimates_versus_reality(run_notebook):
+    nb, c, managers = run_notebook("04-estimates-versus-reality.ipynb")
+    assert c["coarse"] > c["actual"], "coarse is conservative"
+    assert abs(c["detailed"] - c["actual"]) / c["actual"] < 0.10, "detailed is within 10% of actual"
+    assert c["coarse_by_hand"] == c["coarse"] and c["surcharge"] == 2 * 1024 * MiB
+    assert c["coarse512"] < c["actual512"], "without the surcharge coarse falls short of a small model"
+    assert c["need_detailed"] < c["budget"] < c["need_coarse"]
+    assert c["refused_status"] == 507
+    assert "coarse estimate" in c["refused_message"] and "budget" in c["refused_message"]
+    assert "does not fit" in all_text(nb), "the refusal is shown as the manager recorded it"
+    assert c["detailed_loaded"] and 0 < c["used"] <= c["budget"]
+    assert c["managers_stopped"] and set(c["manager_pids"]) <= managers
+    assert not any("jupyter_llama.server.serve" in " ".join(_cmdline(p)) for p in c["manager_pids"])
+
+
+@notebook_test
+def test_05_sharing_memory(run_notebook):
+    _, c, managers = run_notebook("05-sharing-memory.ipynb")
+    assert all(c["checks"].values())
+    assert c["expired"] == ["small1:latest"]
+    assert c["evicted"] == ["small2:latest"] and c["evicted_for"] == ["small3:latest"], \
+        "the evicted model is the one with the shortest keep_alive, not the oldest"
+    assert "shortest keep_alive" in c["evict_rule"][0]
+    assert c["loaded_after_eviction"] == ["small1:latest", "small3:latest"]
+    assert c["refusal_status"] == 507 and "small3:latest" in c["refusal_message"], "the refusal names the pinned model"
+    assert c["refusal_pinned"] == ["small3:latest"]
+    assert c["big_loaded_after_unpin"]
+    assert c["manager_stopped"] and c["manager_pid"] in managers
+    assert "jupyter_llama.server.serve" not in " ".join(_cmdline(c["manager_pid"]))
+
+
+@notebook_test
+def test_06_clients(run_notebook):
+    _, c, _ = run_notebook("06-clients.ipynb")
+    assert c["pid_ollama"] is not None and c["pid_ollama"] == c["pid_openai"], "both clients reach one runner"
+    assert c["loads"] == 1
+    assert c["ollama_tokens"] == 16 and c["openai_tokens"] == 16
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []

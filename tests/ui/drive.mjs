@@ -1,0 +1,224 @@
+// Drives Debian's Chromium through a running JupyterLab for tests/ui/test_lab_ui.py.
+//
+// Environment: LAB_URL (ends with /), LAB_TOKEN, ARTIFACTS (a folder), CHROMIUM, PROFILE
+// (a fresh user-data dir), MODEL (the registered model's name as ps shows it).
+//
+// Protocol with the Python test: every line this prints is a log line, except
+// "CALL <json>": the test performs the call (the REST API from outside the browser, with
+// httpx) and answers one line on stdin, "OK" or "ERR <message>". Exits 0 when every check
+// passed; any failure prints "FAIL <message>" and exits 1.
+import { chromium } from 'playwright-core';
+import { createInterface } from 'node:readline';
+import path from 'node:path';
+
+const base = process.env.LAB_URL;
+const token = process.env.LAB_TOKEN;
+const artifacts = process.env.ARTIFACTS;
+const model = process.env.MODEL || 'tiny:latest';
+
+const stdin = createInterface({ input: process.stdin });
+const answers = [];
+let waiting = null;
+stdin.on('line', line => {
+  if (waiting) {
+    const w = waiting;
+    waiting = null;
+    w(line);
+  } else {
+    answers.push(line);
+  }
+});
+
+function log(msg) {
+  process.stdout.write(`STEP ${msg}\n`);
+}
+
+/** Ask the Python side to do something (the REST API from another client). */
+async function call(what) {
+  process.stdout.write(`CALL ${JSON.stringify(what)}\n`);
+  const line = answers.length ? answers.shift() : await new Promise(r => (waiting = r));
+  if (line !== 'OK') {
+    throw new Error(`the test's ${what.op} failed: ${line}`);
+  }
+}
+
+const panel = '#jupyter-llama-panel';
+const card = `${panel} .jp-Llama-card[data-loaded-model="${model}"]`;
+const row = `${panel} .jp-Llama-model[data-model="${model}"]`;
+
+async function main() {
+  const context = await chromium.launchPersistentContext(process.env.PROFILE, {
+    executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
+    headless: true,
+    viewport: { width: 1360, height: 860 },
+    args: [
+      '--headless',
+      '--no-sandbox',
+      '--disable-gpu',
+      '--disable-quic',
+      '--no-first-run',
+      '--disable-background-networking',
+      '--disable-component-update',
+      '--disable-sync'
+    ]
+  });
+  try {
+    const page = context.pages()[0] ?? (await context.newPage());
+    page.setDefaultTimeout(45000);
+    const pageErrors = [];
+    page.on('pageerror', e => pageErrors.push(String(e).slice(0, 400)));
+    page.on('console', m => {
+      if (m.type() === 'error' && /llama/i.test(m.text())) {
+        pageErrors.push(m.text().slice(0, 400));
+      }
+    });
+
+    const checkErrors = () => {
+      if (pageErrors.length) {
+        throw new Error(`errors in the page: ${pageErrors.slice(0, 3).join(' | ')}`);
+      }
+    };
+
+    log('open the lab with the notebook');
+    await page.goto(`${base}lab/tree/panel.ipynb?token=${token}`);
+    await page.waitForSelector('#jupyterlab-splash', { state: 'detached', timeout: 90000 });
+
+    log('the status-bar item shows no model loaded');
+    const status = page.locator('.jp-Llama-statusItem');
+    await status.filter({ hasText: 'Llama: 0 models' }).waitFor();
+
+    checkErrors();
+    log('a click on the status-bar item opens the Llama panel');
+    await status.click();
+    await page.locator(panel).waitFor({ state: 'visible' });
+    await page.locator(`${row} button[data-action="load"]`).waitFor();
+    const rowText = await page.locator(row).innerText();
+    for (const word of [model, 'F32', 'KiB']) {
+      if (!rowText.includes(word)) {
+        throw new Error(`the registered model's row lacks ${word}: ${rowText}`);
+      }
+    }
+
+    log("load the model with the panel's Load button");
+    await page.locator(`${row} button[data-action="load"]`).click();
+    await page.locator(`${card}[data-state="ready"]`).waitFor();
+    await page.locator(`${card} .jp-Llama-memory[data-device="cpu"] .jp-Llama-fill-actual`).waitFor();
+    await page.locator(`${card} [data-marker="detailed"]`).waitFor({ state: 'attached' });
+    await page.locator(`${row}[data-loaded="true"]`).waitFor();
+    const width = await page
+      .locator(`${card} .jp-Llama-fill-actual`)
+      .first()
+      .evaluate(el => el.getBoundingClientRect().width);
+    if (!(width > 10)) {
+      throw new Error(`the actual-memory bar is ${width}px wide`);
+    }
+    const cardText = await page.locator(card).innerText();
+    if (!/context\s+\d+/.test(cardText)) {
+      throw new Error(`no context size: ${cardText}`);
+    }
+    for (const word of ['GPU layers', 'in flight', 'unloads in', 'actual', 'predicted']) {
+      if (!cardText.includes(word)) {
+        throw new Error(`the loaded model's card lacks "${word}": ${cardText}`);
+      }
+    }
+    await status.filter({ hasText: 'Llama: 1 model' }).waitFor();
+    await page.locator(`${panel} .jp-Llama-events li`, { hasText: 'loaded' }).first().waitFor();
+    // the keep-alive countdown ticks in the page, between polls
+    const countdown = page.locator(`${card} .jp-Llama-countdown`);
+    const before = await countdown.innerText();
+    await page.waitForFunction(
+      ([sel, text]) => document.querySelector(sel)?.textContent !== text,
+      [`${card} .jp-Llama-countdown`, before],
+      { timeout: 5000 }
+    );
+    if (!/^unloads in \d+m \d\ds$/.test(await countdown.innerText())) {
+      throw new Error(`odd countdown: ${await countdown.innerText()}`);
+    }
+    // let any transition finish, then the picture
+    await page.waitForTimeout(600);
+    await page.screenshot({ path: path.join(artifacts, 'lab-panel.png') });
+    log(`memory bar ${Math.round(width)}px; screenshot lab-panel.png`);
+
+    log("unload it with the card's Unload button");
+    await page.locator(`${card} button[data-action="unload"]`).click();
+    await page.locator(card).waitFor({ state: 'detached' });
+    await page.locator(`${row}[data-loaded="false"]`).waitFor();
+    await status.filter({ hasText: 'Llama: 0 models' }).waitFor();
+
+    log('another client loads the model through the REST API: the panel shows it');
+    await call({ op: 'load' });
+    await page.locator(`${card}[data-state="ready"] .jp-Llama-fill-actual`).waitFor({ timeout: 20000 });
+    await status.filter({ hasText: 'Llama: 1 model' }).waitFor({ timeout: 20000 });
+    log('another client unloads it: the panel drops it');
+    await call({ op: 'unload' });
+    await page.locator(card).waitFor({ state: 'detached', timeout: 20000 });
+    await status.filter({ hasText: 'Llama: 0 models' }).waitFor({ timeout: 20000 });
+
+    log('an API error becomes a notification (a pull from nowhere)');
+    await page.locator(`${panel} input[aria-label="model to pull"]`).fill('http://127.0.0.1:9/missing.gguf');
+    await page.locator(`${panel} button`, { hasText: 'Pull' }).click();
+    await page.locator('.Toastify__toast', { hasText: 'Pull of' }).first().waitFor({ timeout: 30000 });
+    await page.locator(`${panel} .jp-Llama-pull-progress.jp-mod-error`).waitFor();
+    // dismiss it (its close button), so it does not cover the next screenshot
+    await page.locator('.Toastify__toast', { hasText: 'Pull of' }).first().locator('.jp-Notification-Toast-Close').click();
+    await page.locator('.Toastify__toast', { hasText: 'Pull of' }).waitFor({ state: 'detached' });
+    await page.locator(`${panel} button[aria-label="clear the pull status"]`).click();
+    await page.locator(`${panel} .jp-Llama-pull-progress`).waitFor({ state: 'hidden' });
+
+    log('the commands are in the palette');
+    await page.keyboard.press('Control+Shift+C');
+    const search = page.locator('.lm-CommandPalette-input');
+    await search.waitFor();
+    await search.fill('Llama');
+    for (const label of ['Open the Llama Panel', 'Load a Model…', 'Unload a Model…', 'Pull a Model…']) {
+      await page.locator('.lm-CommandPalette-item', { hasText: label }).first().waitFor();
+    }
+    await page.keyboard.press('Escape');
+
+    log('notebook: %load_ext jupyter_llama and %llama panel');
+    const cell = page.locator('.jp-Notebook .jp-Cell').first();
+    await cell.locator('.jp-InputArea-editor').click();
+    await page.keyboard.press('Shift+Enter');
+    const out = cell.locator('.jp-OutputArea-output');
+    await out.filter({ hasText: 'no models loaded' }).first().waitFor({ timeout: 90000 });
+    // the ipywidgets front end rendered the panel (not its text fallback)
+    await cell.locator('.jp-OutputArea-output .widget-html').first().waitFor();
+
+    // the magic displays the panel; it should be shown once (a returned widget shows again as Out[n])
+    const panels = await cell.locator('.jp-OutputArea-output .widget-html', { hasText: 'jupyter-llama ·' }).count();
+    process.stdout.write(`NOTE notebook panels rendered: ${panels}\n`);
+
+    log('another client loads the model: the notebook widget updates');
+    await call({ op: 'load' });
+    await out.filter({ hasText: '1 model loaded' }).first().waitFor({ timeout: 30000 });
+    await out.filter({ hasText: model }).first().waitFor();
+    await page.locator(`${card}[data-state="ready"]`).waitFor({ timeout: 20000 });
+    await page.waitForTimeout(600);
+    await page.screenshot({ path: path.join(artifacts, 'notebook-panel.png') });
+    log('screenshot notebook-panel.png');
+
+    log('another client unloads it: the notebook widget updates');
+    await call({ op: 'unload' });
+    await out.filter({ hasText: 'no models loaded' }).first().waitFor({ timeout: 30000 });
+    await page.locator(card).waitFor({ state: 'detached', timeout: 20000 });
+
+    checkErrors();
+    log('done');
+  } catch (e) {
+    const page = context.pages()[0];
+    if (page) {
+      await page.screenshot({ path: path.join(artifacts, 'lab-failure.png') }).catch(() => undefined);
+    }
+    throw e;
+  } finally {
+    await context.close();
+  }
+}
+
+main().then(
+  () => process.exit(0),
+  e => {
+    process.stdout.write(`FAIL ${String(e && e.stack ? e.stack : e).replace(/\n/g, ' | ')}\n`);
+    process.exit(1);
+  }
+);
