@@ -132,15 +132,18 @@ def _pdeathsig_preexec() -> None:  # pragma: no cover - runs in the forked child
 
 
 def child_client() -> httpx.AsyncClient:
-    """An HTTP client for one child: pooled connections to it, no proxies, no read timeout.
+    """An HTTP client for one child: no proxies, no read timeout, and no keep-alive pool.
 
-    Each runner owns one and closes it before stopping its child: llama-server waits about
-    100 ms for open keep-alive connections when it shuts down, which a shared pool would
-    leave open (measured: 112 ms to exit with a pooled connection open, 5 ms without).
+    llama-server closes connections behind a client's back (after streamed answers), so a
+    pooled connection is often stale: the next request fails on it and must be retried, which
+    cost +4 ms to first token in bench/engine_overhead.py; a fresh loopback connection costs
+    about 0.1 ms. Idle pooled connections also made llama-server wait ~100 ms at shutdown
+    (112 ms to exit with one open, 5 ms without). Each runner owns its client and closes it
+    before stopping its child.
     """
     return httpx.AsyncClient(
         timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
-        limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+        limits=httpx.Limits(max_connections=64, max_keepalive_connections=0),
         trust_env=False,  # children are on loopback; never route them through a proxy
     )
 
