@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import math
 import os
@@ -34,7 +35,7 @@ from .config import ConfigError, format_duration, parse_duration
 from .engine.launch import LoadOptions
 from .engine.runner import EngineError, LoadError, Runner
 from .memory import devices as devmod
-from .memory.estimate import estimate_coarse
+from .memory.estimate import estimate_coarse, estimate_detailed
 from .memory.report import ACTUAL, COARSE, DETAILED, HOST, MemoryReport, MiB, format_bytes, is_gpu
 from .models.gguf_info import GGUFError, GGUFInfo, read_gguf_info
 
@@ -354,14 +355,8 @@ Predictor = Callable[[ModelRef, LoadOptions, list[str]], dict[str, MemoryReport]
 
 
 def default_predictor(ref: ModelRef, options: LoadOptions, gpus: list[str]) -> dict[str, MemoryReport]:
-    """Every prediction we can make for this load: coarse always, detailed when available."""
-    preds = {COARSE: estimate_coarse(ref.info, options, gpus)}
-    try:
-        from .memory.estimate import estimate_detailed  # type: ignore[attr-defined]
-    except ImportError:
-        return preds
-    preds[DETAILED] = estimate_detailed(ref.info, options, gpus)
-    return preds
+    """Both predictions for this load: both are recorded; the settings pick the one that fits."""
+    return {COARSE: estimate_coarse(ref.info, options, gpus), DETAILED: estimate_detailed(ref.info, options, gpus)}
 
 
 class Scheduler:
@@ -442,19 +437,14 @@ class Scheduler:
         finally:
             self._pending -= 1
 
-    def use(self, name: str, options: LoadOptions | None = None, keep_alive=None):
+    @contextlib.asynccontextmanager
+    async def use(self, name: str, options: LoadOptions | None = None, keep_alive=None) -> AsyncIterator[Lease]:
         """``async with scheduler.use(name) as lease:`` — acquire and always release."""
-        sched = self
-
-        class _Use:
-            async def __aenter__(self_inner) -> Lease:
-                self_inner.lease = await sched.acquire(name, options, keep_alive)
-                return self_inner.lease
-
-            async def __aexit__(self_inner, *exc):
-                self_inner.lease.release()
-
-        return _Use()
+        lease = await self.acquire(name, options, keep_alive)
+        try:
+            yield lease
+        finally:
+            lease.release()
 
     async def load(self, name: str, options: LoadOptions | None = None, keep_alive=None) -> Loaded:
         """Load without a request (Ollama's empty prompt); keep_alive 0 unloads instead."""
@@ -494,8 +484,8 @@ class Scheduler:
 
     async def predict(self, name: str, options: LoadOptions | None = None) -> tuple[ModelRef, dict[str, MemoryReport]]:
         ref = await self.resolver(name)
-        inv = await self._inventory()
-        return ref, self.predictor(ref, self._effective(options or LoadOptions()), [g.id for g in inv.gpus])
+        inv = await self.inventory()
+        return ref, self.predictor(ref, self.effective_options(options or LoadOptions()), [g.id for g in inv.gpus])
 
     async def shutdown(self) -> None:
         """Stop every child and wait for them."""
@@ -577,7 +567,8 @@ class Scheduler:
 
     # -------------------------------------------------------------- internals: loading
 
-    def _effective(self, options: LoadOptions) -> LoadOptions:
+    def effective_options(self, options: LoadOptions) -> LoadOptions:
+        """The options a load would really use (the configured default slots filled in)."""
         if options.num_parallel is None and self.settings.num_parallel:
             options = options.replace(num_parallel=self.settings.num_parallel)
         return options
@@ -595,16 +586,17 @@ class Scheduler:
         self.events.emit("reload", lo.name, f"reloading: {reason}", changed=changed)
         await self._unload(lo, reason, rule=rule)
 
-    async def _inventory(self) -> devmod.Inventory:
+    async def inventory(self) -> devmod.Inventory:
         """Devices as they are now, under the scheduler's own budgets."""
         inv = await asyncio.to_thread(self._inventory_fn)
         inv.budgets = self.settings.budgets
         return inv
 
-    def _usage(self, exclude: Loaded | None = None) -> dict[str, int]:
+    def usage(self) -> dict[str, int]:
+        """Bytes per device charged to the loaded runners (actual when known, else predicted)."""
         used: dict[str, int] = collections.defaultdict(int)
         for lo in self.loaded.values():
-            if lo is exclude or lo.state == "gone":
+            if lo.state == "gone":
                 continue
             for dev, n in lo.charge.by_device().items():
                 used[dev] += n
@@ -627,8 +619,8 @@ class Scheduler:
 
     async def _load(self, ref: ModelRef, options: LoadOptions, keep_alive: float | None) -> Loaded:
         """Called with the lock held: make room, start the runner, retry on OOM as Ollama does."""
-        options = self._effective(options)
-        inv = await self._inventory()
+        options = self.effective_options(options)
+        inv = await self.inventory()
         gpus = [g.id for g in inv.gpus]
         options = self._with_fit_target(options, inv)
         preds = await asyncio.to_thread(self.predictor, ref, options, gpus)
@@ -684,8 +676,8 @@ class Scheduler:
         (the usual victim order); if it alone is over, unload it and say by how much.
         """
         while True:
-            inv = await self._inventory()
-            used = self._usage()
+            inv = await self.inventory()
+            used = self.usage()
             over = {d.id: used.get(d.id, 0) - d.budget for d in inv.devices()
                     if d.budget is not None and used.get(d.id, 0) > d.budget}
             if not over:
@@ -710,7 +702,7 @@ class Scheduler:
         """Our budget reaches llama.cpp: with automatic placement, tell --fit how much to leave free."""
         if not options.gpu_automatic or not inv.gpus:
             return options
-        used = self._usage()
+        used = self.usage()
         margins = []
         for g in inv.gpus:
             d = inv.device(g.id)
@@ -765,7 +757,7 @@ class Scheduler:
         cap = self.max_loaded(len(inv.gpus))
         while True:
             others = [lo for lo in self.loaded.values() if lo.state in ("ready", "loading")]
-            used = self._usage()
+            used = self.usage()
             avail = self._available(inv, used)
             short = {d: need.total(device=d) - avail.get(d, (0, None))[0] for d in need.devices
                      if need.total(device=d) > avail.get(d, (0, None))[0]}
@@ -798,7 +790,7 @@ class Scheduler:
                              f"chosen because {rule}", victim=victim.name, for_model=ref.name, rule=rule,
                              devices=numbers, over_cap=over_cap)
             await self._unload(victim, f"evicted for {ref.name}", rule="evict")
-            inv = await self._inventory()
+            inv = await self.inventory()
 
     def _refuse_if_only_pinned_help(self, ref: ModelRef, short: dict[str, int], reason: str) -> None:
         """Don't evict unpinned models for nothing: if freeing all of them still leaves a
@@ -869,7 +861,7 @@ class Scheduler:
         gpu_used = {d: n for d, n in lo.charge.by_device().items() if is_gpu(d)}
         before = None
         if gpu_used:
-            before = {g.id: g.free for g in (await self._inventory()).gpus}
+            before = {g.id: g.free for g in (await self.inventory()).gpus}
         if lo.runner is not None:
             await lo.runner.stop()
         self.loaded.pop(lo.ref.key, None) if self.loaded.get(lo.ref.key) is lo else None
@@ -885,7 +877,7 @@ class Scheduler:
         """Poll until each GPU's free memory has grown by 75% of what the runner used (or time out)."""
         deadline = time.monotonic() + self.settings.recovery_timeout
         while time.monotonic() < deadline:
-            now = {g.id: g.free for g in (await self._inventory()).gpus}
+            now = {g.id: g.free for g in (await self.inventory()).gpus}
             if all(now.get(d, 0) - before.get(d, 0) >= 0.75 * n for d, n in used.items()):
                 return
             await asyncio.sleep(self.settings.recovery_poll)

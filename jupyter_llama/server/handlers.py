@@ -825,20 +825,16 @@ class DevicesHandler(LlamaHandler):
     async def get(self):
         from ..memory import devices as devmod
 
-        inv = await asyncio.to_thread(devmod.inventory)
         sched = self.ext.scheduler
         usage: dict[str, int] = {}
         loaded = []
-        if sched is not None:
-            inv.budgets = sched.settings.budgets
-            for lo in list(sched.loaded.values()):
-                if lo.state == "gone":
-                    continue
-                charge = lo.charge
-                for dev, n in charge.by_device().items():
-                    usage[dev] = usage.get(dev, 0) + n
-                loaded.append({"name": lo.name, "state": lo.state, "source": charge.source,
-                               "by_device": charge.by_device()})
+        if sched is None:
+            inv = await asyncio.to_thread(devmod.inventory)
+        else:
+            inv = await sched.inventory()  # under the scheduler's budgets
+            usage = sched.usage()
+            loaded = [{"name": lo.name, "state": lo.state, "source": lo.charge.source,
+                       "by_device": lo.charge.by_device()} for lo in list(sched.loaded.values()) if lo.state != "gone"]
         body = inv.to_dict()
         body["usage"] = usage
         body["loaded"] = loaded
@@ -855,23 +851,15 @@ class EstimateHandler(LlamaHandler):
         name = oa._model_name(body)
         opts = split_options(body.get("options")).load_options()
         sched = self.ext.scheduler
-        if sched is not None and opts.num_parallel is None and sched.settings.num_parallel:
-            opts = opts.replace(num_parallel=sched.settings.num_parallel)
+        if sched is not None:
+            opts = sched.effective_options(opts)  # the options the scheduler would load with
         ref = await self.ext.store.resolve(name)
         from ..memory import devices as devmod
         from ..memory import estimate as est
 
         inv = await asyncio.to_thread(devmod.inventory)
-        gpus = [g.id for g in inv.gpus]
-        estimates = None
-        if hasattr(est, "estimate_all_async"):
-            try:
-                estimates = await est.estimate_all_async(ref.info, opts, gpus, engine=self.ext.engine,
-                                                         model_path=ref.path)
-            except Exception as e:  # noqa: BLE001 - llama.cpp's projection is optional
-                self.log.warning("jupyter-llama: estimate_all failed (%s); using the scheduler's predictions", e)
-        if estimates is None:
-            estimates = await asyncio.to_thread(_predict, ref, opts, gpus)
+        estimates = await est.estimate_all_async(ref.info, opts, [g.id for g in inv.gpus], engine=self.ext.engine,
+                                                 model_path=ref.path)
         out: dict[str, Any] = {"model": name, "options": opts.to_dict(),
                                "estimates": {k: v.to_dict() for k, v in estimates.items()},
                                "loaded": None, "actual": None}
@@ -883,18 +871,8 @@ class EstimateHandler(LlamaHandler):
                 out["loaded"] = {"name": lo.name, "options": lo.options.to_dict(), "fit_source": lo.fit_source,
                                  "predictions": {k: v.to_dict() for k, v in lo.predictions.items()}}
                 out["actual"] = actual.to_dict() if actual else None
-        if hasattr(est, "format_estimates"):
-            try:
-                out["table"] = est.format_estimates(estimates, actual)
-            except Exception:  # noqa: BLE001 - text is a convenience
-                out["table"] = None
+        out["table"] = est.format_estimates(estimates, actual)
         self.finish(dumps(out))
-
-
-def _predict(ref, opts, gpus):
-    from ..scheduler import default_predictor
-
-    return default_predictor(ref, opts, gpus)
 
 
 class EventsHandler(LlamaHandler):
