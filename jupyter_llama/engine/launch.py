@@ -52,6 +52,7 @@ class LoadOptions:
     embedding: bool = False  # --embedding (embedding models)
     fit: bool | None = None  # llama.cpp's own fitting of unset options to free memory (-fit on|off)
     fit_target_mib: tuple[int, ...] | None = None  # --fit-target: free MiB llama.cpp must leave per device
+    rpc: tuple[str, ...] | None = None  # --rpc: the RPC workers (HOST:PORT) this child may use
 
     def __post_init__(self):
         def positive(name, allow_zero=False):
@@ -87,6 +88,8 @@ class LoadOptions:
             raise LoadOptionsError(f"num_ctx {self.num_ctx} is too small; use at least 16 tokens")
         if self.fit_target_mib is not None:
             object.__setattr__(self, "fit_target_mib", tuple(int(x) for x in self.fit_target_mib))
+        if self.rpc is not None:
+            object.__setattr__(self, "rpc", tuple(str(x) for x in self.rpc) or None)
 
     @property
     def total_ctx(self) -> int | None:
@@ -134,10 +137,11 @@ def memory_args(options: LoadOptions) -> list[str]:
     """The options that decide placement and memory, as llama.cpp's tools spell them.
 
     llama-server and llama-fit-params share these flags, so the projection is made for
-    exactly what the child will be asked to do.
+    exactly what the child will be asked to do (``--rpc`` included: the same workers).
     """
     o = options
-    pairs = [("-c", o.total_ctx), ("-np", o.num_parallel), ("-ngl", o.num_gpu), ("-mg", o.main_gpu),
+    rpc = [("--rpc", ",".join(o.rpc))] if o.rpc else []
+    pairs = [*rpc, ("-c", o.total_ctx), ("-np", o.num_parallel), ("-ngl", o.num_gpu), ("-mg", o.main_gpu),
              ("-b", o.num_batch), ("-ub", o.num_ubatch), ("-fa", o.flash_attn),
              ("-ctk", o.cache_type_k), ("-ctv", o.cache_type_v)]
     return [x for flag, value in pairs if value is not None for x in (flag, str(value))]

@@ -93,7 +93,7 @@ _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 # "<backend> <what> buffer size = <n> MiB"; the backend is the token just before.
 _BUF_RE = re.compile(
-    r"(?:^|\s)(?P<backend>[A-Za-z][\w.\-]*)\s+(?P<what>model|KV|RS|compute|output|LoRA|DSV4 \w+ state)"
+    r"(?:^|\s)(?P<backend>[A-Za-z][\w.\-]*(?:\[[^\]\s]+\])?)\s+(?P<what>model|KV|RS|compute|output|LoRA|DSV4 \w+ state)"
     r" buffer size\s*=\s*" + _NUM + r"\s*MiB", re.I)
 _KV_SUMMARY_RE = re.compile(
     r"\bsize\s*=\s*" + _NUM + r"\s*MiB\s*\(\s*(\d+)\s+cells,\s*(\d+)\s+layers,\s*(\d+)\s*/\s*(\d+)\s+seqs\)")
@@ -107,11 +107,16 @@ _READY_RE = re.compile(r"\bmodel loaded\s*$|starting the main loop")
 _LISTEN_RE = re.compile(r"\blistening on\s+(\S+)")
 _FIT_FUNC_RE = re.compile(r"\b\w*(?:params_fit|fit_params)\w*\s*:")
 _FIT_DEV_RE = re.compile(
-    r"-\s+(?P<dev>[A-Za-z][\w.\-]*)(?:\s+\(.*?\))?\s*:\s+(?P<layers>\d+)\s+layers"
+    r"-\s+(?P<dev>[A-Za-z][\w.\-]*)(?:\s+\((?P<desc>.*?)\))?\s*:\s+(?P<layers>\d+)\s+layers"
     r"(?:\s+\(\s*(?P<over>\d+)\s+overflowing\))?,\s+(?P<used>-?\d+)\s+MiB used,\s+(?P<free>-?\d+)\s+MiB free")
 _FIT_PROJ_RE = re.compile(  # multi-device projection: "- CUDA0 (NVIDIA H200): 143167 total, 158000 used, -16000 free vs. target of 1024"
-    r"-\s+(?P<dev>[A-Za-z][\w.\-]*)(?:\s+\(.*?\))?\s*:\s+(?P<total>\d+)\s+total,\s+(?P<used>-?\d+)\s+used,"
+    r"-\s+(?P<dev>[A-Za-z][\w.\-]*)(?:\s+\((?P<desc>.*?)\))?\s*:\s+(?P<total>\d+)\s+total,\s+(?P<used>-?\d+)\s+used,"
     r"\s+(?P<free>-?\d+)\s+free vs\. target")
+# llama_model_load_from_file's device list: "  - RPC0 : 127.0.0.1:50061 (24105 MiB, 24105 MiB free)"
+_DEVICE_INFO_RE = re.compile(r"^\s*-\s+(?P<dev>[A-Za-z][\w.\-]*)\s+:\s+(?P<desc>.+?)\s+\((?P<total>\d+)\s+MiB,"
+                             r"\s+(?P<free>\d+)\s+MiB free\)\s*$")
+_RPC_NAME_RE = re.compile(r"^RPC\d+$")
+_ENDPOINT_RE = re.compile(r"^[\w.\-\[\]:]+:\d+$")
 _FIT_CTX_RE = re.compile(r"context size reduced from\s+(\d+)\s+to\s+(\d+)")
 _FIT_CTX_USER_RE = re.compile(r"context size set by user to\s+(\d+)")
 _FIT_DONE_RE = re.compile(r"fitting params to free memory took")
@@ -173,6 +178,8 @@ class LogParser:
         self.layers_total: int | None = None
         self.free_memory: dict[str, int] = {}
         self.device_names: dict[str, str] = {}
+        self.device_total: dict[str, int] = {}  # from the device list llama.cpp prints before loading
+        self._rpc_names: dict[str, str] = {}  # "RPC1" -> "rpc:127.0.0.1:50062" (global name -> our id)
         self.fit: list[FitDecision] = []
         self.fit_ok: bool | None = None  # "successfully fit" / "failed to fit" when --fit ran
 
@@ -263,9 +270,17 @@ class LogParser:
         if "MiB free" in line and "using device" in line:
             m = _FREE_RE.search(line)
             if m:
-                dev = device_of_backend(m.group(1))
+                dev = self.device_of(m.group(1), m.group(2))
                 self.device_names[dev] = m.group(2)
                 self.free_memory[dev] = int(m.group(4)) * MiB
+                return
+        if "MiB free)" in line:
+            m = _DEVICE_INFO_RE.match(line)
+            if m:
+                dev = self.device_of(m.group("dev"), m.group("desc"))
+                self.device_names.setdefault(dev, m.group("desc"))
+                self.device_total[dev] = int(m.group("total")) * MiB
+                self.free_memory.setdefault(dev, int(m.group("free")) * MiB)
                 return
         if "fit" in line and _FIT_FUNC_RE.search(line):
             self._fit_line(line)
@@ -293,6 +308,35 @@ class LogParser:
             self.ready = True
 
     # ------------------------------------------------------------------ pieces
+
+    def device_of(self, name: str, description: str | None = None) -> str:
+        """Our id for a device as llama.cpp names it in device lists and fit lines.
+
+        RPC devices are named ``RPC<n>`` with ``n`` counting over *all* workers and the
+        endpoint as description; their buffers say ``RPC<k>[endpoint]`` with ``k`` counting
+        within one worker. The first time a global name appears (llama.cpp lists devices in
+        order before anything else) it is given the next index of its endpoint.
+        """
+        if _RPC_NAME_RE.match(name):
+            known = self._rpc_names.get(name)
+            if known:
+                return known
+            desc = (description or "").strip()
+            if _ENDPOINT_RE.match(desc):
+                index = sum(1 for v in self._rpc_names.values() if v.split("/")[0] == f"rpc:{desc.lower()}")
+                dev = f"rpc:{desc.lower()}" + (f"/{index}" if index else "")
+                self._rpc_names[name] = dev
+                return dev
+        return device_of_backend(name)
+
+    @property
+    def layers_by_device(self) -> dict[str, int]:
+        """Layers per accelerator as llama.cpp's ``--fit`` last decided them (output layer counted)."""
+        out: dict[str, int] = {}
+        for d in self.fit:
+            if d.device and d.layers is not None:
+                out[d.device] = d.layers
+        return out
 
     def _buffer_line(self, m: re.Match, lineno: int) -> None:
         backend = m.group("backend")
@@ -343,7 +387,7 @@ class LogParser:
         dec = FitDecision(text)
         m = _FIT_DEV_RE.search(line)
         if m:
-            dec.device = device_of_backend(m.group("dev"))
+            dec.device = self.device_of(m.group("dev"), m.group("desc"))
             dec.layers = int(m.group("layers"))
             dec.overflowing = int(m.group("over")) if m.group("over") is not None else None
             dec.used_bytes = int(m.group("used")) * MiB
@@ -351,7 +395,7 @@ class LogParser:
         else:
             m = _FIT_PROJ_RE.search(line)
             if m:
-                dec.device = device_of_backend(m.group("dev"))
+                dec.device = self.device_of(m.group("dev"), m.group("desc"))
                 dec.used_bytes = int(m.group("used")) * MiB
                 dec.free_bytes = int(m.group("free")) * MiB
         m = _FIT_CTX_RE.search(line)

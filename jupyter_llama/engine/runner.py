@@ -177,6 +177,7 @@ class Runner:
         self._ready_line = asyncio.Event()
         self._exited = asyncio.Event()
         self._stop_lock = asyncio.Lock()
+        self._lost_workers: list[str] | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -303,7 +304,9 @@ class Runner:
                 if time.monotonic() - self._last_output > deadline_gap:
                     raise LoadError(
                         f"llama-server stalled while loading {self.name}: no output and no answer on /health "
-                        f"for {deadline_gap:.0f}s (load timeout; set JUPYTER_LLAMA_LOAD_TIMEOUT to wait longer)",
+                        f"for {deadline_gap:.0f}s (load timeout; set JUPYTER_LLAMA_LOAD_TIMEOUT to wait longer)"
+                        + (f"; it was loading onto RPC worker(s) {', '.join(self.options.rpc)}: one that stops "
+                           "answering stalls the load" if self.options.rpc else ""),
                         log_lines=list(self.parser.lines)[-10:])
                 # Wake on exit, on the log's "listening" line, or at the next poll tick.
                 waiters = {exited} if ready_line.done() else {exited, ready_line}
@@ -333,10 +336,27 @@ class Runner:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
 
+    async def lost_workers(self) -> list[str]:
+        """The RPC workers of this child that no longer accept connections (asked once, after
+        the child died: llama.cpp's abort says only that *a* remote RPC server failed)."""
+        if self._lost_workers is None:
+            lost = []
+            for ep in self.options.rpc or ():
+                host, _, port = ep.rpartition(":")
+                try:
+                    _, w = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 1.0)
+                    w.close()
+                except (OSError, asyncio.TimeoutError):
+                    lost.append(ep)
+            self._lost_workers = lost
+        return self._lost_workers
+
     def _crash_error(self) -> RunnerCrashed:
         code = self.returncode if self.returncode is not None else (self.proc.returncode if self.proc else None)
         tail = self.parser.last_error_lines(5)
         detail = f" (exit code {code})" if code is not None else ""
+        if self._lost_workers:
+            detail += f"; RPC worker {', '.join(self._lost_workers)} went away (connection refused)"
         if tail:
             detail += "; last log lines: " + " | ".join(tail)
         return RunnerCrashed(f"{CRASH_MESSAGE}{detail}")
@@ -350,6 +370,8 @@ class Runner:
                 pass
         if not self.alive:
             self.state = "failed" if self.state != "stopping" else self.state
+            if self.options.rpc:
+                await self.lost_workers()
             return self._crash_error()
         return EngineError(f"request to {self.name} failed: {exc!r}")
 

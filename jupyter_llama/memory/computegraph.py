@@ -265,12 +265,23 @@ class GraphPlan:
     embeddings: bool = False  # pooled embeddings instead of logits
 
 
-def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int) -> list[Tensor]:
+def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers: frozenset[int] | None = None,
+                      output: bool = True, embed: bool = True) -> list[Tensor]:
     """The allocation skeleton of llama.cpp's llama graph (``src/models/llama.cpp`` with
     ``build_inp_embd``, ``build_attn`` and ``build_ffn`` of ``src/llama-graph.cpp``) for one
-    micro-batch of ``n_tokens`` tokens producing ``n_outputs`` logit rows."""
+    micro-batch of ``n_tokens`` tokens producing ``n_outputs`` logit rows.
+
+    With several devices, ggml's scheduler runs each layer where its weights are and gives
+    every backend an allocator of its own: ``layers`` (the repeating layers this backend
+    holds), ``output`` (whether it holds the output layer) and ``embed`` (the token lookup,
+    always the host's) restrict the graph to what one backend runs. Where its first layer
+    follows another backend's, the incoming activations are an input copy, and the graph
+    inputs it reads (positions, cache indices, mask, output ids) are copies of its own.
+    """
     T, O, E = n_tokens, max(1, n_outputs), plan.n_embd
     nodes: list[Tensor] = []
+    n_layer = len(plan.layers)
+    here = frozenset(range(n_layer)) if layers is None else layers
 
     def add(t: Tensor) -> Tensor:
         nodes.append(t)
@@ -284,10 +295,12 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int) -> list[Te
 
     tok_embd = weight("token_embd")
     inp_tokens = Tensor("inp_tokens", T * 4, is_input=True)
-    embd = add(Tensor("embd", E * T * F32, "GET_ROWS", [tok_embd, inp_tokens]))
-    # The vector-embeddings input of the select between input paths: a leaf no node reads.
-    add(Tensor("inp_embd", E * T * F32, "LEAF", is_input=True))
-    if plan.mixed_batch:
+    embd = Tensor("embd", E * T * F32, "GET_ROWS", [tok_embd, inp_tokens])
+    if embed:
+        add(embd)
+        # The vector-embeddings input of the select between input paths: a leaf no node reads.
+        add(Tensor("inp_embd", E * T * F32, "LEAF", is_input=True))
+    if embed and plan.mixed_batch:
         mixed_tokens = Tensor("inp_mixed_tokens", T * 4, is_input=True)
         tok_rows = add(Tensor("mixed_tok_rows", E * T * F32, "GET_ROWS", [tok_embd, mixed_tokens]))
         mixed_embd = Tensor("inp_mixed_embd", E * T * F32, is_input=True)
@@ -307,9 +320,12 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int) -> list[Te
     v_rot = Tensor("v_rot", plan.rot_v * plan.rot_v * F32, is_input=True)
 
     inp = embd
-    n_layer = len(plan.layers)
     for il, ly in enumerate(plan.layers):
         last = il == n_layer - 1
+        if il not in here:
+            continue
+        if (il == 0 and not embed) or (il > 0 and il - 1 not in here):
+            inp = Tensor("inp_from_other_backend", E * T * F32, is_input=True)
         n_kv = plan.n_kv_swa if (ly.swa and plan.n_kv_swa) else plan.n_kv
         lmask = mask_swa if (ly.swa and plan.n_kv_swa) else mask
         Q, K, V = ly.n_embd_q, ly.n_embd_k, ly.n_embd_v
@@ -359,6 +375,10 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int) -> list[Te
         down = add(Tensor("ffn_down", E * rows * F32, "MUL_MAT", [weight("wd"), act]))
         inp = add(Tensor("l_out", E * rows * F32, "ADD", [down, ffn_inp]))
 
+    if not output:
+        return nodes
+    if n_layer - 1 not in here:
+        inp = Tensor("inp_from_other_backend", E * O * F32, is_input=True)
     norm = add(Tensor("out_norm", E * O * F32, "RMS_NORM", [inp]))
     norm = add(Tensor("result_norm", E * O * F32, "MUL", [norm, weight("output_norm")]))
     if plan.embeddings:
@@ -369,7 +389,7 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int) -> list[Te
 
 
 def compute_buffer_bytes(plan: GraphPlan, n_ubatch: int, n_seq: int, n_outputs_max: int,
-                         alignment: int = CPU_ALIGNMENT) -> int:
+                         alignment: int = CPU_ALIGNMENT, **part) -> int:
     """The compute buffer llama.cpp reserves: the largest high-water mark over its three
     reserves (prompt ``n_ubatch`` tokens, generation ``n_seq`` tokens, prompt again).
 
@@ -379,5 +399,5 @@ def compute_buffer_bytes(plan: GraphPlan, n_ubatch: int, n_seq: int, n_outputs_m
     pp_outputs = min(n_ubatch, n_outputs_max)
     best = 0
     for n_tokens, n_outputs in ((n_ubatch, pp_outputs), (n_seq, n_seq)):
-        best = max(best, simulate(build_llama_graph(plan, n_tokens, n_outputs), alignment))
+        best = max(best, simulate(build_llama_graph(plan, n_tokens, n_outputs, **part), alignment))
     return best

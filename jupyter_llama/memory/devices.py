@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Mapping
 
 from ..config import ENV_PREFIX, ConfigError, parse_size
+from . import rpc
 from .report import HOST, format_bytes, render_table
 
 MEMORY_LIMIT_VAR = ENV_PREFIX + "MEMORY_LIMIT"
 GPU_OVERHEAD_VAR = ENV_PREFIX + "GPU_OVERHEAD"
+RPC_WORKERS_VAR = ENV_PREFIX + "RPC_WORKERS"
 
 ALL_DEVICES = "*"
 ALL_GPUS = "gpu"
@@ -353,7 +355,8 @@ def read_host_memory(root: str | Path = "/") -> HostMemory:
 
 _DEVICE_RE = re.compile(r"^(cuda|vulkan|rocm|metal):?(\d+)$")
 _LIMIT_HELP = ("write one size for every device (8GiB) or device=size pairs separated by commas "
-               "(cuda:0=20GiB,cpu=6GiB); devices are cpu, gpu (every GPU), cuda:N, vulkan:N, rocm:N, metal:N")
+               "(cuda:0=20GiB,cpu=6GiB); devices are cpu, gpu (every GPU and RPC worker), cuda:N, vulkan:N, "
+               "rocm:N, metal:N, rpc:HOST:PORT")
 
 
 def _normalise_device(name: str) -> str | None:
@@ -363,6 +366,14 @@ def _normalise_device(name: str) -> str | None:
     m = _DEVICE_RE.match(n)
     if m:
         return f"{m.group(1)}:{int(m.group(2))}"
+    if rpc.is_rpc(n):
+        parts = rpc.split_id(n)
+        if parts is None:
+            return None
+        try:
+            return rpc.device_id(rpc.parse_endpoint(parts[0]), parts[1])
+        except ConfigError:
+            return None
     return None
 
 
@@ -464,18 +475,25 @@ class DeviceState:
     free: int  # GPUs: what the driver reports free; cpu: available host memory
     budget: int | None
     overhead: int = 0  # kept free on GPUs (JUPYTER_LLAMA_GPU_OVERHEAD)
+    kind: str = "gpu"  # "host", "gpu" or "rpc"
+    reachable: bool = True  # RPC workers: whether the last probe got an answer
+    error: str | None = None  # RPC workers: why not, in words
+    held_by: str | None = None  # RPC workers: the model whose runner holds the worker's connection
 
     @property
     def usable(self) -> int:
         """What the manager may plan with here, before subtracting its own runners."""
+        if not self.reachable:
+            return 0
         room = self.free - (self.overhead if self.id != HOST else 0)
         if self.budget is not None:
             room = min(room, self.budget)
         return max(0, room)
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "name": self.name, "total": self.total, "free": self.free,
-                "budget": self.budget, "overhead": self.overhead, "usable": self.usable}
+        return {"id": self.id, "name": self.name, "kind": self.kind, "total": self.total, "free": self.free,
+                "budget": self.budget, "overhead": self.overhead, "usable": self.usable,
+                "reachable": self.reachable, "error": self.error, "held_by": self.held_by}
 
 
 @dataclass
@@ -484,16 +502,46 @@ class Inventory:
     gpus: list[GPU]
     budgets: Budgets
     gpu_error: str | None = None  # why no GPU was found, when none was
+    workers: list[rpc.WorkerStatus] = field(default_factory=list)  # RPC workers, in the configured order
+    held: dict[str, str] = field(default_factory=dict)  # worker endpoint -> model holding it (not probed)
 
     def devices(self) -> list[DeviceState]:
-        """Host memory first, then GPUs in CUDA order."""
+        """Host memory first, then the accelerators in llama.cpp's device order."""
         name = "host memory" + (" (cgroup limit)" if self.host.cgroup_limit is not None
                                 and self.host.cgroup_limit <= self.host.total else "")
-        rows = [DeviceState(HOST, name, self.host.total, self.host.available, self.budgets.limit_for(HOST))]
+        rows = [DeviceState(HOST, name, self.host.total, self.host.available, self.budgets.limit_for(HOST),
+                            kind="host")]
+        return rows + self.accelerators(include_unusable=True)
+
+    def accelerators(self, include_unusable: bool = False) -> list[DeviceState]:
+        """Devices a child can offload layers to, in the order llama.cpp numbers them: RPC
+        workers first (llama.cpp puts them at the front of its device list), then local GPUs.
+
+        Without ``include_unusable``, workers that are unreachable or held by a runner are
+        left out: a worker serves one client at a time.
+        """
+        rows: list[DeviceState] = []
+        for w in self.workers:
+            holder = self.held.get(w.endpoint)
+            if w.devices:
+                for d in w.devices:
+                    rows.append(DeviceState(d.id, f"RPC worker {w.endpoint}" + (f" device {d.index}" if d.index else ""),
+                                            d.total, d.free, self.budgets.limit_for(d.id), kind="rpc",
+                                            reachable=w.reachable, error=w.error, held_by=holder))
+            else:
+                rows.append(DeviceState(rpc.device_id(w.endpoint), f"RPC worker {w.endpoint}", 0, 0,
+                                        self.budgets.limit_for(rpc.device_id(w.endpoint)), kind="rpc",
+                                        reachable=False, error=w.error, held_by=holder))
+        if not include_unusable:
+            rows = [r for r in rows if r.reachable and r.held_by is None]
         for g in self.gpus:
             rows.append(DeviceState(g.id, g.name, g.total, g.free, self.budgets.limit_for(g.id),
                                     overhead=self.budgets.gpu_overhead))
         return rows
+
+    def free_workers(self) -> list[str]:
+        """Endpoints of reachable workers no runner holds, in the configured order."""
+        return [w.endpoint for w in self.workers if w.reachable and w.endpoint not in self.held]
 
     def device(self, id: str) -> DeviceState | None:
         for d in self.devices():
@@ -508,26 +556,74 @@ class Inventory:
 
     def to_dict(self) -> dict:
         return {"host": asdict(self.host), "gpus": [asdict(g) for g in self.gpus],
+                "workers": [w.to_dict() for w in self.workers], "held": dict(self.held),
                 "budgets": self.budgets.to_dict(), "gpu_error": self.gpu_error,
                 "devices": [d.to_dict() for d in self.devices()]}
 
 
-def inventory(environ: Mapping[str, str] | None = None, root: str | Path = "/") -> Inventory:
-    """Host memory, GPUs and budgets as they are now (``environ`` defaults to ``os.environ``)."""
+def workers_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """``JUPYTER_LLAMA_RPC_WORKERS`` (``host:port,host:port``) as endpoints."""
+    environ = os.environ if environ is None else environ
+    return rpc.parse_workers(environ.get(RPC_WORKERS_VAR), RPC_WORKERS_VAR)
+
+
+def probe_workers(endpoints, held: Mapping[str, str] | None = None,
+                  known: Mapping[str, rpc.WorkerStatus] | None = None, timeout: float = 2.0) -> list[rpc.WorkerStatus]:
+    """Probe every worker not in ``held``, in parallel threads (each probe is bounded by
+    ``timeout``). A held worker is not asked (it would answer only after its runner exits):
+    its last known status from ``known`` stands in, or an empty one."""
+    import concurrent.futures
+
+    held = held or {}
+    known = known or {}
+    todo = [ep for ep in endpoints if ep not in held]
+    found: dict[str, rpc.WorkerStatus] = {}
+    if todo:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
+            for st in pool.map(lambda ep: rpc.probe(ep, timeout), todo):
+                found[st.endpoint] = st
+    out = []
+    for ep in endpoints:
+        if ep in found:
+            out.append(found[ep])
+        else:
+            last = known.get(ep)
+            out.append(rpc.WorkerStatus(ep, True, list(last.devices) if last else [], None,
+                                        last.version if last else None, last.probed_at if last else 0.0))
+    return out
+
+
+def inventory(environ: Mapping[str, str] | None = None, root: str | Path = "/",
+              workers: tuple[str, ...] | None = None) -> Inventory:
+    """Host memory, GPUs, RPC workers and budgets as they are now (``environ`` defaults to
+    ``os.environ``; ``workers`` to ``JUPYTER_LLAMA_RPC_WORKERS``)."""
     environ = os.environ if environ is None else environ
     budgets = budgets_from_env(environ)
     host = read_host_memory(root)
     gpus = list_gpus(environ)
-    return Inventory(host=host, gpus=gpus, budgets=budgets, gpu_error=None if gpus else last_gpu_error)
+    endpoints = workers_from_env(environ) if workers is None else workers
+    return Inventory(host=host, gpus=gpus, budgets=budgets, gpu_error=None if gpus else last_gpu_error,
+                     workers=probe_workers(endpoints))
 
 
 def format_inventory(inv: Inventory) -> str:
     """The table ``jupyter-llama devices`` prints, with the budgets in force underneath."""
     rows = []
+    notes = []
     for d in inv.devices():
-        rows.append([d.id, d.name, format_bytes(d.total), format_bytes(d.free),
-                     format_bytes(d.budget) if d.budget is not None else "-", format_bytes(d.usable)])
-    lines = [render_table(["device", "name", "total", "free", "budget", "usable"], rows)]
+        if d.kind == "rpc" and d.held_by:
+            state = f"in use by {d.held_by}"
+        elif d.kind == "rpc" and not d.reachable:
+            state = "unreachable"
+            notes.append(f"{d.id}: {d.error}")
+        else:
+            state = "ok"
+        known = d.total > 0 or d.kind != "rpc"
+        rows.append([d.id, d.name, format_bytes(d.total) if known else "?", format_bytes(d.free) if known else "?",
+                     format_bytes(d.budget) if d.budget is not None else "-",
+                     format_bytes(d.usable) if not d.held_by else "-", state])
+    lines = [render_table(["device", "name", "total", "free", "budget", "usable", "state"], rows)]
+    lines += notes
     if inv.host.cgroup_limit is not None:
         usage = format_bytes(inv.host.cgroup_usage) if inv.host.cgroup_usage is not None else "unknown"
         lines.append(f"host memory: cgroup limit {format_bytes(inv.host.cgroup_limit)}, cgroup usage {usage}")

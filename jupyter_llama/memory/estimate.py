@@ -19,6 +19,7 @@ import functools
 import os
 import platform
 from dataclasses import dataclass
+from typing import Sequence
 
 from ..engine.launch import LoadOptions
 from ..models.gguf_info import GGUFInfo
@@ -228,32 +229,84 @@ def kv_cache_bytes(info: GGUFInfo, plan: ContextPlan) -> dict[int, int]:
 # ----------------------------------------------------------------------------- placement
 
 
-def layer_devices(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None) -> tuple[list[str], str]:
+def layer_devices(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None,
+                  split: Sequence[float] | None = None) -> tuple[list[str], str]:
     """(device of each repeating layer, device of the output layer), as llama.cpp assigns them.
 
     llama.cpp offloads the *last* ``n_gpu_layers`` of the ``n_layer + 1`` layers, where the
     extra one is the output layer (``i_gpu_start = n_layer + 1 - n_gpu_layers``): ``-ngl 1``
-    puts only the output layer on the GPU. With several GPUs the offloaded layers are split
-    in equal shares (llama.cpp splits by free memory; we do not know it here). The input
-    (token embedding) layer always stays in host memory. ``num_gpu`` None means all layers
-    (llama.cpp's ``--fit`` may then keep some on the CPU when memory is short).
+    puts only the output layer on the GPU. The offloaded layers are cut into contiguous
+    slices, one per device in device order (the last device gets the output layer), in
+    proportion to ``split``: llama.cpp's default split is each device's free memory, and
+    ``--fit`` sets it to the number of layers it chose per device. Without ``split`` the shares
+    are equal. The input (token embedding) layer always stays in host memory. ``num_gpu``
+    None means all layers, unless ``split`` says how many (its sum, when it is whole layers
+    summing to fewer than all: what ``--fit`` decided).
     """
     n = info.block_count
     if not gpus or options.num_gpu == 0:
         return [HOST] * n, HOST
+    if split is not None and len(split) != len(gpus):
+        raise ValueError(f"split has {len(split)} entries for {len(gpus)} devices")
     ngl = n + 1 if options.num_gpu is None else int(options.num_gpu)
+    if options.num_gpu is None and split is not None and all(float(x).is_integer() for x in split):
+        ngl = min(ngl, int(sum(split)))
+    if ngl <= 0:
+        return [HOST] * n, HOST
     start = max(n + 1 - ngl, 0)
     active = min(ngl, n + 1)
-    splits = [(i + 1) / len(gpus) for i in range(len(gpus))]
+    weights = [max(0.0, float(x)) for x in split] if split is not None else [1.0] * len(gpus)
+    total = sum(weights) or 1.0
+    acc, cuts = 0.0, []
+    for w in weights:
+        acc += w
+        cuts.append(acc / total)
 
     def device(il: int) -> str:
         if il < start or il - start >= active:
             return HOST
         x = (il - start) / active
-        idx = next((i for i, s in enumerate(splits) if s > x), len(gpus) - 1)
+        idx = next((i for i, s in enumerate(cuts) if s > x), len(gpus) - 1)
         return gpus[idx]
 
     return [device(il) for il in range(n)], device(n)
+
+
+def fit_layers(info: GGUFInfo, options: LoadOptions, rooms: Sequence[tuple[str, int]]) -> list[int]:
+    """Layers per accelerator the way llama.cpp's ``--fit`` fills them: from the back of the
+    model (the output layer first) onto the last device, as many whole layers as keep its
+    predicted use within its room, then the device before it, and so on.
+
+    ``rooms`` is ``[(device id, bytes llama.cpp may use there)]`` in device order: what the
+    scheduler's budgets leave, which it also passes to llama.cpp as ``--fit-target``. The
+    per-device use of each candidate split is the detailed estimate for it, so this is the
+    placement the detailed estimate then describes.
+    """
+    gpus = [d for d, _ in rooms]
+    n_total = info.block_count + 1
+    counts = [0] * len(gpus)
+
+    def use(i: int, counts_: list[int]) -> int:
+        rep = _estimate_detailed(info, options.replace(num_gpu=None), gpus, split=counts_)
+        return rep.total(device=gpus[i])
+
+    remaining = n_total
+    for i in range(len(gpus) - 1, -1, -1):
+        room = rooms[i][1]
+        lo, hi = 0, remaining
+        while lo < hi:  # the largest n with use <= room
+            mid = (lo + hi + 1) // 2
+            trial = counts.copy()
+            trial[i] = mid
+            if use(i, trial) <= room:
+                lo = mid
+            else:
+                hi = mid - 1
+        counts[i] = lo
+        remaining -= lo
+        if remaining == 0:
+            break
+    return counts
 
 
 def _cpu_flags() -> tuple[str, frozenset[str]]:
@@ -292,6 +345,21 @@ def host_repack_rules() -> dict[str, int]:
     return rules
 
 
+@functools.lru_cache(maxsize=1)
+def host_amx_rules() -> dict[str, int]:
+    """Weight types that go to the CPU's AMX buffer on this host, with the ``ne0`` multiple
+    each needs (ggml-cpu/amx: F16 by 16, Q4_0/Q4_1/Q8_0 by 32, K-quants and IQ4_XS by 256;
+    ``ne1`` must be a multiple of 32). Seen here on a Xeon with ``amx_int8``: a 24 MB f16
+    model got an ``AMX model buffer`` of 22.62 MiB beside its 22.64 MiB ``CPU_Mapped``
+    span, with or without RPC devices. ggml lists the AMX buffer type before the repacking
+    one, so AMX wins where both would apply. F16 is copied as is; the quantised types are
+    repacked to about their own size (counted as such)."""
+    machine, flags = _cpu_flags()
+    if machine not in ("x86_64", "amd64") or "amx_int8" not in flags:
+        return {}
+    return {"F16": 16, "Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "IQ4_XS": 256}
+
+
 def _tensor_offsets(info: GGUFInfo) -> dict[str, tuple[int, int]]:
     """(start, end) of each tensor's data relative to the data section, in table order."""
     align = info.metadata.get("general.alignment")
@@ -303,7 +371,8 @@ def _tensor_offsets(info: GGUFInfo) -> dict[str, tuple[int, int]]:
     return out
 
 
-def weight_bytes(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None) -> dict[str, int]:
+def weight_bytes(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None,
+                 split: Sequence[float] | None = None) -> dict[str, int]:
     """Model-buffer bytes per device, as llama.cpp allocates (and logs) them.
 
     * every tensor of block N goes where layer N goes; ``output*`` tensors where the output
@@ -317,8 +386,12 @@ def weight_bytes(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None) -
       host tensors;
     * each GPU: the sum of its tensors.
     """
-    devices, out_dev = layer_devices(info, options, gpus)
-    rules = {} if gpus else host_repack_rules()
+    devices, out_dev = layer_devices(info, options, gpus, split)
+    # A local GPU puts its pinned host buffer type ahead of the CPU's repacking (not of AMX);
+    # RPC devices have no host buffer type, so host layers still repack beside them.
+    local_gpu = any(not g.startswith("rpc:") for g in (gpus or []))
+    rules = {} if local_gpu else host_repack_rules()
+    amx = host_amx_rules()
     mmap = options.use_mmap is not False
     offsets = _tensor_offsets(info)
     per_dev: dict[str, int] = {}
@@ -326,8 +399,13 @@ def weight_bytes(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None) -
     repacked = 0
 
     def repackable(t) -> bool:
+        if len(t.shape) != 2:
+            return False
+        k = amx.get(t.ggml_type)
+        if k and t.shape[0] % k == 0 and t.shape[1] % 32 == 0:
+            return True
         need = rules.get(t.ggml_type)
-        return bool(need) and len(t.shape) == 2 and t.shape[1] % need == 0
+        return bool(need) and t.shape[1] % need == 0
 
     has_output = any(t.name == "output.weight" for t in info.tensors)
     for t in info.tensors:
@@ -407,10 +485,11 @@ def graph_plan(info: GGUFInfo, plan: ContextPlan) -> GraphPlan:
         embeddings=plan.embedding)
 
 
-def compute_bytes(info: GGUFInfo, plan: ContextPlan, alignment: int = CPU_ALIGNMENT) -> int:
-    """Compute buffer of one backend running the whole graph (see :mod:`computegraph`)."""
+def compute_bytes(info: GGUFInfo, plan: ContextPlan, alignment: int = CPU_ALIGNMENT, **part) -> int:
+    """Compute buffer of one backend running the whole graph, or the part of it given by
+    ``layers``/``output``/``embed`` (see :func:`computegraph.build_llama_graph`)."""
     return compute_buffer_bytes(graph_plan(info, plan), n_ubatch=min(plan.n_ctx, plan.n_ubatch),
-                                n_seq=plan.n_seq, n_outputs_max=plan.n_outputs_max, alignment=alignment)
+                                n_seq=plan.n_seq, n_outputs_max=plan.n_outputs_max, alignment=alignment, **part)
 
 
 def output_bytes(info: GGUFInfo, plan: ContextPlan) -> int:
@@ -441,7 +520,8 @@ def _coarse_fallback(info: GGUFInfo, options: LoadOptions, gpus: list[str] | Non
     return rep
 
 
-def estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str]) -> MemoryReport:
+def estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str],
+                      split: Sequence[float] | None = None) -> MemoryReport:
     """Bytes per device and component that llama-server will allocate for this load.
 
     * weights: :func:`weight_bytes` (tensor table, layer placement, mmap span, CPU repacking);
@@ -455,6 +535,10 @@ def estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str]) -> 
       for large batches. The GPU parts are derived, not calibrated (no GPU was available);
     * output: :func:`output_bytes`, in host memory.
 
+    ``split`` is the share of offloaded layers per device (see :func:`layer_devices`): whole
+    layer counts for a placement llama.cpp's ``--fit`` chose or :func:`fit_layers` predicts,
+    free memory per device for llama.cpp's default split.
+
     Never raises: models it cannot model get the coarse numbers and a warning.
     """
     gpus = list(gpus or [])
@@ -462,7 +546,7 @@ def estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str]) -> 
         reason = _unsupported_reason(info)
         if reason:
             return _coarse_fallback(info, options, gpus, reason)
-        return _estimate_detailed(info, options, gpus)
+        return _estimate_detailed(info, options, gpus, split)
     except Exception as e:  # a malformed header must not take the scheduler down
         try:
             return _coarse_fallback(info, options, gpus, f"{type(e).__name__}: {e}")
@@ -472,15 +556,16 @@ def estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str]) -> 
             return rep
 
 
-def _estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str]) -> MemoryReport:
+def _estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str],
+                       split: Sequence[float] | None = None) -> MemoryReport:
     plan = plan_context(info, options)
-    devices, out_dev = layer_devices(info, options, gpus)
+    devices, out_dev = layer_devices(info, options, gpus, split)
     rep = MemoryReport(DETAILED, n_ctx=plan.n_ctx)
     if gpus:
         rep.layers_total = info.block_count + 1
         rep.layers_offloaded = sum(d != HOST for d in devices) + (out_dev != HOST)
 
-    for dev, n in weight_bytes(info, options, gpus).items():
+    for dev, n in weight_bytes(info, options, gpus, split).items():
         rep.add(dev, WEIGHTS, n)
     for il, n in kv_cache_bytes(info, plan).items():
         rep.add(devices[il], KV, n)
@@ -492,20 +577,23 @@ def _estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str]) ->
     if not used_gpus:
         rep.add(HOST, COMPUTE, compute_bytes(info, plan, CPU_ALIGNMENT))
     else:
-        graph = compute_bytes(info, plan, GPU_ALIGNMENT)
+        # Each backend sizes its own buffer for the part of the graph it runs (measured on
+        # RPC devices: 1 last layer 4.51 MiB, the output layer alone 0.02 MiB, the host with
+        # three full layers the same 13.58 MiB as the whole graph on the CPU).
         t = min(plan.n_ctx, plan.n_ubatch)
-        for d in used_gpus:
-            rep.add(d, COMPUTE, graph)
-        rep.add(HOST, COMPUTE, 3 * info.embedding_length * t * 4)  # embedding lookup on the host
         host_layers = [il for il, d in enumerate(devices) if d == HOST]
-        if host_layers:
-            rep.add(HOST, COMPUTE, compute_bytes(info, plan, CPU_ALIGNMENT))
-            if t >= 32:  # llama.cpp runs large-batch matmuls of host weights on the GPU, copying them over
-                lb = info.layer_bytes()
-                main = max(used_gpus, key=used_gpus.get)
-                rep.add(main, COMPUTE, max(lb.get(il, 0) for il in host_layers))
-        if len(gpus) > 1:
-            rep.warnings.append("several GPUs: layers are assumed split evenly (llama.cpp splits by free memory)")
+        for d in [HOST, *used_gpus]:
+            part = dict(layers=frozenset(il for il, dv in enumerate(devices) if dv == d),
+                        output=out_dev == d, embed=d == HOST)
+            align = CPU_ALIGNMENT if d == HOST or d.startswith("rpc:") else GPU_ALIGNMENT
+            rep.add(d, COMPUTE, compute_bytes(info, plan, align, **part))
+        local = [d for d in used_gpus if not d.startswith("rpc:")]
+        if host_layers and local and t >= 32:
+            # A local GPU runs large-batch matmuls of host weights, copying them over (RPC
+            # devices do not: their backend offloads no operation).
+            lb = info.layer_bytes()
+            main = max(local, key=used_gpus.get)
+            rep.add(main, COMPUTE, max(lb.get(il, 0) for il in host_layers))
     rep.add(HOST, OUTPUT, output_bytes(info, plan))
 
     if options.num_ctx is None:

@@ -2,7 +2,7 @@
 
 A :class:`MemoryReport` is a table of bytes indexed by (device, component). Devices use
 canonical ids: ``"cpu"`` for host memory, ``"cuda:0"``, ``"vulkan:0"``, ``"rocm:0"``,
-``"metal:0"`` for accelerators. Components are the kinds of buffer llama.cpp allocates.
+``"metal:0"`` for accelerators, ``"rpc:HOST:PORT"`` for llama.cpp RPC workers. Components are the kinds of buffer llama.cpp allocates.
 Estimators, the log parser, plots, ``ps`` and the scheduler all speak this type.
 """
 
@@ -33,6 +33,7 @@ MiB = 1024 * 1024
 GiB = 1024 * MiB
 
 _BACKEND_RE = re.compile(r"^(CUDA|ROCm|HIP|Vulkan|Metal|MTL|SYCL|MUSA|CANN|OpenCL)(\d*)(?:_(\w+))?$", re.I)
+_RPC_BUFFER_RE = re.compile(r"^RPC(\d*)\[([^\]]+)\]")
 _CANONICAL = {"mtl": "metal", "cuda": "cuda", "rocm": "rocm", "hip": "rocm", "vulkan": "vulkan", "metal": "metal",
               "sycl": "sycl", "musa": "musa", "cann": "cann", "opencl": "opencl"}
 
@@ -41,11 +42,17 @@ def device_of_backend(name: str) -> str:
     """Map a llama.cpp buffer-type name to the device whose memory it uses.
 
     ``CPU``, ``CPU_Mapped``, ``CPU_REPACK``, ``BLAS`` and any ``*_Host`` buffer live in host
-    memory; ``CUDA0`` and ``CUDA0_Mapped`` live on ``cuda:0``.
+    memory; ``CUDA0`` and ``CUDA0_Mapped`` live on ``cuda:0``; ``RPC<K>[HOST:PORT]`` lives on
+    device ``K`` of the RPC worker at ``HOST:PORT`` (``rpc:HOST:PORT``, or ``rpc:HOST:PORT/K``
+    for ``K > 0``): ``K`` counts within that worker, so the endpoint decides, never the prefix.
     """
     name = name.strip()
     if not name:
         return HOST
+    m = _RPC_BUFFER_RE.match(name)
+    if m:
+        index = int(m.group(1) or 0)
+        return f"rpc:{m.group(2).lower()}" + (f"/{index}" if index else "")
     upper = name.upper()
     if upper.startswith("CPU") or upper == "BLAS" or upper.endswith("_HOST") or upper.startswith("AMX"):
         return HOST
