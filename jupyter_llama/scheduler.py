@@ -814,8 +814,12 @@ class Scheduler:
             others = [lo for lo in self.loaded.values() if lo.state in ("ready", "loading")]
             used = self.usage()
             avail = self._available(inv, used)
+            # With automatic placement llama.cpp's --fit keeps each accelerator within the room we
+            # gave it (its --fit-target, measured by llama.cpp itself): only the host can be short.
+            # With num_gpu set, every device is checked; after the load, actual figures are.
+            fitted = placed.fit_target_mib is not None
             short = {d: need.total(device=d) - avail.get(d, (0, None))[0] for d in need.devices
-                     if need.total(device=d) > avail.get(d, (0, None))[0]}
+                     if need.total(device=d) > avail.get(d, (0, None))[0] and not (fitted and d != HOST)}
             numbers = {d: {"need": need.total(device=d), "available": avail.get(d, (0, None))[0],
                            "in_use": used.get(d, 0), "budget": avail.get(d, (0, None))[1]} for d in need.devices}
             over_cap = len(others) >= cap
@@ -825,7 +829,8 @@ class Scheduler:
                                  predicted={k: v.total() for k, v in preds.items()})
                 return placed, preds, fit_source
             if not others:
-                over_budget = {d: n for d, n in numbers.items() if n["budget"] is not None and n["need"] > n["budget"]}
+                over_budget = {d: n for d, n in numbers.items() if n["budget"] is not None and n["need"] > n["budget"]
+                               and not (fitted and d != HOST)}
                 if over_budget:
                     d, n = next(iter(over_budget.items()))
                     msg = (f"{ref.name} needs {format_bytes(n['need'])} on {d} ({need.source} estimate) but the budget "
@@ -1011,5 +1016,5 @@ def _loaded_message(lo: Loaded, actual: MemoryReport | None) -> str:
                 f"({', '.join(f'{d} {format_bytes(n)}' for d, n in actual.by_device().items())}); "
                 f"{lo.fit_source} predicted {format_bytes(pred)} ({err:+.0f}%)")
         if actual.layers_total:
-            msg += f"; {actual.layers_offloaded}/{actual.layers_total} layers on the GPU"
+            msg += f"; {actual.layers_offloaded}/{actual.layers_total} layers on devices"
     return msg

@@ -481,6 +481,10 @@ class LogParser:
                            n_ctx=self.n_ctx, warnings=list(self.warnings))
         for (component, backend, _kind), nbytes in self._mem.items():
             rep.add(device_of_backend(backend), component, nbytes)
+        if rep.layers_offloaded and self._mem and rep.gpu_total == 0:
+            # A build with the RPC backend prints "offloaded N/N layers to GPU" even when no
+            # device is used (the layers went to the CPU backend): nothing is on a device.
+            rep.layers_offloaded = 0
         return rep
 
     def last_error_lines(self, n: int = 10) -> list[str]:

@@ -184,6 +184,16 @@ class LlamaExtension(ExtensionApp):
     def _default_gpu_overhead(self):
         return _env_default("GPU_OVERHEAD")
 
+    rpc_workers = Unicode(
+        help="llama.cpp RPC workers (`jupyter-llama worker` / ggml-rpc-server) to use as devices, as "
+             "'HOST:PORT,HOST:PORT' in the order llama.cpp should number them; each is the device "
+             "rpc:HOST:PORT in budgets and listings. Default from JUPYTER_LLAMA_RPC_WORKERS.",
+    ).tag(config=True)
+
+    @default("rpc_workers")
+    def _default_rpc_workers(self):
+        return _env_default("RPC_WORKERS")
+
     models_dir = Unicode(
         help="The model registry's directory. Default from JUPYTER_LLAMA_MODELS, else "
              "<jupyter data dir>/llama/models.",
@@ -282,6 +292,7 @@ class LlamaExtension(ExtensionApp):
             "JUPYTER_LLAMA_NUM_PARALLEL": str(self.num_parallel) if self.num_parallel > 0 else "",
             "JUPYTER_LLAMA_MEMORY_LIMIT": self.memory_limit,
             "JUPYTER_LLAMA_GPU_OVERHEAD": self.gpu_overhead,
+            "JUPYTER_LLAMA_RPC_WORKERS": self.rpc_workers,
         }
         try:
             return SchedulerSettings.from_env(env, binary=binary)

@@ -857,9 +857,22 @@ class EstimateHandler(LlamaHandler):
         from ..memory import devices as devmod
         from ..memory import estimate as est
 
-        inv = await asyncio.to_thread(devmod.inventory)
-        estimates = await est.estimate_all_async(ref.info, opts, [g.id for g in inv.gpus], engine=self.ext.engine,
-                                                 model_path=ref.path)
+        if sched is not None:
+            # the placement a load would get now (workers, fit targets), and its predictions
+            inv = await sched.inventory()
+            opts, estimates = await asyncio.to_thread(sched.plan, ref, opts, inv)
+            estimates = dict(estimates)
+            fit = getattr(self.ext.engine, "fit_params", None)
+            if fit:
+                from ..memory.fitparams import project_async
+
+                rep = await project_async(fit, ref.path, opts, timeout=60.0)
+                if rep is not None:
+                    estimates[est.LLAMA_CPP] = rep
+        else:
+            inv = await asyncio.to_thread(devmod.inventory)
+            estimates = await est.estimate_all_async(ref.info, opts, [d.id for d in inv.accelerators()],
+                                                     engine=self.ext.engine, model_path=ref.path)
         out: dict[str, Any] = {"model": name, "options": opts.to_dict(),
                                "estimates": {k: v.to_dict() for k, v in estimates.items()},
                                "loaded": None, "actual": None}

@@ -35,7 +35,7 @@ def test_cmake_args_build_natively_and_download_nothing():
 
 def test_cache_is_keyed_by_this_cpu():
     name = binary.build_dir_name("cpu")
-    assert name.startswith(f"b{binary.LLAMA_BUILD}-cpu-native-") and name == binary.build_dir_name("cpu")
+    assert name.startswith(f"b{binary.LLAMA_BUILD}-cpu-{binary.RECIPE}-native-") and name == binary.build_dir_name("cpu")
 
 
 def test_sigill_binary_is_reported_not_hung_on(tmp_path):

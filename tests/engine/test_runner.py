@@ -89,8 +89,9 @@ async def test_num_gpu_argv_and_offload_report(start_runner, tiny_model, engine)
     for r in (r_auto, r_cpu):
         offload_lines = [ln for ln in r.parser.lines if "offloaded" in ln and "layers to GPU" in ln]
         if engine.backend in (None, "cpu") and not any("using device" in ln for ln in r.parser.lines):
-            # A plain CPU build prints no offload lines at all (REFERENCE section 2).
-            assert offload_lines == [] and r.parser.layers_offloaded is None
+            # A plain CPU build prints no offload lines (REFERENCE section 2); one with the RPC
+            # backend compiled in prints "offloaded N/N" with no device used: nothing is offloaded.
+            assert offload_lines == [] or r.memory().layers_offloaded == 0
         else:
             m = re.search(r"offloaded (\d+)/(\d+) layers", offload_lines[-1])
             assert (r.parser.layers_offloaded, r.parser.layers_total) == (int(m.group(1)), int(m.group(2)))

@@ -302,7 +302,8 @@ def test_inventory_devices_apply_budgets_and_overhead():
     assert inv.device("cuda:7") is None
     d = inv.to_dict()
     assert d["devices"][1] == {"id": "cuda:0", "name": "NVIDIA H200", "total": 140 * GiB, "free": 130 * GiB,
-                               "budget": 20 * GiB, "overhead": GiB, "usable": 20 * GiB}
+                               "budget": 20 * GiB, "overhead": GiB, "usable": 20 * GiB,
+                               "kind": "gpu", "reachable": True, "error": None, "held_by": None}
     assert d["gpus"][1]["uuid"] == "GPU-bbbb"
     assert d["host"]["total"] == 64 * GiB
     assert d["budgets"]["limits"] == {"cuda:0": 20 * GiB, "*": 45 * GiB}

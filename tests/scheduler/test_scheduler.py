@@ -346,7 +346,7 @@ async def test_oom_with_automatic_context_steps_down(make_scheduler, oom_model):
     assert lo.options.num_ctx == 32768 and lo.actual.n_ctx == 32768
 
 
-def optimistic_predictor(ref, options, gpus):
+def optimistic_predictor(ref, options, gpus, split=None):
     """An estimator that is badly wrong (a GPU scheduler's usual failure): it says 1 MiB."""
     rep = MemoryReport("coarse")
     rep.add("cpu", "weights", 1 << 20)

@@ -1,0 +1,177 @@
+"""Real devices without a GPU: two ggml-rpc-server workers on loopback, side by side.
+
+1. Estimate accuracy on real placements: budgets on the two workers that force partial
+   offload (3 budgets x 2 contexts x 2 K/V cache types), loaded through the scheduler (so
+   llama.cpp's --fit places layers under our --fit-target). For each load, the detailed
+   prediction the scheduler made before loading against what llama.cpp allocated, per
+   device and in total, and the coarse estimate against the total.
+   Goals: detailed within 10% in >= 95% of (load, device) cases and of totals; coarse never
+   below actual.
+2. Load time to ready and generation speed as a client of the runner sees them: our
+   scheduler + runner against llama-server started by hand with the same --rpc, --fit-target
+   and model, alternating, same workers. Goals: load time <= 1.10 x bare; tokens/s >= 0.95.
+
+Run: .venv/bin/python bench/rpc_devices.py   (needs the engine: `make engine`)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jupyter_llama.engine.binary import find_engine  # noqa: E402
+from jupyter_llama.engine.launch import LoadOptions  # noqa: E402
+from jupyter_llama.engine.runner import _free_port  # noqa: E402
+from jupyter_llama.engine.worker import LocalWorker  # noqa: E402
+from jupyter_llama.memory import devices as devmod  # noqa: E402
+from jupyter_llama.memory.report import COARSE, DETAILED, HOST, MiB  # noqa: E402
+from jupyter_llama.models.synth import SynthShape, write_synthetic  # noqa: E402
+from jupyter_llama.scheduler import Scheduler, SchedulerSettings  # noqa: E402
+
+BUDGETS = ((30, 5), (45, 20), (70, 40))  # MiB on worker A, worker B
+CONTEXTS = (512, 2048)
+KV_TYPES = ("f16", "q8_0")
+ROUNDS = 6
+TOKENS = 64
+
+
+def pct(pred: int, actual: int) -> float:
+    return (pred - actual) / actual * 100 if actual else 0.0
+
+
+async def accuracy(engine, model: str, a: LocalWorker, b: LocalWorker) -> bool:
+    rows, cases, ok_cases, totals_ok, coarse_ok, n = [], 0, 0, 0, 0, 0
+    for ba, bb in BUDGETS:
+        for ctx in CONTEXTS:
+            for kv in KV_TYPES:
+                budgets = devmod.Budgets(limits={a.id: ba * MiB, b.id: bb * MiB})
+                s = Scheduler(SchedulerSettings(binary=engine.path, rpc_workers=(a.endpoint, b.endpoint),
+                                                budgets=budgets, keep_alive=60.0))
+                opts = LoadOptions(num_ctx=ctx, num_parallel=1, cache_type_k=kv, cache_type_v=kv, flash_attn="on")
+                try:
+                    lo = await s.load(model, opts)
+                    act, det, coarse = lo.actual, lo.predictions[DETAILED], lo.predictions[COARSE]
+                    n += 1
+                    for dev in sorted(set(act.devices) | set(det.devices)):
+                        av, pv = act.total(device=dev), det.total(device=dev)
+                        cases += 1
+                        ok_cases += abs(pct(pv, av)) <= 10
+                        rows.append((f"{ba}/{bb}", ctx, kv, f"{act.layers_offloaded}/{act.layers_total}",
+                                     dev if dev == HOST else dev.split(":", 1)[0] + ":" + dev.rsplit(":", 1)[1],
+                                     av / MiB, pv / MiB, pct(pv, av)))
+                    totals_ok += abs(pct(det.total(), act.total())) <= 10
+                    coarse_ok += coarse.total() >= act.total()
+                    rows.append((f"{ba}/{bb}", ctx, kv, "", "total", act.total() / MiB, det.total() / MiB,
+                                 pct(det.total(), act.total())))
+                finally:
+                    await s.shutdown()
+    print(f"{'budgets MiB':>11} {'ctx':>5} {'kv':>5} {'layers':>6} {'device':>12} {'actual MiB':>10} "
+          f"{'detailed':>9} {'error':>7}")
+    for r in rows:
+        print(f"{r[0]:>11} {r[1]:>5} {r[2]:>5} {r[3]:>6} {r[4]:>12} {r[5]:>10.2f} {r[6]:>9.2f} {r[7]:>+6.1f}%")
+    share = ok_cases / cases if cases else 0
+    print(f"\ndetailed within 10% per device: {ok_cases}/{cases} ({share:.0%}; goal >= 95%)")
+    print(f"detailed within 10% in total:   {totals_ok}/{n} ({totals_ok / n:.0%}; goal >= 95%)")
+    print(f"coarse at or above actual:      {coarse_ok}/{n} (goal: all)")
+    return share >= 0.95 and totals_ok / n >= 0.95 and coarse_ok == n
+
+
+async def bare_run(engine, model: str, argv_tail: list[str]) -> tuple[float, float]:
+    """(seconds to /health ok, tokens/s of one TOKENS-token stream) for a hand-started child."""
+    port = _free_port()
+    t0 = time.monotonic()
+    proc = subprocess.Popen([engine.path, "--model", model, "--host", "127.0.0.1", "--port", str(port), *argv_tail,
+                             "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        async with httpx.AsyncClient() as c:
+            while True:
+                try:
+                    r = await c.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                    if r.status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.005)
+            ready = time.monotonic() - t0
+            t1 = time.monotonic()
+            n = 0
+            async with c.stream("POST", f"http://127.0.0.1:{port}/completion", timeout=60,
+                                json={"prompt": "Once upon a time", "n_predict": TOKENS, "stream": True,
+                                      "ignore_eos": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and '"content"' in line:
+                        n += 1
+            return ready, n / (time.monotonic() - t1)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def ours_run(engine, model: str, a: LocalWorker, b: LocalWorker, budgets) -> tuple[float, float, list[str]]:
+    s = Scheduler(SchedulerSettings(binary=engine.path, rpc_workers=(a.endpoint, b.endpoint), budgets=budgets,
+                                    keep_alive=60.0))
+    try:
+        t0 = time.monotonic()
+        lease = await s.acquire(model, LoadOptions(num_ctx=512, num_parallel=1))
+        ready = time.monotonic() - t0
+        t1 = time.monotonic()
+        n = 0
+        async for ch in lease.runner.completion("Once upon a time", n_predict=TOKENS, stream=True, ignore_eos=True):
+            n += bool(ch.get("content"))
+        speed = n / (time.monotonic() - t1)
+        argv = lease.runner.argv
+        lease.release()
+        return ready, speed, argv
+    finally:
+        await s.shutdown()
+
+
+async def speed(engine, model: str, a: LocalWorker, b: LocalWorker) -> bool:
+    budgets = devmod.Budgets(limits={a.id: 45 * MiB, b.id: 20 * MiB})
+    _, _, argv = await ours_run(engine, model, a, b, budgets)  # the same flags for the bare child
+    tail = argv[argv.index("--rpc"):argv.index("--no-webui")]
+    tail = [x for i, x in enumerate(tail) if x != "--alias" and (i == 0 or tail[i - 1] != "--alias")]
+    ours_l, ours_s, bare_l, bare_s = [], [], [], []
+    for _ in range(ROUNDS):
+        r, sp, _ = await ours_run(engine, model, a, b, budgets)
+        ours_l.append(r)
+        ours_s.append(sp)
+        r, sp = await bare_run(engine, model, tail)
+        bare_l.append(r)
+        bare_s.append(sp)
+    lr = statistics.median(ours_l) / statistics.median(bare_l)
+    sr = statistics.median(ours_s) / statistics.median(bare_s)
+    print(f"\nsame flags both ways: {' '.join(tail)}")
+    print(f"load to ready: ours {statistics.median(ours_l) * 1000:.0f} ms, bare {statistics.median(bare_l) * 1000:.0f} ms"
+          f" (median of {ROUNDS}); ratio {lr:.2f} (goal <= 1.10)")
+    print(f"tokens/s:      ours {statistics.median(ours_s):.0f}, bare {statistics.median(bare_s):.0f}; "
+          f"ratio {sr:.3f} (goal >= 0.95)")
+    return lr <= 1.10 and sr >= 0.95
+
+
+async def main() -> int:
+    engine = find_engine()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(write_synthetic(Path(tmp) / "rpc.gguf", SynthShape(layers=4, embd=512, heads=8, kv_heads=8,
+                                                                         ctx=2048, seed=3)))
+        with LocalWorker(engine) as a, LocalWorker(engine) as b:
+            print(f"workers {a.endpoint} and {b.endpoint}; model {os.path.getsize(model) / MiB:.1f} MiB, 5 layers "
+                  "with the output\n")
+            ok1 = await accuracy(engine, model, a, b)
+            ok2 = await speed(engine, model, a, b)
+    print("\nall goals met" if ok1 and ok2 else "\nsome goals missed (see above)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

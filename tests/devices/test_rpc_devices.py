@@ -1,0 +1,246 @@
+"""The device path for real: ggml-rpc-server workers on loopback as a CPU-only machine's GPUs.
+
+Every test starts its own workers (stopped by PID, also when the test fails) and real
+llama-server children through the scheduler. Budgets on the workers make them small, so
+llama.cpp's own --fit really splits a model between workers and the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.engine.runner import RunnerCrashed, process_alive
+from jupyter_llama.engine.worker import LocalWorker
+from jupyter_llama.memory import devices as devmod
+from jupyter_llama.memory import rpc
+from jupyter_llama.memory.report import DETAILED, HOST, MiB
+from jupyter_llama.scheduler import Scheduler, SchedulerSettings
+
+pytestmark = pytest.mark.engine
+
+SHAPE = dict(layers=4, embd=512, heads=8, kv_heads=8, ctx=2048, seed=3)  # 24 MB f16, 5 layers with the output
+OPTS = LoadOptions(num_ctx=512, num_parallel=1)
+
+
+@pytest.fixture
+def workers(engine):
+    """Start ``n`` workers on free loopback ports; all are stopped after the test."""
+    started: list[LocalWorker] = []
+    if not engine.worker:
+        pytest.fail(f"the engine at {engine.path} has no ggml-rpc-server: rebuild it (jupyter-llama engine build --force)")
+
+    def start(n: int = 2) -> list[LocalWorker]:
+        ws = [LocalWorker(engine) for _ in range(n)]
+        started.extend(ws)
+        return ws
+
+    yield start
+    for w in started:
+        w.stop()
+        assert not w.alive
+
+
+@pytest.fixture
+async def make_scheduler(engine):
+    made: list[Scheduler] = []
+
+    def make(ws: list[LocalWorker], budgets: dict[str, int] | None = None, **settings) -> Scheduler:
+        s = SchedulerSettings(binary=engine.path, rpc_workers=tuple(w.endpoint for w in ws),
+                              budgets=devmod.Budgets(limits=dict(budgets or {})), keep_alive=60.0, **settings)
+        sched = Scheduler(s)
+        made.append(sched)
+        return sched
+
+    yield make
+    for sched in made:
+        await sched.shutdown()
+        for ev in sched.events.history:
+            pid = ev.data.get("pid")
+            if pid:
+                assert not process_alive(pid)
+
+
+@pytest.fixture
+def model(make_model):
+    return str(make_model("rpcmodel", **SHAPE))
+
+
+def by_device(lo) -> dict[str, int]:
+    return lo.actual.by_device()
+
+
+# ----------------------------------------------------------------------------- the probe
+
+
+def test_probe_reports_the_workers_memory_and_unreachable_ones(workers):
+    (w,) = workers(1)
+    st = rpc.probe(w.endpoint)
+    assert st.reachable and st.version and st.version.startswith("7.")
+    assert len(st.devices) == 1 and st.devices[0].id == w.id and st.devices[0].total > 0
+    w.stop()
+    gone = rpc.probe(w.endpoint, timeout=1.0)
+    assert not gone.reachable and "connection refused" in gone.error
+
+
+def test_a_paused_worker_is_reported_within_the_timeout_never_a_hang(workers):
+    (w,) = workers(1)
+    w.pause()
+    try:
+        st = rpc.probe(w.endpoint, timeout=0.5)
+        assert not st.reachable and "did not answer within 0.5s" in st.error
+    finally:
+        w.resume()
+
+
+def test_inventory_lists_workers_with_budgets_and_the_reason_one_is_down(workers, monkeypatch):
+    a, b = workers(2)
+    b.stop()
+    monkeypatch.setenv("JUPYTER_LLAMA_RPC_WORKERS", f"{a.endpoint},{b.endpoint}")
+    monkeypatch.setenv("JUPYTER_LLAMA_MEMORY_LIMIT", f"{a.id}=64MiB,cpu=4GiB")
+    inv = devmod.inventory()
+    rows = {d.id: d for d in inv.devices()}
+    assert rows[a.id].reachable and rows[a.id].budget == 64 * MiB and rows[a.id].usable == 64 * MiB
+    assert not rows[b.id].reachable and rows[b.id].usable == 0
+    assert [d.id for d in inv.accelerators()] == [a.id]
+    text = devmod.format_inventory(inv)
+    assert "unreachable" in text and "connection refused" in text and a.id in text
+
+
+def test_budget_grammar_takes_rpc_devices():
+    limits = devmod.parse_memory_limit("rpc:127.0.0.1:50052=64MiB,RPC:localhost:7=1GiB,cpu=4GiB")
+    assert limits == {"rpc:127.0.0.1:50052": 64 * MiB, "rpc:localhost:7": 1024 * MiB, "cpu": 4096 * MiB}
+    with pytest.raises(Exception, match="HOST:PORT|unknown device"):
+        devmod.parse_memory_limit("rpc:nohost=1GiB")
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+async def test_budgets_become_fit_targets_and_llama_cpp_splits_within_them(workers, make_scheduler, model):
+    a, b = workers(2)
+    sched = make_scheduler([a, b], {a.id: 30 * MiB, b.id: 5 * MiB})
+    lo = await sched.load(model, OPTS)
+    argv = lo.runner.argv
+    assert "--rpc" in argv and argv[argv.index("--rpc") + 1] == f"{a.endpoint},{b.endpoint}"
+    assert "--fit-target" in argv
+    used = by_device(lo)
+    assert 0 < used[a.id] <= 30 * MiB and 0 < used[b.id] <= 5 * MiB and used[HOST] > 0
+    actual = lo.actual
+    assert 0 < actual.layers_offloaded < actual.layers_total
+    # the detailed prediction describes the same placement, per device
+    pred = lo.predictions[DETAILED]
+    for dev in (HOST, a.id, b.id):
+        assert abs(pred.total(device=dev) - actual.total(device=dev)) <= 0.10 * actual.total(device=dev), dev
+    ps = sched.ps()[0]
+    assert ps["layers_offloaded"] == actual.layers_offloaded and ps["size_vram"] == used[a.id] + used[b.id]
+
+
+async def test_num_gpu_exact_and_zero(workers, make_scheduler, model):
+    a, b = workers(2)
+    sched = make_scheduler([a, b])
+    lo = await sched.load(model, OPTS.replace(num_gpu=3))
+    assert lo.actual.layers_offloaded == 3 and "--fit-target" not in lo.runner.argv
+    assert set(by_device(lo)) == {HOST, a.id, b.id}
+    await sched.unload(model)
+    lo = await sched.load(model, OPTS.replace(num_gpu=0))
+    assert "--rpc" not in lo.runner.argv and set(by_device(lo)) == {HOST}
+    assert sched.held_workers() == {}
+
+
+async def test_a_worker_serves_one_runner_and_a_second_model_takes_the_other(workers, make_scheduler, model, make_model):
+    a, b = workers(2)
+    other = str(make_model("rpcmodel2", **{**SHAPE, "seed": 4}))
+    sched = make_scheduler([a, b], {a.id: 80 * MiB, b.id: 80 * MiB})
+    lo1 = await sched.load(model, OPTS.replace(num_gpu=5))
+    assert set(lo1.options.rpc) == {a.endpoint, b.endpoint}
+    await sched.unload(model)
+    # automatic placement on a big budget: one worker is enough, the other stays free
+    # automatic placement where one worker's budget holds no layer: that worker is left free
+    sched.settings.budgets = devmod.Budgets(limits={a.id: 80 * MiB, b.id: MiB // 2})
+    lo1 = await sched.load(model, OPTS)
+    assert lo1.options.rpc == (a.endpoint,)
+    sched.settings.budgets = devmod.Budgets(limits={a.id: 80 * MiB, b.id: 80 * MiB})
+    lo2 = await sched.load(other, OPTS)  # a is held by the first model: the second goes to b
+    assert lo2.options.rpc == (b.endpoint,) and by_device(lo2)[b.id] > 0
+    assert [e.model for e in sched.events.history if e.kind == "evict"] == []  # nothing evicted for it
+    inv = await sched.inventory()
+    assert inv.held == {a.endpoint: lo1.name, b.endpoint: lo2.name}
+    text = devmod.format_inventory(inv)
+    assert "in use by" in text
+
+
+async def test_unload_waits_for_the_worker_to_answer_again(workers, make_scheduler, model):
+    (a,) = workers(1)
+    sched = make_scheduler([a])
+    await sched.load(model, OPTS.replace(num_gpu=2))
+    await sched.unload(model)
+    rec = [e for e in sched.events.history if e.kind == "recover"]
+    assert rec and rec[-1].data["worker"] == a.endpoint and rec[-1].data["free"]
+    assert rpc.probe(a.endpoint).reachable
+
+
+async def test_default_cap_counts_workers_as_gpus(workers, make_scheduler):
+    ws = workers(2)
+    sched = make_scheduler(ws)
+    inv = await sched.inventory()
+    assert sched.max_loaded(len(inv.accelerators(include_unusable=True))) == 6
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+async def test_a_worker_killed_mid_stream_ends_it_naming_the_worker(workers, make_scheduler, model):
+    a, b = workers(2)
+    sched = make_scheduler([a, b])
+    lo = await sched.load(model, LoadOptions(num_ctx=2048, num_parallel=1, num_gpu=5))
+    async with sched.use(model) as lease:
+        with pytest.raises(RunnerCrashed, match=b.endpoint):
+            n = 0
+            async for _ in lease.runner.completion("Once upon a time", n_predict=1500, stream=True):
+                n += 1
+                if n == 3:
+                    b.kill()
+    crash = await _wait_kind(sched, "crash")
+    assert b.endpoint in crash.message and crash.data["lost_workers"] == [b.endpoint]
+    assert not lo.runner.alive
+    lo2 = await sched.load(model, OPTS)  # the next request loads on what is left
+    assert lo2.options.rpc == (a.endpoint,)
+
+
+async def test_a_worker_that_stops_answering_fails_the_load_within_the_stall_timer(workers, engine, model):
+    from jupyter_llama.engine.runner import LoadError, Runner
+
+    (a,) = workers(1)
+    a.pause()  # accepts connections (the kernel does), answers nothing: the child's load stalls
+    r = Runner(model, OPTS.replace(rpc=(a.endpoint,)), binary=engine.path, load_timeout=2.0)
+    try:
+        with pytest.raises(LoadError, match=f"stalled.*{a.endpoint}"):
+            await r.start()
+        assert not r.alive and not process_alive(r.pid)
+    finally:
+        a.resume()
+
+
+async def test_a_paused_worker_is_left_out_of_placement(workers, make_scheduler, model):
+    a, b = workers(2)
+    sched = make_scheduler([a, b], worker_timeout=0.5)
+    b.pause()
+    try:
+        lo = await sched.load(model, OPTS)
+        assert lo.options.rpc == (a.endpoint,)
+    finally:
+        b.resume()
+
+
+async def _wait_kind(sched, kind, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in sched.events.history:
+            if e.kind == kind:
+                return e
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no {kind} event")
