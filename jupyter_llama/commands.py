@@ -489,12 +489,15 @@ def cmd_ps(args, fe: Frontend):
     for m in data.get("models", []):
         size, vram = m.get("size") or 0, m.get("size_vram") or 0
         where = "CPU" if not vram else "GPU" if vram >= size else f"{vram / size:.0%} GPU"
-        rows.append([m.get("name"), _mib(size), where, m.get("context_length") or "", _local_time(m.get("expires_at"))])
+        layers = f"{m['layers_offloaded']}/{m['layers_total']}" if m.get("layers_total") else ""
+        devices = ", ".join(f"{d} {_mib(n)}" for d, n in (m.get("by_device") or {}).items())
+        rows.append([m.get("name"), _mib(size), where, layers, devices, m.get("context_length") or "",
+                     _local_time(m.get("expires_at"))])
     if not rows:
         fe.out("no models loaded" + (" (this command started a private manager; models stay loaded only while it "
                                      "runs: start `jupyter-llama serve` for a lasting one)" if fe.embedded else ""))
     else:
-        fe.out(render_table(["NAME", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"], rows))
+        fe.out(render_table(["NAME", "SIZE", "PROCESSOR", "LAYERS", "DEVICES", "CONTEXT", "UNTIL"], rows))
     return EXIT_OK
 
 

@@ -329,6 +329,7 @@ class Loaded:
             "layers_offloaded": actual.layers_offloaded if actual else None,
             "layers_total": actual.layers_total if actual else None,
             "size": charge.total(), "size_vram": charge.gpu_total,
+            "by_device": charge.by_device(), "workers": list(self.options.rpc or ()),
             "memory": {k: v.to_dict() for k, v in self.predictions.items()} | (
                 {ACTUAL: actual.to_dict()} if actual else {}),
         }

@@ -566,6 +566,8 @@ def ps_model(info: dict, gguf, now: float | None = None, projector: bool = False
     d["layers_total"] = info.get("layers_total")
     d["pid"] = info.get("pid")
     d["memory"] = info.get("memory")
+    d["by_device"] = info.get("by_device")  # bytes per device: cpu, cuda:N, rpc:HOST:PORT
+    d["workers"] = info.get("workers") or []
     return d
 
 

@@ -244,3 +244,22 @@ async def _wait_kind(sched, kind, timeout=20.0):
                 return e
         await asyncio.sleep(0.05)
     raise AssertionError(f"no {kind} event")
+
+
+# ----------------------------------------------------------------------------- the worker command
+
+
+def test_worker_command_refuses_bad_ports_and_warns_beyond_loopback(engine, tmp_path):
+    import subprocess
+    import sys
+
+    from jupyter_llama.engine.worker import UNSAFE_BIND_WARNING, WorkerError, _is_loopback, worker_argv
+
+    with pytest.raises(WorkerError, match="not a port number"):
+        worker_argv(engine, host="127.0.0.1", port=70000)
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
+    assert not _is_loopback("0.0.0.0") and not _is_loopback("10.0.0.5")
+    assert "no authentication" in UNSAFE_BIND_WARNING
+    r = subprocess.run([sys.executable, "-m", "jupyter_llama.cli", "worker", "--port", "0"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--port 0 is not a port number" in r.stderr and "Traceback" not in r.stderr
