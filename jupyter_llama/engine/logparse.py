@@ -481,10 +481,11 @@ class LogParser:
                            n_ctx=self.n_ctx, warnings=list(self.warnings))
         for (component, backend, _kind), nbytes in self._mem.items():
             rep.add(device_of_backend(backend), component, nbytes)
-        if rep.layers_offloaded and self._mem and rep.gpu_total == 0:
-            # A build with the RPC backend prints "offloaded N/N layers to GPU" even when no
-            # device is used (the layers went to the CPU backend): nothing is on a device.
-            rep.layers_offloaded = 0
+        if rep.layers_total is not None and self._mem and rep.gpu_total == 0:
+            # A build with the RPC backend prints "offloaded N/M layers to GPU" even when no
+            # device is used (the layers went to the CPU backend): report it as a plain CPU
+            # build's log reads, with no offload figures at all.
+            rep.layers_offloaded = rep.layers_total = None
         return rep
 
     def last_error_lines(self, n: int = 10) -> list[str]:
