@@ -32,68 +32,15 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from . import config
 from .config import ConfigError, format_duration, parse_duration
+from .errors import BadRequest, DoesNotFit, LoadFailed, ModelNotFound, PinnedInTheWay, SchedulerError, ServerBusy
 from .engine.launch import LoadOptions
 from .engine.runner import EngineError, LoadError, Runner
 from .memory import devices as devmod
 from .memory import rpc
 from .memory.estimate import estimate_coarse, estimate_detailed, fit_layers
 from .memory.report import ACTUAL, COARSE, DETAILED, HOST, MemoryReport, MiB, format_bytes, is_gpu
-from .models.gguf_info import GGUFError, GGUFInfo, read_gguf_info
-
-# ----------------------------------------------------------------------------- errors
-
-
-class SchedulerError(RuntimeError):
-    """Base of the errors the API turns into HTTP statuses (see ``status``)."""
-
-    status = 500
-
-
-class ModelNotFound(SchedulerError):
-    status = 404
-
-    def __init__(self, name: str, hint: str = ""):
-        self.name = name
-        super().__init__(f'model "{name}" not found, try pulling it first' + (f" ({hint})" if hint else ""))
-
-
-class ServerBusy(SchedulerError):
-    status = 503
-
-
-class DoesNotFit(SchedulerError):
-    status = 507
-
-
-class PinnedInTheWay(DoesNotFit):
-    pass
-
-
-class LoadFailed(SchedulerError):
-    status = 500
-
-
-class BadRequest(SchedulerError):
-    status = 400
-
-
-# ----------------------------------------------------------------------------- models
-
-
-@dataclass
-class ModelRef:
-    """A resolved model: the name the user gave and the files behind it."""
-
-    name: str
-    path: str
-    info: GGUFInfo
-    mmproj: str | None = None
-    digest: str | None = None
-
-    @property
-    def key(self) -> str:  # runners are keyed by model file, as in Ollama
-        return self.path
-
+from .models.gguf_info import GGUFError, read_gguf_info
+from .models.ref import ModelRef
 
 Resolver = Callable[[str], Awaitable[ModelRef]]
 
@@ -503,7 +450,8 @@ class Scheduler:
         placement the scheduler would ask llama.cpp for."""
         ref = await self.resolver(name)
         inv = await self.inventory()
-        _, preds = await asyncio.to_thread(self.plan, ref, self.effective_options(options or LoadOptions()), inv)
+        _, preds = await asyncio.to_thread(self.plan, ref, self.effective_options(options or LoadOptions()), inv,
+                                           self.usage())
         return ref, preds
 
     async def shutdown(self) -> None:
@@ -630,8 +578,10 @@ class Scheduler:
                     out[ep] = lo.name
         return out
 
-    def plan(self, ref: ModelRef, options: LoadOptions, inv: devmod.Inventory) -> tuple[LoadOptions, dict[str, MemoryReport]]:
-        """Where a load of ``ref`` would go now, as options and predictions.
+    def plan(self, ref: ModelRef, options: LoadOptions, inv: devmod.Inventory,
+             used: dict[str, int]) -> tuple[LoadOptions, dict[str, MemoryReport]]:
+        """Where a load of ``ref`` would go now, as options and predictions (``used``: bytes per
+        device our runners hold, :meth:`usage` taken on the event loop; this runs in a thread).
 
         The accelerators are the local GPUs and the RPC workers no runner holds. With
         automatic placement (``num_gpu`` unset) the room under each device's budget becomes
@@ -644,7 +594,6 @@ class Scheduler:
         split: list[float] | None = None
         margins: tuple[int, ...] | None = None
         if accel and options.gpu_automatic:
-            used = self.usage()
             keeps = []
             for d in accel:
                 keep = max(1024 * MiB, d.overhead)
@@ -808,19 +757,19 @@ class Scheduler:
         an evicted model may free an RPC worker the new one can use."""
         while True:
             inv = await self.inventory()
-            placed, preds = await asyncio.to_thread(self.plan, ref, options, inv)
+            used = self.usage()
+            placed, preds = await asyncio.to_thread(self.plan, ref, options, inv, used)
             fit_source = self.settings.fit_estimator if self.settings.fit_estimator in preds else COARSE
             need = self._need(preds, fit_source)
             cap = self.max_loaded(len(inv.accelerators(include_unusable=True)))
             others = [lo for lo in self.loaded.values() if lo.state in ("ready", "loading")]
-            used = self.usage()
             avail = self._available(inv, used)
             # With automatic placement llama.cpp's --fit keeps each accelerator within the room we
-            # gave it (its --fit-target, measured by llama.cpp itself): only the host can be short.
-            # With num_gpu set, every device is checked; after the load, actual figures are.
-            fitted = placed.fit_target_mib is not None
-            short = {d: need.total(device=d) - avail.get(d, (0, None))[0] for d in need.devices
-                     if need.total(device=d) > avail.get(d, (0, None))[0] and not (fitted and d != HOST)}
+            # gave it (its --fit-target, measured by llama.cpp itself): only the host is checked.
+            # With num_gpu set, every device is; after the load, the actual figures are.
+            checked = [HOST] if placed.fit_target_mib is not None else need.devices
+            short = {d: need.total(device=d) - avail.get(d, (0, None))[0] for d in checked
+                     if need.total(device=d) > avail.get(d, (0, None))[0]}
             numbers = {d: {"need": need.total(device=d), "available": avail.get(d, (0, None))[0],
                            "in_use": used.get(d, 0), "budget": avail.get(d, (0, None))[1]} for d in need.devices}
             over_cap = len(others) >= cap
@@ -830,8 +779,8 @@ class Scheduler:
                                  predicted={k: v.total() for k, v in preds.items()})
                 return placed, preds, fit_source
             if not others:
-                over_budget = {d: n for d, n in numbers.items() if n["budget"] is not None and n["need"] > n["budget"]
-                               and not (fitted and d != HOST)}
+                over_budget = {d: n for d, n in numbers.items() if d in checked and n["budget"] is not None
+                               and n["need"] > n["budget"]}
                 if over_budget:
                     d, n = next(iter(over_budget.items()))
                     msg = (f"{ref.name} needs {format_bytes(n['need'])} on {d} ({need.source} estimate) but the budget "

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..engine.launch import LoadOptions
-from ..scheduler import BadRequest
+from ..errors import BadRequest
 from .options import format_to_schema, parse_keep_alive, split_options
 
 __all__ = [

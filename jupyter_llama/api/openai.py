@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 
 from ..engine.launch import LoadOptions
-from ..scheduler import BadRequest
+from ..errors import BadRequest
 from .options import parse_keep_alive
 
 __all__ = [

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..config import ConfigError, parse_duration
 from ..engine.launch import FLASH_ATTN, KV_CACHE_TYPES, LoadOptions, LoadOptionsError
-from ..scheduler import BadRequest
+from ..errors import BadRequest
 
 __all__ = [
     "LOAD_OPTIONS",

@@ -46,6 +46,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from jupyter_llama.memory import rpc
 from jupyter_llama.memory.report import (ACTUAL, COMPUTE, KV, OUTPUT, RS, WEIGHTS, MemoryReport,
                                          MiB, device_of_backend)
 
@@ -178,7 +179,6 @@ class LogParser:
         self.layers_total: int | None = None
         self.free_memory: dict[str, int] = {}
         self.device_names: dict[str, str] = {}
-        self.device_total: dict[str, int] = {}  # from the device list llama.cpp prints before loading
         self._rpc_names: dict[str, str] = {}  # "RPC1" -> "rpc:127.0.0.1:50062" (global name -> our id)
         self.fit: list[FitDecision] = []
         self.fit_ok: bool | None = None  # "successfully fit" / "failed to fit" when --fit ran
@@ -279,7 +279,6 @@ class LogParser:
             if m:
                 dev = self.device_of(m.group("dev"), m.group("desc"))
                 self.device_names.setdefault(dev, m.group("desc"))
-                self.device_total[dev] = int(m.group("total")) * MiB
                 self.free_memory.setdefault(dev, int(m.group("free")) * MiB)
                 return
         if "fit" in line and _FIT_FUNC_RE.search(line):
@@ -323,20 +322,12 @@ class LogParser:
                 return known
             desc = (description or "").strip()
             if _ENDPOINT_RE.match(desc):
-                index = sum(1 for v in self._rpc_names.values() if v.split("/")[0] == f"rpc:{desc.lower()}")
-                dev = f"rpc:{desc.lower()}" + (f"/{index}" if index else "")
+                endpoint = desc.lower()
+                index = sum(1 for v in self._rpc_names.values() if rpc.split_id(v)[0] == endpoint)
+                dev = rpc.device_id(endpoint, index)
                 self._rpc_names[name] = dev
                 return dev
         return device_of_backend(name)
-
-    @property
-    def layers_by_device(self) -> dict[str, int]:
-        """Layers per accelerator as llama.cpp's ``--fit`` last decided them (output layer counted)."""
-        out: dict[str, int] = {}
-        for d in self.fit:
-            if d.device and d.layers is not None:
-                out[d.device] = d.layers
-        return out
 
     def _buffer_line(self, m: re.Match, lineno: int) -> None:
         backend = m.group("backend")

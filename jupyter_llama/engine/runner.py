@@ -340,15 +340,11 @@ class Runner:
         """The RPC workers of this child that no longer accept connections (asked once, after
         the child died: llama.cpp's abort says only that *a* remote RPC server failed)."""
         if self._lost_workers is None:
-            lost = []
-            for ep in self.options.rpc or ():
-                host, _, port = ep.rpartition(":")
-                try:
-                    _, w = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 1.0)
-                    w.close()
-                except (OSError, asyncio.TimeoutError):
-                    lost.append(ep)
-            self._lost_workers = lost
+            from ..memory.rpc import listening
+
+            eps = list(self.options.rpc or ())
+            alive = await asyncio.gather(*(asyncio.to_thread(listening, ep, 1.0) for ep in eps))
+            self._lost_workers = [ep for ep, up in zip(eps, alive) if not up]
         return self._lost_workers
 
     def _crash_error(self) -> RunnerCrashed:

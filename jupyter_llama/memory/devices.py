@@ -539,10 +539,6 @@ class Inventory:
                                     overhead=self.budgets.gpu_overhead))
         return rows
 
-    def free_workers(self) -> list[str]:
-        """Endpoints of reachable workers no runner holds, in the configured order."""
-        return [w.endpoint for w in self.workers if w.reachable and w.endpoint not in self.held]
-
     def device(self, id: str) -> DeviceState | None:
         for d in self.devices():
             if d.id == id:

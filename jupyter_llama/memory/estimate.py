@@ -645,11 +645,19 @@ async def estimate_all_async(info: GGUFInfo, options: LoadOptions, gpus: list[st
     """:func:`estimate_all` without blocking the event loop."""
     gpus = list(gpus or [])
     out = {COARSE: estimate_coarse(info, options, gpus), DETAILED: estimate_detailed(info, options, gpus)}
+    return await with_projection_async(out, engine, model_path or info.path, options, timeout=timeout)
+
+
+async def with_projection_async(reports: dict[str, MemoryReport], engine, model_path: str | os.PathLike,
+                                options: LoadOptions, timeout: float = 60.0) -> dict[str, MemoryReport]:
+    """``reports`` plus llama.cpp's own projection (``llama-fit-params`` with the same flags,
+    ``--rpc`` included) when ``engine`` has the tool and it answers."""
+    out = dict(reports)
     fit = getattr(engine, "fit_params", None) if engine is not None else None
     if fit:
         from .fitparams import project_async
 
-        rep = await project_async(fit, model_path or info.path, options, timeout=timeout)
+        rep = await project_async(fit, model_path, options, timeout=timeout)
         if rep is not None:
             out[LLAMA_CPP] = rep
     return out

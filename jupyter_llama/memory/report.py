@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from .rpc import device_id
+
 WEIGHTS = "weights"
 KV = "kv"
 COMPUTE = "compute"
@@ -51,8 +53,7 @@ def device_of_backend(name: str) -> str:
         return HOST
     m = _RPC_BUFFER_RE.match(name)
     if m:
-        index = int(m.group(1) or 0)
-        return f"rpc:{m.group(2).lower()}" + (f"/{index}" if index else "")
+        return device_id(m.group(2).lower(), int(m.group(1) or 0))
     upper = name.upper()
     if upper.startswith("CPU") or upper == "BLAS" or upper.endswith("_HOST") or upper.startswith("AMX"):
         return HOST

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..scheduler import BadRequest
+from ..errors import BadRequest
 
 __all__ = [
     "DEFAULT_HOST",

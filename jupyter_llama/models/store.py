@@ -52,7 +52,8 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator
 from filelock import FileLock
 
 from .. import config
-from ..scheduler import BadRequest, ModelNotFound, ModelRef, SchedulerError
+from ..errors import BadRequest, ModelNotFound, SchedulerError
+from .ref import ModelRef
 from .gguf_info import GGUFError, GGUFInfo, read_gguf_info
 from .names import InvalidName, ModelName, parse_name
 

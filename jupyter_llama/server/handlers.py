@@ -860,15 +860,8 @@ class EstimateHandler(LlamaHandler):
         if sched is not None:
             # the placement a load would get now (workers, fit targets), and its predictions
             inv = await sched.inventory()
-            opts, estimates = await asyncio.to_thread(sched.plan, ref, opts, inv)
-            estimates = dict(estimates)
-            fit = getattr(self.ext.engine, "fit_params", None)
-            if fit:
-                from ..memory.fitparams import project_async
-
-                rep = await project_async(fit, ref.path, opts, timeout=60.0)
-                if rep is not None:
-                    estimates[est.LLAMA_CPP] = rep
+            opts, planned = await asyncio.to_thread(sched.plan, ref, opts, inv, sched.usage())
+            estimates = await est.with_projection_async(planned, self.ext.engine, ref.path, opts)
         else:
             inv = await asyncio.to_thread(devmod.inventory)
             estimates = await est.estimate_all_async(ref.info, opts, [d.id for d in inv.accelerators()],

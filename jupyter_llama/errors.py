@@ -1,0 +1,41 @@
+"""The errors every layer raises, each with the HTTP status the server answers it with.
+
+They live below everything that raises them (models, memory, engine, api, scheduler), so no
+module of the core imports upward for an error type; the server maps ``status`` once.
+"""
+
+from __future__ import annotations
+
+
+class SchedulerError(RuntimeError):
+    """Base of the errors the API turns into HTTP statuses (see ``status``)."""
+
+    status = 500
+
+
+class ModelNotFound(SchedulerError):
+    status = 404
+
+    def __init__(self, name: str, hint: str = ""):
+        self.name = name
+        super().__init__(f'model "{name}" not found, try pulling it first' + (f" ({hint})" if hint else ""))
+
+
+class ServerBusy(SchedulerError):
+    status = 503
+
+
+class DoesNotFit(SchedulerError):
+    status = 507
+
+
+class PinnedInTheWay(DoesNotFit):
+    pass
+
+
+class LoadFailed(SchedulerError):
+    status = 500
+
+
+class BadRequest(SchedulerError):
+    status = 400

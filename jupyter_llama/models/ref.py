@@ -1,0 +1,23 @@
+"""A resolved model: the name the user gave and the files behind it (shared by the
+registry, the scheduler and the server; it depends only on the GGUF metadata type)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .gguf_info import GGUFInfo
+
+
+@dataclass
+class ModelRef:
+    """A resolved model: the name the user gave and the files behind it."""
+
+    name: str
+    path: str
+    info: GGUFInfo
+    mmproj: str | None = None
+    digest: str | None = None
+
+    @property
+    def key(self) -> str:  # runners are keyed by model file, as in Ollama
+        return self.path
