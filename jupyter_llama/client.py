@@ -366,6 +366,11 @@ class LlamaClient:
     def estimate(self, model: str, options: dict | None = None) -> dict:
         return self._json("POST", "api/estimate", _clean({"model": model, "options": options}))
 
+    def log(self, model: str, lines: int = 200, match: str | None = None) -> dict:
+        """A loaded model's llama-server log (its last ``lines`` lines, or those containing ``match``)."""
+        params = {"model": model, "lines": lines} | ({"match": match} if match else {})
+        return self._json("GET", "api/log", params=params)
+
     def events(self, model: str | None = None, since: int = 0, limit: int | None = None, *, stream: bool = False):
         """The event history (a list), or with ``stream=True`` an endless iterator of new events."""
         params = _clean({"model": model, "since": since or None, "limit": limit, "stream": "1" if stream else None})

@@ -220,6 +220,12 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
     p = add("ps", cmd_ps, "loaded models: memory, placement, context, expiry")
     p.add_argument("--json", action="store_true")
 
+    p = add("log", cmd_log, "a loaded model's llama-server log: devices, layers, buffers, errors")
+    p.add_argument("model")
+    p.add_argument("--lines", "-n", type=int, default=40, help="how many of the last lines (default 40)")
+    p.add_argument("--match", "-m", help="only lines containing this text (e.g. 'buffer size' or 'offloaded')")
+    p.add_argument("--json", action="store_true")
+
     p = add("list", cmd_list, "models in the registry")
     p.add_argument("--json", action="store_true")
 
@@ -498,6 +504,28 @@ def cmd_ps(args, fe: Frontend):
                                      "runs: start `jupyter-llama serve` for a lasting one)" if fe.embedded else ""))
     else:
         fe.out(render_table(["NAME", "SIZE", "PROCESSOR", "LAYERS", "DEVICES", "CONTEXT", "UNTIL"], rows))
+    return EXIT_OK
+
+
+def cmd_log(args, fe: Frontend):
+    from .client import ModelNotFoundError
+
+    def fetch():
+        try:
+            return fe.client().log(args.model, args.lines, args.match)
+        except ModelNotFoundError as e:  # not loaded: the server's sentence says what to do
+            raise CommandError(str(e)) from None
+
+    data = _call(fe, fetch)
+    if args.json:
+        fe.json(data)
+        return EXIT_OK
+    lines = data.get("lines") or []
+    shown = f"{len(lines)} line(s)" + (f" containing {args.match!r}" if args.match else "")
+    fe.out(f"{data.get('model')} (pid {data.get('pid')}, {data.get('state')}): {shown} "
+           f"of {data.get('lines_seen', 0)} its llama-server printed")
+    if lines:
+        fe.out("\n".join(lines))
     return EXIT_OK
 
 

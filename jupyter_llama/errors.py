@@ -21,6 +21,15 @@ class ModelNotFound(SchedulerError):
         super().__init__(f'model "{name}" not found, try pulling it first' + (f" ({hint})" if hint else ""))
 
 
+class NotLoaded(SchedulerError):
+    status = 404
+
+    def __init__(self, name: str):
+        self.name = name
+        super().__init__(f'model "{name}" is not loaded; load it (or send it a request) first, '
+                         "and `ps` lists what is loaded")
+
+
 class ServerBusy(SchedulerError):
     status = 503
 

@@ -263,6 +263,17 @@ class Loaded:
                 diffs.append(f.name)
         return diffs
 
+    def log(self, lines: int = 200, match: str | None = None) -> dict:
+        """The child's last ``lines`` log lines (those containing ``match``, if given)."""
+        runner = self.runner
+        kept = list(runner.parser.lines) if runner else []
+        if match:
+            kept = [ln for ln in kept if match in ln]
+        return {"model": self.name, "pid": runner.pid if runner else None, "state": self.state,
+                "argv": list(runner.argv) if runner and runner.argv else [],
+                "lines": kept[-lines:] if lines > 0 else [],
+                "lines_seen": runner.parser.n_lines if runner else 0}
+
     def info(self) -> dict:
         actual = self.actual
         charge = self.charge
@@ -420,12 +431,7 @@ class Scheduler:
 
     async def unload(self, name: str, reason: str = "unloaded on request") -> bool:
         """Unload ``name`` now (after its running requests finish). False if it was not loaded."""
-        try:
-            ref = await self.resolver(name)
-            key = ref.key
-        except SchedulerError:
-            key = next((k for k, lo in self.loaded.items() if lo.name == name), None)
-        lo = self.loaded.get(key) if key else None
+        lo = await self.find_loaded(name)
         if lo is None:
             return False
         if lo.state == "loading":
@@ -439,11 +445,15 @@ class Scheduler:
     def ps(self) -> list[dict]:
         return [lo.info() for lo in self.loaded.values() if lo.state != "gone"]
 
-    def find_loaded(self, name: str) -> Loaded | None:
-        for lo in self.loaded.values():
-            if lo.name == name or lo.ref.path == name:
-                return lo
-        return None
+    async def find_loaded(self, name: str) -> Loaded | None:
+        """The loaded model ``name`` names, resolved as a load would resolve it (``m`` is
+        ``m:latest``); a name the store no longer knows still finds what is loaded under it."""
+        try:
+            key = (await self.resolver(name)).key
+        except SchedulerError:
+            key = next((k for k, lo in self.loaded.items() if lo.name == name), None)
+        lo = self.loaded.get(key) if key else None
+        return lo if lo is not None and lo.state != "gone" else None
 
     async def predict(self, name: str, options: LoadOptions | None = None) -> tuple[ModelRef, dict[str, MemoryReport]]:
         """Predictions for loading ``name`` now: on the devices a load would get, with the

@@ -10,41 +10,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 STORIES = ROOT.parent / "shared" / "models" / "stories260K.gguf"
 
-# Where a llama-server may be found before the engine's own discovery is wired in.
-_FALLBACK_SERVER = "/tmp/llbuild/bin/llama-server"
-
-
-def find_test_server() -> tuple[str | None, str]:
-    """(path to a runnable llama-server, or None; a reason for the skip message).
-
-    Looks at ``JUPYTER_LLAMA_SERVER`` first, then a local build at
-    ``/tmp/llbuild/bin/llama-server``. To be replaced by the engine's discovery
-    (``jupyter_llama.engine.binary``).
-    """
-    env = os.environ.get("JUPYTER_LLAMA_SERVER")
-    if env:
-        p = Path(env)
-        if p.is_file() and os.access(p, os.X_OK):
-            return str(p), f"JUPYTER_LLAMA_SERVER={env}"
-        return None, f"JUPYTER_LLAMA_SERVER={env} is not an executable file"
-    p = Path(_FALLBACK_SERVER)
-    if p.is_file() and os.access(p, os.X_OK):
-        return str(p), str(p)
-    return None, (
-        f"no llama-server: set JUPYTER_LLAMA_SERVER or build one (`jupyter-llama engine build`); "
-        f"{_FALLBACK_SERVER} is absent"
-    )
-
-
-@pytest.fixture(scope="session")
-def llama_server_binary() -> str:
-    """Path of a llama-server binary; skips the test when there is none."""
-    path, reason = find_test_server()
-    if path is None:
-        pytest.skip(reason)
-    return path
-
-
 @pytest.fixture(scope="session")
 def engine():
     """The llama-server this suite runs, found the way users' code finds it."""
@@ -56,6 +21,12 @@ def engine():
         if os.environ.get("JUPYTER_LLAMA_REQUIRE_ENGINE") == "1":
             pytest.fail(f"no usable llama-server, but `make test` requires one: {e}")
         pytest.skip(f"no usable llama-server: {e}")
+
+
+@pytest.fixture(scope="session")
+def llama_server_binary(engine) -> str:
+    """Path of the llama-server the product would run (skips the test when there is none)."""
+    return engine.path
 
 
 @pytest.fixture(scope="session")

@@ -101,8 +101,9 @@ def _cpu_signature() -> str:
 
 
 # Bumped whenever the build recipe changes what a cached build contains (rpc: the RPC
-# backend is compiled in and ggml-rpc-server is built beside llama-server).
-RECIPE = "rpc"
+# backend is compiled in and ggml-rpc-server is built beside llama-server; noamx: ggml's
+# AMX kernels are left out where -march=native would turn them on, see cmake_args).
+RECIPE = "rpc-noamx"
 
 
 def build_dir_name(backend: str = "cpu") -> str:
@@ -336,11 +337,26 @@ def cmake_args(backend: str = "cpu") -> list[str]:
         f"-DLLAMA_BUILD_NUMBER={LLAMA_BUILD}",
         f"-DLLAMA_BUILD_COMMIT={LLAMA_COMMIT}",
     ]
+    if _amx_compiler_default():
+        # ggml's AMX matrix kernels crash this llama.cpp (SIGSEGV in ggml_backend_amx_mul_mat
+        # at the first Q4_0/Q8_0/K-quant matmul; llama.cpp#20824) on Xeons that have AMX, such
+        # as the CI machines. Without them the same weights go to the AVX-512 repacked path.
+        args += ["-DCMAKE_C_FLAGS=-mno-amx-int8 -mno-amx-tile",
+                 "-DCMAKE_CXX_FLAGS=-mno-amx-int8 -mno-amx-tile"]
     if backend == "cuda":
         args.append("-DGGML_CUDA=ON")
     elif backend == "vulkan":
         args.append("-DGGML_VULKAN=ON")
     return args
+
+
+def _amx_compiler_default() -> bool:
+    """Whether ``-march=native`` here turns on AMX (the CPU lists ``amx_int8``)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return " amx_int8" in fh.read()
+    except OSError:
+        return False
 
 
 def _run_logged(cmd: list[str], log: Path, progress: Progress, cwd: Path | None = None) -> None:

@@ -282,6 +282,16 @@ class Runner:
             self._exited.set()
             _LIVE.discard(self)
 
+    def _crash_hint(self) -> str:
+        """A known cause, when the log shows one, for a child that died of a signal."""
+        if self.returncode != -signal.SIGSEGV:
+            return ""
+        if any("AMX model buffer" in ln or "AMX_INT8 = 1" in ln for ln in self.parser.lines):
+            return ("; this llama-server uses ggml's AMX kernels, which crash on some Xeons with quantised "
+                    "weights (llama.cpp#20824): run `jupyter-llama engine build`, whose engine leaves them out, "
+                    "and unset JUPYTER_LLAMA_SERVER")
+        return ""
+
     async def _wait_ready(self) -> None:
         deadline_gap = self.load_timeout
         exited = asyncio.ensure_future(self._exited.wait())
@@ -294,7 +304,8 @@ class Runner:
                            for ln in list(self.parser.lines)[-20:]):
                         raise _PortTaken()
                     raise LoadError(
-                        f"llama-server exited while loading {self.name} (exit code {self.returncode})",
+                        f"llama-server exited while loading {self.name} (exit code {self.returncode})"
+                        + self._crash_hint(),
                         exit_code=self.returncode, log_lines=self.parser.last_error_lines(),
                         oom=self.parser.oom)
                 if await self._health_ok():

@@ -345,21 +345,6 @@ def host_repack_rules() -> dict[str, int]:
     return rules
 
 
-@functools.lru_cache(maxsize=1)
-def host_amx_rules() -> dict[str, int]:
-    """Weight types that go to the CPU's AMX buffer on this host, with the ``ne0`` multiple
-    each needs (ggml-cpu/amx: F16 by 16, Q4_0/Q4_1/Q8_0 by 32, K-quants and IQ4_XS by 256;
-    ``ne1`` must be a multiple of 32). Seen here on a Xeon with ``amx_int8``: a 24 MB f16
-    model got an ``AMX model buffer`` of 22.62 MiB beside its 22.64 MiB ``CPU_Mapped``
-    span, with or without RPC devices. ggml lists the AMX buffer type before the repacking
-    one, so AMX wins where both would apply. F16 is copied as is; the quantised types are
-    repacked to about their own size (counted as such)."""
-    machine, flags = _cpu_flags()
-    if machine not in ("x86_64", "amd64") or "amx_int8" not in flags:
-        return {}
-    return {"F16": 16, "Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "IQ4_XS": 256}
-
-
 def _tensor_offsets(info: GGUFInfo) -> dict[str, tuple[int, int]]:
     """(start, end) of each tensor's data relative to the data section, in table order."""
     align = info.metadata.get("general.alignment")
@@ -387,11 +372,10 @@ def weight_bytes(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None,
     * each GPU: the sum of its tensors.
     """
     devices, out_dev = layer_devices(info, options, gpus, split)
-    # A local GPU puts its pinned host buffer type ahead of the CPU's repacking (not of AMX);
+    # A local GPU puts its pinned host buffer type ahead of the CPU's repacking;
     # RPC devices have no host buffer type, so host layers still repack beside them.
     local_gpu = any(not g.startswith("rpc:") for g in (gpus or []))
     rules = {} if local_gpu else host_repack_rules()
-    amx = host_amx_rules()
     mmap = options.use_mmap is not False
     offsets = _tensor_offsets(info)
     per_dev: dict[str, int] = {}
@@ -401,9 +385,6 @@ def weight_bytes(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None,
     def repackable(t) -> bool:
         if len(t.shape) != 2:
             return False
-        k = amx.get(t.ggml_type)
-        if k and t.shape[0] % k == 0 and t.shape[1] % 32 == 0:
-            return True
         need = rules.get(t.ggml_type)
         return bool(need) and t.shape[1] % need == 0
 

@@ -53,6 +53,7 @@ from ..config import ConfigError
 from ..engine.launch import LoadOptionsError
 from ..engine.runner import EngineError, RequestError, RunnerCrashed
 from ..models.gguf_info import GGUFError
+from ..errors import NotLoaded
 from ..scheduler import BadRequest, ModelNotFound, SchedulerError
 
 if TYPE_CHECKING:
@@ -842,6 +843,29 @@ class DevicesHandler(LlamaHandler):
         self.finish(dumps(body))
 
 
+class LogHandler(LlamaHandler):
+    """A loaded model's llama-server log: what llama.cpp said about devices, layers and memory."""
+
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def get(self):
+        model = self.get_argument("model", "").strip()
+        if not model:
+            raise BadRequest("say which model's log to show: ?model=NAME (ps lists the loaded ones)")
+        try:
+            lines = int(self.get_argument("lines", "200") or 200)
+        except ValueError:
+            raise BadRequest("lines must be a whole number") from None
+        sched = self.ext.scheduler
+        lo = await sched.find_loaded(model) if sched is not None else None
+        if lo is None:
+            raise NotLoaded(model)
+        self.finish(dumps(lo.log(lines, self.get_argument("match", None) or None)))
+
+
 class EstimateHandler(LlamaHandler):
     @web.authenticated
     @authorized
@@ -941,6 +965,7 @@ def default_handlers() -> list[tuple]:
         (p + r"/api/version", VersionHandler),
         (p + r"/api/devices", DevicesHandler),
         (p + r"/api/estimate", EstimateHandler),
+        (p + r"/api/log", LogHandler),
         (p + r"/api/events", EventsHandler),
         (p + r"/v1/models", OpenAIModelsHandler),
         (p + r"/v1/models/(?P<model>.+)", OpenAIModelsHandler),

@@ -74,6 +74,13 @@ export interface IDevice {
   budget?: number | null;
   overhead?: number;
   usable?: number;
+  /** ``host``, ``gpu`` or ``rpc`` (a ggml-rpc-server worker). */
+  kind?: string;
+  /** False for a worker that did not answer its probe (``error`` says why). */
+  reachable?: boolean;
+  error?: string | null;
+  /** The loaded model holding this worker (a worker serves one llama-server at a time). */
+  held_by?: string | null;
 }
 
 /** ``GET api/devices``. */
@@ -402,6 +409,10 @@ export interface IDeviceRow {
   capacity: number;
   capacityKind: 'budget' | 'total';
   usedPct: number;
+  /** ``ready``; ``unreachable`` (a worker that did not answer); ``held`` (a worker in use by one model). */
+  state: 'ready' | 'unreachable' | 'held';
+  /** The model holding a held worker. */
+  heldBy: string | null;
   text: string;
 }
 
@@ -424,11 +435,21 @@ function deviceRoom(devices: IDevices | null | undefined): Map<string, IDeviceRo
     const capacity = budget !== null ? budget : total;
     const available = Math.max(0, Math.min(free - overhead, capacity - u));
     const capacityKind = budget !== null ? 'budget' : 'total';
-    const words =
-      `${formatBytes(free)} free` +
-      (budget !== null ? ` · budget ${formatBytes(budget)}` : ' · no budget') +
-      (overhead ? ` · ${formatBytes(overhead)} kept free` : '') +
-      ` · ${formatBytes(available)} left to plan with`;
+    const state: IDeviceRow['state'] =
+      d.reachable === false ? 'unreachable' : d.held_by ? 'held' : 'ready';
+    const heldBy = d.held_by ?? null;
+    let words: string;
+    if (state === 'unreachable') {
+      words = `unreachable: ${d.error || 'the worker did not answer'} · left out of placement`;
+    } else {
+      words =
+        `${formatBytes(free)} free` +
+        (budget !== null ? ` · budget ${formatBytes(budget)}` : ' · no budget') +
+        (overhead ? ` · ${formatBytes(overhead)} kept free` : '') +
+        (state === 'held'
+          ? ` · in use by ${heldBy} (figures from before it loaded; a worker serves one model at a time)`
+          : ` · ${formatBytes(available)} left to plan with`);
+    }
     out.set(id, {
       device: id,
       name: d.name || id,
@@ -441,6 +462,8 @@ function deviceRoom(devices: IDevices | null | undefined): Map<string, IDeviceRo
       capacity,
       capacityKind,
       usedPct: capacity > 0 ? Math.min(100, (100 * u) / capacity) : 0,
+      state,
+      heldBy,
       text: words
     });
   }

@@ -223,6 +223,28 @@ describe('loaded models', () => {
 });
 
 describe('devices and status bar', () => {
+  it('worker rows: reachable, unreachable with the reason, held by a model', () => {
+    const MiB = 1024 ** 2;
+    const dev: IDevices = {
+      devices: [
+        { id: 'rpc:127.0.0.1:50061', kind: 'rpc', total: 100 * MiB, free: 90 * MiB, budget: 64 * MiB, reachable: true },
+        { id: 'rpc:127.0.0.1:50062', kind: 'rpc', total: 0, free: 0, budget: null, reachable: false,
+          error: 'connection refused' },
+        { id: 'rpc:127.0.0.1:50063', kind: 'rpc', total: 100 * MiB, free: 80 * MiB, budget: null, reachable: true,
+          held_by: 'tiny:latest' }
+      ],
+      loaded: [{ name: 'tiny:latest', by_device: { 'rpc:127.0.0.1:50063': 5 * MiB } }]
+    };
+    const [a, b, c] = deviceRows(dev);
+    expect([a.state, b.state, c.state]).toEqual(['ready', 'unreachable', 'held']);
+    expect(a.capacity).toBe(64 * MiB);
+    expect(a.text).toContain('left to plan with');
+    expect(b.text).toBe('unreachable: connection refused · left out of placement');
+    expect(c.heldBy).toBe('tiny:latest');
+    expect(c.used).toBe(5 * MiB);
+    expect(c.text).toContain('in use by tiny:latest');
+    expect(c.text).not.toContain('left to plan with');
+  });
   it('device rows from the recorded answer', () => {
     const [cpu] = deviceRows(devices);
     expect(cpu.device).toBe('cpu');

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -53,10 +52,8 @@ def test_missing_libraries_are_reported(tmp_path):
 
 def test_a_hanging_binary_times_out(tmp_path):
     fake = _script(tmp_path, "llama-server", "sleep 30")
-    t0 = time.monotonic()
-    with pytest.raises(EngineBroken, match="did not answer"):
+    with pytest.raises(EngineBroken, match="did not answer"):  # had it waited, the script would exit 0
         check_runnable(fake, timeout=0.5)
-    assert time.monotonic() - t0 < 10
 
 
 def test_explicit_setting_wins_and_must_exist(tmp_path, monkeypatch):

@@ -50,7 +50,8 @@ def registered(shell):
 def test_run_streams_into_one_display_and_returns_a_result(shell, registered, capsys):
     pub = shell.display_pub
     pub.published.clear()
-    shell.run_line_magic("config", "LlamaMagics.update_interval = 0.005")  # a tiny model answers in milliseconds
+    # 0: every chunk updates the display, so the count does not depend on how fast the model is
+    shell.run_line_magic("config", "LlamaMagics.update_interval = 0")
     r = shell.run_line_magic("llama", f"run {registered} 'Tell me about {{topic}}' --num-predict 60 --stats")
     shell.run_line_magic("config", "LlamaMagics.update_interval = 0.05")
     assert isinstance(r, RunResult) and r.text and r.tokens == 60

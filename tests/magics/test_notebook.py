@@ -27,7 +27,7 @@ def test_notebook_streams_remembers_and_reports_errors_briefly(manager, monkeypa
     for k in ("JUPYTER_LLAMA_URL", "JUPYTER_LLAMA_TOKEN"):
         monkeypatch.setenv(k, manager["env"][k])  # what the server extension exports to its kernels
     cells = [
-        "%load_ext jupyter_llama\n%config LlamaMagics.update_interval = 0.005",
+        "%load_ext jupyter_llama\n%config LlamaMagics.update_interval = 0",
         "%llama synth nb-tiny --layers 2 --embd 64 --ctx 4096",
         "r = %llama run nb-tiny 'Once upon a time' --num-predict 120\nlen(r.text) > 0, r.tokens",
         "%%llama chat nb-tiny --conversation story --num-predict 8\nMy name is Ada.",

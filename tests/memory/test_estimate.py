@@ -42,7 +42,6 @@ def make_info(*, layers=4, embd=256, heads=8, kv_heads=2, ff=512, vocab=1000, ct
 @pytest.fixture
 def no_repack(monkeypatch):
     monkeypatch.setattr(est, "host_repack_rules", lambda: {})
-    monkeypatch.setattr(est, "host_amx_rules", lambda: {})
 
 
 # ----------------------------------------------------------------------------- KV rows
@@ -197,7 +196,6 @@ def test_weights_tied_output_copied_to_the_gpu(no_repack):
 
 def test_weights_cpu_repack_buffer(monkeypatch):
     monkeypatch.setattr(est, "host_repack_rules", lambda: {"Q4_0": 8})
-    monkeypatch.setattr(est, "host_amx_rules", lambda: {})
     info = make_info(layers=2, wtype="Q4_0", layer_bytes=1000, embd_bytes=5000, output_bytes=5000)
     w = weight_bytes(info, LoadOptions(), [])
     offs = est._tensor_offsets(info)

@@ -30,7 +30,7 @@ async def test_every_route_needs_auth(llama_url, token):
               ("POST", "api/chat"), ("POST", "api/show"), ("POST", "api/pull"), ("DELETE", "api/delete"),
               ("POST", "api/copy"), ("POST", "api/create"), ("POST", "api/embed"),
               ("HEAD", "api/blobs/sha256:" + "0" * 64), ("POST", "api/blobs/sha256:" + "0" * 64),
-              ("GET", "api/devices"), ("POST", "api/estimate"), ("GET", "api/events"), ("GET", "v1/models"),
+              ("GET", "api/devices"), ("POST", "api/estimate"), ("GET", "api/events"), ("GET", "api/log"), ("GET", "v1/models"),
               ("POST", "v1/chat/completions"), ("POST", "v1/completions"), ("POST", "v1/embeddings")]
     async with httpx.AsyncClient(base_url=llama_url + "/", trust_env=False) as c:
         for method, path in routes:
@@ -345,3 +345,23 @@ async def test_without_an_engine_the_registry_still_works(http):
     assert "tiny:latest" in {m["name"] for m in (await http.get("api/tags")).json()["models"]}
     assert (await http.get("api/ps")).json() == {"models": []}
     assert (await http.post("api/show", json={"model": "tiny"})).status_code == 200
+
+
+# ----------------------------------------------------------------------------- the child's log
+
+
+async def test_log_of_a_loaded_model(http):
+    r = await http.get("api/log", params={"model": "tiny"})
+    assert r.status_code == 404 and "is not loaded" in r.json()["error"], r.text
+    assert (await http.post("api/generate", json=gen())).status_code == 200
+    r = await http.get("api/log", params={"model": "tiny", "match": "buffer size"})
+    body = r.json()
+    assert r.status_code == 200 and body["model"] == "tiny:latest" and body["state"] == "ready"
+    assert body["lines"] and all("buffer size" in ln for ln in body["lines"])
+    assert any("KV buffer size" in ln for ln in body["lines"])  # what llama.cpp allocated, as it said it
+    assert body["argv"][0].endswith("llama-server") and body["lines_seen"] > len(body["lines"])
+    tail = (await http.get("api/log", params={"model": "tiny:latest", "lines": 3})).json()["lines"]
+    assert len(tail) == 3
+    for bad, says in (({"lines": "x"}, "whole number"), ({}, "?model=NAME")):
+        r = await http.get("api/log", params=bad)
+        assert r.status_code == 400 and says in r.json()["error"], r.text

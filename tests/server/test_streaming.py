@@ -61,18 +61,18 @@ async def test_disconnect_stops_generation_and_releases_runner(http, ext):
                 if ln.strip():
                     break  # first chunk: leave
             assert lo.refcount == 1
-        closed = time.monotonic()
-        await wait_until(lambda: lo.refcount == 0, timeout=1.0)
-        await wait_until(lambda: ext.scheduler.in_flight == 0, timeout=1.0)
+        await wait_until(lambda: lo.refcount == 0)
+        await wait_until(lambda: ext.scheduler.in_flight == 0)
 
-        async def idle():
-            return not await slot_busy(lo)
+        async def idle_slot():
+            slots = await lo.runner.get("/slots")
+            return None if any(s.get("is_processing") for s in slots) else slots[0]
 
-        try:
-            await wait_until(idle, timeout=1.0)
-        except AssertionError:
-            raise AssertionError(f"{path}: the child still generates 1 s after the client left") from None
-        assert time.monotonic() - closed < 1.0, path
+        # Cancelled or not, the child goes idle within a second here (3000 tokens of a tiny model);
+        # what tells them apart is how many tokens it made: all of them, or the few before the cancel.
+        slot = await wait_until(idle_slot, timeout=60)
+        decoded = slot["next_token"][0]["n_decoded"]
+        assert decoded < 3000, f"{path}: the child kept generating after the client left ({decoded} tokens)"
     assert ext.current_activity() is None
     # the runner is healthy and serves the next request
     r = await http.post("api/generate", json=dict(LONG_GEN, stream=False, options=dict(LONG, num_predict=3)))

@@ -15,6 +15,8 @@ const base = process.env.LAB_URL;
 const token = process.env.LAB_TOKEN;
 const artifacts = process.env.ARTIFACTS;
 const model = process.env.MODEL || 'tiny:latest';
+const liveWorker = process.env.LIVE_WORKER; // rpc:127.0.0.1:PORT of a running ggml-rpc-server
+const deadWorker = process.env.DEAD_WORKER; // rpc:127.0.0.1:PORT where nothing listens
 
 const stdin = createInterface({ input: process.stdin });
 const answers = [];
@@ -99,6 +101,16 @@ async function main() {
       }
     }
 
+    log('the devices section lists both RPC workers: one ready, one unreachable with the reason');
+    const liveRow = `${panel} .jp-Llama-device[data-device="${liveWorker}"]`;
+    const deadRow = `${panel} .jp-Llama-device[data-device="${deadWorker}"]`;
+    await page.locator(`${liveRow}[data-state="ready"]`).waitFor();
+    await page.locator(`${deadRow}[data-state="unreachable"]`).waitFor();
+    const deadText = await page.locator(deadRow).innerText();
+    if (!/unreachable: .*refused/i.test(deadText) || !deadText.includes('left out of placement')) {
+      throw new Error(`the dead worker's row does not say why it is left out: ${deadText}`);
+    }
+
     log("load the model with the panel's Load button");
     await page.locator(`${row} button[data-action="load"]`).click();
     await page.locator(`${card}[data-state="ready"]`).waitFor();
@@ -122,6 +134,8 @@ async function main() {
       }
     }
     await status.filter({ hasText: 'Llama: 1 model' }).waitFor();
+    // the live worker now serves this model's llama-server, and says so
+    await page.locator(`${liveRow}[data-state="held"]`, { hasText: `in use by ${model}` }).waitFor();
     await page.locator(`${panel} .jp-Llama-events li`, { hasText: 'loaded' }).first().waitFor();
     // the keep-alive countdown ticks in the page, between polls
     const countdown = page.locator(`${card} .jp-Llama-countdown`);

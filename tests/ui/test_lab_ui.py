@@ -103,8 +103,20 @@ def driver_deps() -> dict:
 
 
 @pytest.fixture()
-def lab(engine, tmp_path):
-    """A JupyterLab with one registered synthetic model; yields (url, token, client)."""
+def workers(engine):
+    """One live RPC worker and the id of one that is down (nothing listens on its port)."""
+    from jupyter_llama.engine.worker import LocalWorker
+    from jupyter_llama.memory import rpc
+
+    with LocalWorker(engine) as live:
+        yield live.id, rpc.device_id(f"127.0.0.1:{_free_port()}")
+
+
+@pytest.fixture()
+def lab(engine, workers, tmp_path):
+    """A JupyterLab with one registered synthetic model and two RPC workers configured (one
+    down); yields (url, token, client, proc)."""
+    from jupyter_llama.memory import rpc
     from jupyter_llama.models.store import ModelStore
 
     models = tmp_path / "models"
@@ -133,6 +145,7 @@ def lab(engine, tmp_path):
         "JUPYTERLAB_SETTINGS_DIR": str(settings),
         "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
         "JUPYTER_LLAMA_KEEP_ALIVE": "5m",
+        "JUPYTER_LLAMA_RPC_WORKERS": ",".join(rpc.split_id(w)[0] for w in workers),
     })
     env.pop("JUPYTER_LLAMA_URL", None)
     env.pop("JUPYTER_LLAMA_TOKEN", None)
@@ -162,7 +175,7 @@ def lab(engine, tmp_path):
         log.close()
 
 
-def test_lab_panel_and_notebook_widget(lab, driver_deps, tmp_path):
+def test_lab_panel_and_notebook_widget(lab, workers, driver_deps, tmp_path):
     url, token, client, proc = lab
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     for name in ("lab-panel.png", "notebook-panel.png", "lab-failure.png"):
@@ -182,6 +195,7 @@ def test_lab_panel_and_notebook_widget(lab, driver_deps, tmp_path):
                 pids.add(int(m["pid"]))
 
     env = dict(os.environ, LAB_URL=url, LAB_TOKEN=token, ARTIFACTS=str(ARTIFACTS), MODEL=MODEL,
+               LIVE_WORKER=workers[0], DEAD_WORKER=workers[1],
                CHROMIUM=driver_deps["chromium"], PROFILE=str(tmp_path / "chromium-profile"))
     drv = subprocess.Popen([driver_deps["node"], str(HERE / "drive.mjs")], cwd=HERE, env=env, text=True,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
