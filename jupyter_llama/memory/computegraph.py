@@ -375,6 +375,22 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
         down = add(Tensor("ffn_down", E * rows * F32, "MUL_MAT", [weight("wd"), act]))
         inp = add(Tensor("l_out", E * rows * F32, "ADD", [down, ffn_inp]))
 
+    if embed and layers is not None:
+        # ggml's scheduler puts every graph input on the host backend and gives each device a
+        # copy, so the host's buffer holds the originals of the inputs other backends read
+        # (measured on an RPC worker holding all 3 layers of a 2-block model at n_ctx 2048:
+        # the host's compute buffer was 2.52 MiB, nearly all of it the 2 MiB f16 mask).
+        missing = []
+        if not any(il in here for il in range(n_layer)) and n_layer:
+            missing += [pos, k_idxs, v_idxs, mask]
+            if plan.n_kv_swa and any(ly.swa for ly in plan.layers):
+                missing.append(mask_swa)
+            missing += [t for t, used in ((k_rot, plan.rot_k), (v_rot, plan.rot_v)) if used]
+        if n_layer and n_layer - 1 not in here:
+            missing.append(out_ids)
+        for t in missing:
+            add(Tensor(t.name + "(original)", t.nbytes, "LEAF", is_input=True))
+
     if not output:
         return nodes
     if n_layer - 1 not in here:

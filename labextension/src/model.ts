@@ -656,8 +656,14 @@ export function statusSummary(
 ): IStatusSummary {
   const n = (ps?.models ?? []).length;
   const rows = deviceRows(devices);
-  // The device that matters most: the first GPU when there is one, else host memory.
-  const main = rows.find(r => r.device !== 'cpu') ?? rows[0];
+  // The device that matters most: the accelerator loaded models use most (a local GPU before
+  // an RPC worker when both are idle), else host memory; never a worker that does not answer.
+  const accel = rows.filter(r => r.device !== 'cpu' && r.state !== 'unreachable');
+  const busiest = accel.reduce<IDeviceRow | undefined>((best, r) => (best && best.used >= r.used ? best : r), undefined);
+  const main =
+    (busiest && busiest.used > 0 ? busiest : accel.find(r => !r.device.startsWith('rpc:')) ?? accel[0]) ??
+    rows.find(r => r.device === 'cpu') ??
+    rows[0];
   let text = `Llama: ${plural(n, 'model')}`;
   if (main) {
     text += ` · ${formatBytesShort(main.used)} / ${formatBytesShort(main.capacity)}`;

@@ -240,11 +240,17 @@ export class LlamaPanel extends Widget {
           'div',
           { class: 'jp-Llama-row-head' },
           h('span', { class: 'jp-Llama-device-id' }, r.device),
-          r.budget !== null ? h('span', { class: 'jp-Llama-tag' }, 'budget') : null,
-          r.state === 'unreachable' ? h('span', { class: 'jp-Llama-tag jp-Llama-tag-error' }, 'unreachable') : null,
-          r.state === 'held' ? h('span', { class: 'jp-Llama-tag' }, `in use by ${r.heldBy}`) : null,
           h('span', { class: 'jp-Llama-right jp-Llama-nowrap' }, `${fmtShort(r.used)} / ${fmtShort(r.capacity)}`)
         ),
+        r.budget !== null || r.state !== 'ready'
+          ? h(
+              'div',
+              { class: 'jp-Llama-device-tags' },
+              r.budget !== null ? h('span', { class: 'jp-Llama-tag' }, 'budget') : null,
+              r.state === 'unreachable' ? h('span', { class: 'jp-Llama-tag jp-Llama-tag-error' }, 'unreachable') : null,
+              r.state === 'held' ? h('span', { class: 'jp-Llama-tag' }, `in use by ${r.heldBy}`) : null
+            )
+          : null,
         this._bar(r.usedPct, 'jp-Llama-fill-device', `${r.usedPct.toFixed(1)}% of the ${r.capacityKind} in use by loaded models`),
         h('div', { class: 'jp-Llama-small jp-Llama-muted' }, `${r.name} · ${r.text}`)
       )

@@ -244,6 +244,10 @@ describe('devices and status bar', () => {
     expect(c.used).toBe(5 * MiB);
     expect(c.text).toContain('in use by tiny:latest');
     expect(c.text).not.toContain('left to plan with');
+    // the status bar names the worker in use, never the one that does not answer
+    expect(statusSummary({ models: [{ name: 'tiny:latest' }] }, dev).text).toBe(
+      'Llama: 1 model · 5.0 MiB / 100.0 MiB rpc:127.0.0.1:50063'
+    );
   });
   it('device rows from the recorded answer', () => {
     const [cpu] = deviceRows(devices);

@@ -362,6 +362,6 @@ async def test_log_of_a_loaded_model(http):
     assert body["argv"][0].endswith("llama-server") and body["lines_seen"] > len(body["lines"])
     tail = (await http.get("api/log", params={"model": "tiny:latest", "lines": 3})).json()["lines"]
     assert len(tail) == 3
-    for bad, says in (({"lines": "x"}, "whole number"), ({}, "?model=NAME")):
+    for bad, says in (({"model": "tiny", "lines": "x"}, "whole number"), ({}, "?model=NAME")):
         r = await http.get("api/log", params=bad)
         assert r.status_code == 400 and says in r.json()["error"], r.text

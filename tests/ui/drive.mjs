@@ -114,8 +114,8 @@ async function main() {
     log("load the model with the panel's Load button");
     await page.locator(`${row} button[data-action="load"]`).click();
     await page.locator(`${card}[data-state="ready"]`).waitFor();
-    await page.locator(`${card} .jp-Llama-memory[data-device="cpu"] .jp-Llama-fill-actual`).waitFor();
-    await page.locator(`${card} [data-marker="detailed"]`).waitFor({ state: 'attached' });
+    await page.locator(`${card} .jp-Llama-memory[data-device="cpu"] .jp-Llama-fill-actual`).first().waitFor();
+    await page.locator(`${card} [data-marker="detailed"]`).first().waitFor({ state: "attached" });
     await page.locator(`${row}[data-loaded="true"]`).waitFor();
     const width = await page
       .locator(`${card} .jp-Llama-fill-actual`)
@@ -161,7 +161,7 @@ async function main() {
 
     log('another client loads the model through the REST API: the panel shows it');
     await call({ op: 'load' });
-    await page.locator(`${card}[data-state="ready"] .jp-Llama-fill-actual`).waitFor({ timeout: 20000 });
+    await page.locator(`${card}[data-state="ready"] .jp-Llama-fill-actual`).first().waitFor({ timeout: 20000 });
     await status.filter({ hasText: 'Llama: 1 model' }).waitFor({ timeout: 20000 });
     log('another client unloads it: the panel drops it');
     await call({ op: 'unload' });
