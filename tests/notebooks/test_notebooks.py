@@ -186,6 +186,17 @@ def test_02_who_decides_gpu_layers(run_notebook):
     else:
         assert c["layers_total"] == {k: M for k in c["ngl"]}
         assert c["offloaded"]["num_gpu 0"] == 0 and c["offloaded"]["num_gpu 3"] == 3
+    # two RPC workers under a budget each: llama.cpp's own fit, then num_gpu 3, on real devices
+    r = c["rpc"]
+    assert r["log_has_offloaded"] and r["stopped"]
+    assert 0 < r["auto"][0] < M and r["auto"][1] == M, "a partial offload, chosen by llama.cpp under the budgets"
+    assert r["auto_within_budget"] and r["forced_within_budget"]
+    assert set(r["workers"]) <= set(r["auto_by_device"]), "the automatic fit used both workers"
+    assert r["forced"] == [3, M]
+    for placed, predicted in ((r["auto_by_device"], r["auto_predicted"]), (r["forced_by_device"], r["forced_predicted"])):
+        for dev in r["workers"]:
+            if placed.get(dev, 0) > MiB:  # a worker with layers on it, not just an empty compute buffer
+                assert abs(predicted[dev] - placed[dev]) / placed[dev] < 0.10, (dev, predicted, placed)
 
 
 @notebook_test
