@@ -116,7 +116,8 @@ def plot_memory(reports: Mapping[str, MemoryReport], *, title: str | None = None
     ax.set_xticks(xticks, xlabels, fontsize=8)
     ax.set_ylabel(f"memory ({unit})")
     ax.margins(y=0.18)
-    ax.legend(loc="upper left", fontsize=8, frameon=False)
+    # The legend sits right of the axes, where no bar or label can be under it.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False, borderaxespad=0)
     ax.spines[["top", "right"]].set_visible(False)
     ax.set_title(title or _title(model, options, engine, what="predicted and actual memory"), fontsize=10)
     return fig

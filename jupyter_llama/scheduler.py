@@ -464,6 +464,31 @@ class Scheduler:
                                            self.usage())
         return ref, preds
 
+    async def estimate(self, name: str, options: LoadOptions | None = None, *, engine=None) -> dict:
+        """What loading ``name`` with ``options`` takes, per source, and what it took if it is loaded.
+
+        A model loaded with matching options answers with the predictions made for its own
+        placement (the workers it holds are not free for a new plan) and its actual figures;
+        otherwise the predictions are for the placement a load would get now, and ``actual``
+        is None: a load with other options allocated something else. ``loaded`` names the
+        loaded model either way, with its options.
+        """
+        from .memory import estimate as est
+
+        ref = await self.resolver(name)
+        opts = self.effective_options(options or LoadOptions())
+        lo = next((x for x in self.loaded.values() if x.ref.key == ref.key and x.state != "gone"), None)
+        same = lo is not None and lo.state in ("ready", "unloading") and not lo.matches(opts)
+        if same:
+            opts, estimates, actual = lo.options, dict(lo.predictions), lo.actual
+        else:
+            inv = await self.inventory()
+            opts, planned = await asyncio.to_thread(self.plan, ref, opts, inv, self.usage())
+            estimates = await est.with_projection_async(planned, engine, ref.path, opts)
+            actual = None
+        return {"ref": ref, "options": opts, "estimates": estimates, "actual": actual, "loaded": lo,
+                "same_options": same}
+
     async def shutdown(self) -> None:
         """Stop every child and wait for them."""
         self._closed = True

@@ -874,34 +874,29 @@ class EstimateHandler(LlamaHandler):
         body = self.json_body()
         name = oa._model_name(body)
         opts = split_options(body.get("options")).load_options()
-        sched = self.ext.scheduler
-        if sched is not None:
-            opts = sched.effective_options(opts)  # the options the scheduler would load with
-        ref = await self.ext.store.resolve(name)
-        from ..memory import devices as devmod
         from ..memory import estimate as est
 
+        sched = self.ext.scheduler
         if sched is not None:
-            # the placement a load would get now (workers, fit targets), and its predictions
-            inv = await sched.inventory()
-            opts, planned = await asyncio.to_thread(sched.plan, ref, opts, inv, sched.usage())
-            estimates = await est.with_projection_async(planned, self.ext.engine, ref.path, opts)
-        else:
+            res = await sched.estimate(name, opts, engine=self.ext.engine)
+        else:  # no engine yet: predictions still answer "would it fit here?"
+            from ..memory import devices as devmod
+
+            ref = await self.ext.store.resolve(name)
             inv = await asyncio.to_thread(devmod.inventory)
-            estimates = await est.estimate_all_async(ref.info, opts, [d.id for d in inv.accelerators()],
-                                                     engine=self.ext.engine, model_path=ref.path)
-        out: dict[str, Any] = {"model": name, "options": opts.to_dict(),
-                               "estimates": {k: v.to_dict() for k, v in estimates.items()},
-                               "loaded": None, "actual": None}
-        actual = None
-        if sched is not None:
-            lo = next((lo for lo in sched.loaded.values() if lo.ref.key == ref.key and lo.state != "gone"), None)
-            if lo is not None:
-                actual = lo.actual
-                out["loaded"] = {"name": lo.name, "options": lo.options.to_dict(), "fit_source": lo.fit_source,
-                                 "predictions": {k: v.to_dict() for k, v in lo.predictions.items()}}
-                out["actual"] = actual.to_dict() if actual else None
-        out["table"] = est.format_estimates(estimates, actual)
+            estimates = await est.estimate_all_async(ref.info, opts, [d.id for d in inv.accelerators()])
+            res = {"options": opts, "estimates": estimates, "actual": None, "loaded": None, "same_options": False}
+        lo, actual = res["loaded"], res["actual"]
+        out: dict[str, Any] = {
+            "model": name, "options": res["options"].to_dict(),
+            "estimates": {k: v.to_dict() for k, v in res["estimates"].items()},
+            "loaded": None if lo is None else {
+                "name": lo.name, "options": lo.options.to_dict(), "fit_source": lo.fit_source,
+                "same_options": res["same_options"],
+                "predictions": {k: v.to_dict() for k, v in lo.predictions.items()}},
+            "actual": actual.to_dict() if actual else None,
+            "table": est.format_estimates(res["estimates"], actual),
+        }
         self.finish(dumps(out))
 
 

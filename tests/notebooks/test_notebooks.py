@@ -225,6 +225,9 @@ def test_04_estimates_versus_reality(run_notebook):
     assert "does not fit" in all_text(nb), "the refusal is shown as the manager recorded it"
     assert c["detailed_loaded"] and 0 < c["used"] <= c["budget"]
     assert c["managers_stopped"] and set(c["manager_pids"]) <= managers
+    sp = c["split"]
+    assert sp["stopped"] and sp["offloaded"][0] == 3 and len(sp["devices"]) == 2, sp
+    assert all(abs(e) < 0.10 for e in sp["errors"].values()), f"detailed per device within 10%: {sp['errors']}"
     assert not any("jupyter_llama.server.serve" in " ".join(_cmdline(p)) for p in c["manager_pids"])
 
 

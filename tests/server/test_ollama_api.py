@@ -302,7 +302,13 @@ async def test_devices_estimate_events(http, ext):
 
     await http.post("api/generate", json={"model": "tiny", "options": OPTS})
     est = (await http.post("api/estimate", json={"model": "tiny", "options": OPTS})).json()
-    assert est["actual"]["total"] > 0 and est["loaded"]["name"] == "tiny:latest"
+    assert est["actual"]["total"] > 0 and est["loaded"]["name"] == "tiny:latest" and est["loaded"]["same_options"]
+    # the predictions are the ones made for that load
+    assert est["estimates"]["detailed"] == est["loaded"]["predictions"]["detailed"]
+    # other load options: a prediction for them, and no actual (that load allocated something else)
+    other = (await http.post("api/estimate", json={"model": "tiny", "options": dict(OPTS, num_ctx=512)})).json()
+    assert other["actual"] is None and other["loaded"]["same_options"] is False
+    assert other["estimates"]["detailed"]["total"] != est["estimates"]["detailed"]["total"]
     dev = (await http.get("api/devices")).json()
     assert dev["usage"]["cpu"] > 0 and dev["loaded"][0]["name"] == "tiny:latest"
 
