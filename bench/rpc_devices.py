@@ -10,6 +10,10 @@
 2. Load time to ready and generation speed as a client of the runner sees them: our
    scheduler + runner against llama-server started by hand with the same --rpc, --fit-target
    and model, alternating, same workers. Goals: load time <= 1.10 x bare; tokens/s >= 0.95.
+3. The same through our HTTP API, as a user's client sees it: a `jupyter-llama serve` that
+   knows the two workers, POST /api/generate (a load, then a streamed generation timed from
+   the request to the last chunk), against the hand-started llama-server's /completion
+   streamed the same way. Same goals.
 
 Run: .venv/bin/python bench/rpc_devices.py   (needs the engine: `make engine`)
 """
@@ -17,6 +21,7 @@ Run: .venv/bin/python bench/rpc_devices.py   (needs the engine: `make engine`)
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -156,6 +161,52 @@ async def speed(engine, model: str, a: LocalWorker, b: LocalWorker) -> bool:
           f" (median of {ROUNDS}); ratio {lr:.2f} (goal <= 1.10)")
     print(f"tokens/s:      ours {statistics.median(ours_s):.0f}, bare {statistics.median(bare_s):.0f}; "
           f"ratio {sr:.3f} (goal >= 0.95)")
+    return lr <= 1.10 and sr >= 0.95, tail
+
+
+async def api_vs_bare(engine, model: str, a: LocalWorker, b: LocalWorker, argv_tail: list[str]) -> bool:
+    from jupyter_llama.client import LlamaClient
+    from jupyter_llama.embedded import EmbeddedManager
+
+    body = {"model": "rpc-bench", "prompt": "Once upon a time", "raw": True, "stream": True,
+            "options": {"num_ctx": 512, "num_parallel": 1, "num_predict": TOKENS}}
+    with tempfile.TemporaryDirectory() as tmp:
+        mgr = EmbeddedManager(log_path=os.path.join(tmp, "serve.log"), env={
+            "JUPYTER_LLAMA_RPC_WORKERS": f"{a.endpoint},{b.endpoint}",
+            "JUPYTER_LLAMA_MEMORY_LIMIT": f"{a.id}=45MiB,{b.id}=20MiB",
+            "JUPYTER_LLAMA_MODELS": os.path.join(tmp, "models"), "JUPYTER_LLAMA_SERVER": engine.path}).start()
+        try:
+            c = LlamaClient(mgr.url, mgr.token)
+            c.create("rpc-bench", files={"rpc.gguf": c.create_blob(model)})
+            headers = c.server.headers()
+            ours_l, ours_s, bare_l, bare_s = [], [], [], []
+            async with httpx.AsyncClient(base_url=mgr.url, headers=headers, timeout=120, trust_env=False) as h:
+                for _ in range(ROUNDS):
+                    t0 = time.monotonic()
+                    r = await h.post("api/generate", json={"model": "rpc-bench", "options": body["options"],
+                                                           "keep_alive": "60s"})
+                    r.raise_for_status()
+                    ours_l.append(time.monotonic() - t0)
+                    t1 = time.monotonic()
+                    n = 0
+                    async with h.stream("POST", "api/generate", json=body) as resp:
+                        async for line in resp.aiter_lines():
+                            if line.strip() and '"done":true' in line.replace(" ", ""):
+                                n = json.loads(line)["eval_count"]
+                    ours_s.append(n / (time.monotonic() - t1))
+                    await h.post("api/generate", json={"model": "rpc-bench", "keep_alive": 0})  # frees the workers
+                    r, sp = await bare_run(engine, model, argv_tail)
+                    bare_l.append(r)
+                    bare_s.append(sp)
+        finally:
+            mgr.stop()
+    lr = statistics.median(ours_l) / statistics.median(bare_l)
+    sr = statistics.median(ours_s) / statistics.median(bare_s)
+    print("\nthrough the HTTP API (a client of `jupyter-llama serve`) against llama-server's own HTTP:")
+    print(f"load to ready: ours {statistics.median(ours_l) * 1000:.0f} ms (POST api/generate, empty prompt), bare "
+          f"{statistics.median(bare_l) * 1000:.0f} ms (start to /health ok); ratio {lr:.2f} (goal <= 1.10)")
+    print(f"tokens/s:      ours {statistics.median(ours_s):.0f}, bare {statistics.median(bare_s):.0f} "
+          f"(streamed, request to last chunk); ratio {sr:.3f} (goal >= 0.95)")
     return lr <= 1.10 and sr >= 0.95
 
 
@@ -168,8 +219,9 @@ async def main() -> int:
             print(f"workers {a.endpoint} and {b.endpoint}; model {os.path.getsize(model) / MiB:.1f} MiB, 5 layers "
                   "with the output\n")
             ok1 = await accuracy(engine, model, a, b)
-            ok2 = await speed(engine, model, a, b)
-    print("\nall goals met" if ok1 and ok2 else "\nsome goals missed (see above)")
+            ok2, tail = await speed(engine, model, a, b)
+            ok3 = await api_vs_bare(engine, model, a, b, tail)
+    print("\nall goals met" if ok1 and ok2 and ok3 else "\nsome goals missed (see above)")
     return 0
 
 
