@@ -42,6 +42,12 @@ def test_lifecycle_through_the_cli(manager, tmp_path):
     assert loaded() == {"tiny:latest"}
     assert "tiny:latest" in cli(env, "ps").stdout
 
+    log = cli(env, "log", "tiny", "--match", "KV buffer size")
+    assert log.returncode == 0, log.stderr
+    first, *lines = log.stdout.splitlines()
+    assert first.startswith("tiny:latest (pid ") and "containing 'KV buffer size'" in first
+    assert lines and all("KV buffer size" in ln for ln in lines)
+
     explained = cli(env, "explain", "tiny:latest")
     assert explained.returncode == 0 and "loaded" in explained.stdout and "fit" in explained.stdout
     assert json.loads(cli(env, "explain", "--json").stdout)
@@ -69,6 +75,8 @@ def test_errors_and_exit_codes(manager, tmp_path):
     assert "Traceback" not in missing.stderr
     bad = cli(env, "run", "tiny2", "hi", "--keep-alive", "soon")
     assert bad.returncode in (1, 2) and "keep_alive" in bad.stderr
+    idle = cli(env, "log", "nosuchmodel")
+    assert idle.returncode == 1 and 'model "nosuchmodel" is not loaded' in idle.stderr and "Traceback" not in idle.stderr
     usage = cli(env, "run")
     assert usage.returncode == 2
     notgguf = tmp_path / "x.gguf"
