@@ -46,8 +46,8 @@ from jupyter_llama.scheduler import Scheduler, SchedulerSettings  # noqa: E402
 BUDGETS = ((30, 5), (45, 20), (70, 40))  # MiB on worker A, worker B
 CONTEXTS = (512, 2048)
 KV_TYPES = ("f16", "q8_0")
-ROUNDS = 6
-TOKENS = 64
+ROUNDS = 15
+TOKENS = 200
 
 
 def pct(pred: int, actual: int) -> float:

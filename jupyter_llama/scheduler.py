@@ -37,7 +37,7 @@ from .engine.launch import LoadOptions
 from .engine.runner import EngineError, LoadError, Runner
 from .memory import devices as devmod
 from .memory import rpc
-from .memory.estimate import estimate_coarse, estimate_detailed, fit_layers
+from .memory.estimate import estimate_coarse, estimate_detailed, estimate_layer_counts, fit_layers
 from .memory.report import ACTUAL, COARSE, DETAILED, HOST, MemoryReport, MiB, format_bytes, is_gpu
 from .models.gguf_info import GGUFError, read_gguf_info
 from .models.ref import ModelRef
@@ -635,10 +635,12 @@ class Scheduler:
                 if d.budget is not None:  # leave free everything beyond our remaining budget here
                     keep = max(keep, d.free - max(0, d.budget - used.get(d.id, 0)))
                 keeps.append(keep)
-            counts = fit_layers(ref.info, options, [(d.id, max(0, d.free - k)) for d, k in zip(accel, keeps)])
-            kept = [i for i, d in enumerate(accel) if d.kind != "rpc" or counts[i] > 0]
+            weights = fit_layers(ref.info, options, [(d.id, max(0, d.free - k)) for d, k in zip(accel, keeps)],
+                                 free=[d.free for d in accel])
+            layers = estimate_layer_counts(ref.info, options, [d.id for d in accel], weights)
+            kept = [i for i, d in enumerate(accel) if d.kind != "rpc" or layers[i] > 0]
             accel = [accel[i] for i in kept]
-            split = [float(counts[i]) for i in kept]
+            split = [weights[i] for i in kept]
             margins = tuple(int(keeps[i] // MiB) for i in kept)
         elif accel:
             split = [float(max(d.free, 1)) for d in accel]

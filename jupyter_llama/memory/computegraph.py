@@ -138,7 +138,7 @@ class _Allocator:
         b.insert(j, [offset, size])
 
 
-def simulate(nodes: list[Tensor], alignment: int = CPU_ALIGNMENT) -> int:
+def simulate(nodes: list[Tensor], alignment: int = CPU_ALIGNMENT, copies: int = 1) -> int:
     """High-water mark in bytes of ggml-alloc placing ``nodes`` (graph order, views included).
 
     Mirrors ``ggml_gallocr_alloc_graph_impl``: leaves that are graph inputs are allocated
@@ -146,8 +146,13 @@ def simulate(nodes: list[Tensor], alignment: int = CPU_ALIGNMENT) -> int:
     the operation allows it and the parent has no other consumer) and every parent whose
     last consumer this was is freed (a view frees its source when the source's last view
     goes). Outputs are never freed.
+
+    ``copies`` > 1 is ggml's scheduler with pipeline parallelism: every input of a backend's
+    part (a graph input, or a tensor copied in from another backend) has that many copies,
+    all kept for the whole graph, so that micro-batches can overlap.
     """
     alloc = _Allocator(alignment)
+    kept: set[Tensor] = set()
     state: dict[Tensor, dict] = {}
 
     def st(t: Tensor) -> dict:
@@ -200,12 +205,18 @@ def simulate(nodes: list[Tensor], alignment: int = CPU_ALIGNMENT) -> int:
         s["size"] = t.nbytes
 
     def free(t: Tensor) -> None:
-        if t.is_output:
+        if t.is_output or t in kept:
             return
         s = st(t)
         alloc.free(s["offset"], s["size"])
         s["allocated"] = False
 
+    if copies > 1:
+        for leaf in leaves:
+            if leaf.is_input:
+                kept.add(leaf)
+                for _ in range(copies - 1):
+                    alloc.alloc(leaf.nbytes)
     for leaf in leaves:
         allocate(leaf)
     for n in graph:
@@ -265,8 +276,13 @@ class GraphPlan:
     embeddings: bool = False  # pooled embeddings instead of logits
 
 
+def layers_elsewhere(here: frozenset[int], n_layer: int) -> bool:
+    """Whether another backend runs some of the ``n_layer`` repeating layers."""
+    return any(il not in here for il in range(n_layer))
+
+
 def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers: frozenset[int] | None = None,
-                      output: bool = True, embed: bool = True) -> list[Tensor]:
+                      output: bool = True, embed: bool = True, host: frozenset[int] = frozenset()) -> list[Tensor]:
     """The allocation skeleton of llama.cpp's llama graph (``src/models/llama.cpp`` with
     ``build_inp_embd``, ``build_attn`` and ``build_ffn`` of ``src/llama-graph.cpp``) for one
     micro-batch of ``n_tokens`` tokens producing ``n_outputs`` logit rows.
@@ -277,6 +293,13 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
     always the host's) restrict the graph to what one backend runs. Where its first layer
     follows another backend's, the incoming activations are an input copy, and the graph
     inputs it reads (positions, cache indices, mask, output ids) are copies of its own.
+
+    ``host`` names the layers the host runs. A layer's closing residual ``ADD`` has no
+    weights, so the scheduler gives it to the device that runs the next layer when the
+    layer itself ran on the host: the host's last layer stops at its FFN output, and the
+    device's first layer starts with copies of that output and of the residual (measured
+    with GGML_SCHED_DEBUG: the device split's inputs were ``ffn_out-0`` and ``ffn_inp-0``).
+    Between two devices the activations cross as one tensor (``l_out``).
     """
     T, O, E = n_tokens, max(1, n_outputs), plan.n_embd
     nodes: list[Tensor] = []
@@ -300,13 +323,22 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
         add(embd)
         # The vector-embeddings input of the select between input paths: a leaf no node reads.
         add(Tensor("inp_embd", E * T * F32, "LEAF", is_input=True))
-    if embed and plan.mixed_batch:
-        mixed_tokens = Tensor("inp_mixed_tokens", T * 4, is_input=True)
-        tok_rows = add(Tensor("mixed_tok_rows", E * T * F32, "GET_ROWS", [tok_embd, mixed_tokens]))
-        mixed_embd = Tensor("inp_mixed_embd", E * T * F32, is_input=True)
-        copy = add(Tensor("mixed_copy", E * T * F32, "DUP", [mixed_embd]))
-        slots = Tensor("inp_mixed_slots", T * 8, is_input=True)
-        add(Tensor("mixed_set_rows", E * T * F32, "SET_ROWS", [tok_rows, slots, copy], view_src=copy))
+    # The mixed token/embedding path: its token rows are looked up where the token embedding
+    # is (the host); the copy it writes them into, and the write, run with the first layer
+    # (measured: with layer 0 on an RPC device, the device's inputs are the token rows, the
+    # mixed embeddings and slots, and the looked-up embeddings).
+    first_here = n_layer > 0 and 0 in here
+    mixed_embd = Tensor("inp_mixed_embd", E * T * F32, is_input=True)
+    slots = Tensor("inp_mixed_slots", T * 8, is_input=True)
+    if plan.mixed_batch and (embed or first_here):
+        if embed:
+            mixed_tokens = Tensor("inp_mixed_tokens", T * 4, is_input=True)
+            tok_rows = add(Tensor("mixed_tok_rows", E * T * F32, "GET_ROWS", [tok_embd, mixed_tokens]))
+        else:
+            tok_rows = Tensor("mixed_tok_rows(copy)", E * T * F32, is_input=True)
+        if first_here or not layers_elsewhere(here, n_layer):
+            copy = add(Tensor("mixed_copy", E * T * F32, "DUP", [mixed_embd]))
+            add(Tensor("mixed_set_rows", E * T * F32, "SET_ROWS", [tok_rows, slots, copy], view_src=copy))
 
     max_v = max((ly.n_embd_v for ly in plan.layers), default=0)
     pos = Tensor("inp_pos", T * 4, is_input=True)
@@ -320,12 +352,18 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
     v_rot = Tensor("v_rot", plan.rot_v * plan.rot_v * F32, is_input=True)
 
     inp = embd
+    handed_on: list[Tensor] = []  # the host's last activations, read by the next backend
     for il, ly in enumerate(plan.layers):
         last = il == n_layer - 1
         if il not in here:
             continue
         if (il == 0 and not embed) or (il > 0 and il - 1 not in here):
-            inp = Tensor("inp_from_other_backend", E * T * F32, is_input=True)
+            if il > 0 and il - 1 in host:  # the host's last layer left its residual add to us
+                inp = add(Tensor("l_out(of the host)", E * T * F32, "ADD",
+                                 [Tensor("ffn_out(copy)", E * T * F32, is_input=True),
+                                  Tensor("ffn_inp(copy)", E * T * F32, is_input=True)]))
+            else:
+                inp = Tensor("inp_from_other_backend", E * T * F32, is_input=True)
         n_kv = plan.n_kv_swa if (ly.swa and plan.n_kv_swa) else plan.n_kv
         lmask = mask_swa if (ly.swa and plan.n_kv_swa) else mask
         Q, K, V = ly.n_embd_q, ly.n_embd_k, ly.n_embd_v
@@ -373,23 +411,28 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
         up = add(Tensor("ffn_up", ly.n_ff * rows * F32, "MUL_MAT", [weight("wu"), norm]))
         act = add(Tensor("ffn_glu", ly.n_ff * rows * F32, "GLU", [gate, up]))
         down = add(Tensor("ffn_down", E * rows * F32, "MUL_MAT", [weight("wd"), act]))
+        if embed and not last and il + 1 not in here:
+            handed_on = [down, ffn_inp]
+            break  # the next backend adds the residual (see above)
         inp = add(Tensor("l_out", E * rows * F32, "ADD", [down, ffn_inp]))
 
-    if embed and layers is not None:
+    if embed and layers is not None and (layers_elsewhere(here, n_layer) or not output):
         # ggml's scheduler puts every graph input on the host backend and gives each device a
-        # copy, so the host's buffer holds the originals of the inputs other backends read
-        # (measured on an RPC worker holding all 3 layers of a 2-block model at n_ctx 2048:
-        # the host's compute buffer was 2.52 MiB, nearly all of it the 2 MiB f16 mask).
-        missing = []
-        if not any(il in here for il in range(n_layer)) and n_layer:
-            missing += [pos, k_idxs, v_idxs, mask]
+        # copy made when the device's split starts, so the host keeps, to the end of its own
+        # part, the inputs other backends read and the activations it hands on (measured on
+        # an RPC worker holding all 3 layers of a 2-block model at n_ctx 2048: the host's
+        # compute buffer was 2.52 MiB, nearly all of it the 2 MiB f16 mask).
+        exported = list(handed_on)
+        if n_layer and not first_here and plan.mixed_batch:
+            exported += [mixed_embd, slots]
+        if n_layer and layers_elsewhere(here, n_layer):
+            exported += [pos, k_idxs, v_idxs, mask]
             if plan.n_kv_swa and any(ly.swa for ly in plan.layers):
-                missing.append(mask_swa)
-            missing += [t for t, used in ((k_rot, plan.rot_k), (v_rot, plan.rot_v)) if used]
+                exported.append(mask_swa)
+            exported += [t for t, used in ((k_rot, plan.rot_k), (v_rot, plan.rot_v)) if used]
         if n_layer and n_layer - 1 not in here:
-            missing.append(out_ids)
-        for t in missing:
-            add(Tensor(t.name + "(original)", t.nbytes, "LEAF", is_input=True))
+            exported.append(out_ids)
+        add(Tensor("to_other_backends", 0, "EXPORT", exported))
 
     if not output:
         return nodes
@@ -405,7 +448,7 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
 
 
 def compute_buffer_bytes(plan: GraphPlan, n_ubatch: int, n_seq: int, n_outputs_max: int,
-                         alignment: int = CPU_ALIGNMENT, **part) -> int:
+                         alignment: int = CPU_ALIGNMENT, copies: int = 1, **part) -> int:
     """The compute buffer llama.cpp reserves: the largest high-water mark over its three
     reserves (prompt ``n_ubatch`` tokens, generation ``n_seq`` tokens, prompt again).
 
@@ -415,5 +458,5 @@ def compute_buffer_bytes(plan: GraphPlan, n_ubatch: int, n_seq: int, n_outputs_m
     pp_outputs = min(n_ubatch, n_outputs_max)
     best = 0
     for n_tokens, n_outputs in ((n_ubatch, pp_outputs), (n_seq, n_seq)):
-        best = max(best, simulate(build_llama_graph(plan, n_tokens, n_outputs, **part), alignment))
+        best = max(best, simulate(build_llama_graph(plan, n_tokens, n_outputs, **part), alignment, copies))
     return best

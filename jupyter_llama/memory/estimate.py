@@ -272,10 +272,24 @@ def layer_devices(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None,
     return [device(il) for il in range(n)], device(n)
 
 
-def fit_layers(info: GGUFInfo, options: LoadOptions, rooms: Sequence[tuple[str, int]]) -> list[int]:
-    """Layers per accelerator the way llama.cpp's ``--fit`` fills them: from the back of the
+def estimate_layer_counts(info: GGUFInfo, options: LoadOptions, gpus: list[str],
+                          split: Sequence[float] | None = None) -> list[int]:
+    """Layers (the output layer counted) each of ``gpus`` gets under :func:`layer_devices`."""
+    blocks, out = layer_devices(info, options, gpus, split)
+    return [sum(d == g for d in blocks) + (out == g) for g in gpus]
+
+
+def fit_layers(info: GGUFInfo, options: LoadOptions, rooms: Sequence[tuple[str, int]],
+               free: Sequence[int] | None = None) -> list[float]:
+    """The split llama.cpp's ``--fit`` arrives at, as ``--tensor-split`` weights per accelerator.
+
+    First, as llama.cpp does, the default placement: every layer offloaded, split in
+    proportion to the devices' ``free`` memory. If that keeps every device within its room,
+    it stays ("targets for free memory can be met on all devices, no changes needed"), and
+    the weights are the free memory. Otherwise the layers are filled from the back of the
     model (the output layer first) onto the last device, as many whole layers as keep its
-    predicted use within its room, then the device before it, and so on.
+    predicted use within its room, then the device before it, and so on; the weights are
+    the layer counts.
 
     ``rooms`` is ``[(device id, bytes llama.cpp may use there)]`` in device order: what the
     scheduler's budgets leave, which it also passes to llama.cpp as ``--fit-target``. The
@@ -286,9 +300,14 @@ def fit_layers(info: GGUFInfo, options: LoadOptions, rooms: Sequence[tuple[str, 
     n_total = info.block_count + 1
     counts = [0] * len(gpus)
 
-    def use(i: int, counts_: list[int]) -> int:
-        rep = _estimate_detailed(info, options.replace(num_gpu=None), gpus, split=counts_)
+    def use(i: int, split: Sequence[float]) -> int:
+        rep = _estimate_detailed(info, options.replace(num_gpu=None), gpus, split=split)
         return rep.total(device=gpus[i])
+
+    if free is not None and gpus:
+        default = [float(max(f, 1)) for f in free]
+        if all(use(i, default) <= room for i, (_, room) in enumerate(rooms)):
+            return default
 
     remaining = n_total
     for i in range(len(gpus) - 1, -1, -1):
@@ -306,7 +325,7 @@ def fit_layers(info: GGUFInfo, options: LoadOptions, rooms: Sequence[tuple[str, 
         remaining -= lo
         if remaining == 0:
             break
-    return counts
+    return [float(c) for c in counts]
 
 
 def _cpu_flags() -> tuple[str, frozenset[str]]:
@@ -466,11 +485,31 @@ def graph_plan(info: GGUFInfo, plan: ContextPlan) -> GraphPlan:
         embeddings=plan.embedding)
 
 
-def compute_bytes(info: GGUFInfo, plan: ContextPlan, alignment: int = CPU_ALIGNMENT, **part) -> int:
+def compute_bytes(info: GGUFInfo, plan: ContextPlan, alignment: int = CPU_ALIGNMENT, copies: int = 1,
+                  **part) -> int:
     """Compute buffer of one backend running the whole graph, or the part of it given by
-    ``layers``/``output``/``embed`` (see :func:`computegraph.build_llama_graph`)."""
+    ``layers``/``output``/``embed`` (see :func:`computegraph.build_llama_graph`); ``copies``
+    is the scheduler's number of input copies (:data:`PIPELINE_COPIES` with pipeline
+    parallelism)."""
     return compute_buffer_bytes(graph_plan(info, plan), n_ubatch=min(plan.n_ctx, plan.n_ubatch),
-                                n_seq=plan.n_seq, n_outputs_max=plan.n_outputs_max, alignment=alignment, **part)
+                                n_seq=plan.n_seq, n_outputs_max=plan.n_outputs_max, alignment=alignment,
+                                copies=copies, **part)
+
+
+# ggml's GGML_SCHED_MAX_COPIES: the input copies a scheduler with pipeline parallelism keeps.
+PIPELINE_COPIES = 4
+
+
+def pipeline_parallel(n_devices: int, layers_offloaded: int, n_layers_total: int) -> bool:
+    """llama.cpp runs micro-batches through the devices as a pipeline (and its scheduler
+    keeps :data:`PIPELINE_COPIES` copies of every input) when the model has more than one
+    device and every layer, the output layer included, is offloaded (llama_context; its
+    other conditions, layer split mode, KV offload, no tensor overrides and devices with
+    async compute and events, hold for what the manager starts on CUDA and RPC devices).
+    Measured on two RPC workers, 4 of 5 layers offloaded: no pipeline, compute buffers as
+    for one copy; 5 of 5: "pipeline parallelism enabled, sched copies = 4" and the compute
+    buffers 2.3 to 2.6 times as large."""
+    return n_devices > 1 and layers_offloaded >= n_layers_total
 
 
 def output_bytes(info: GGUFInfo, plan: ContextPlan) -> int:
@@ -563,11 +602,13 @@ def _estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str],
         # three full layers the same 13.58 MiB as the whole graph on the CPU).
         t = min(plan.n_ctx, plan.n_ubatch)
         host_layers = [il for il, d in enumerate(devices) if d == HOST]
+        copies = PIPELINE_COPIES if pipeline_parallel(len(gpus), rep.layers_offloaded or 0,
+                                                      info.block_count + 1) else 1
         for d in [HOST, *used_gpus]:
             part = dict(layers=frozenset(il for il, dv in enumerate(devices) if dv == d),
-                        output=out_dev == d, embed=d == HOST)
+                        output=out_dev == d, embed=d == HOST, host=frozenset(host_layers))
             align = CPU_ALIGNMENT if d == HOST or d.startswith("rpc:") else GPU_ALIGNMENT
-            rep.add(d, COMPUTE, compute_bytes(info, plan, align, **part))
+            rep.add(d, COMPUTE, compute_bytes(info, plan, align, copies, **part))
         local = [d for d in used_gpus if not d.startswith("rpc:")]
         if host_layers and local and t >= 32:
             # A local GPU runs large-batch matmuls of host weights, copying them over (RPC
