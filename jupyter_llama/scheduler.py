@@ -460,7 +460,7 @@ class Scheduler:
         placement the scheduler would ask llama.cpp for."""
         ref = await self.resolver(name)
         inv = await self.inventory()
-        _, preds = await asyncio.to_thread(self.plan, ref, self.effective_options(options or LoadOptions()), inv,
+        _, preds = await asyncio.to_thread(self.plan, ref, self.effective_options(options or LoadOptions(), ref), inv,
                                            self.usage())
         return ref, preds
 
@@ -476,7 +476,7 @@ class Scheduler:
         from .memory import estimate as est
 
         ref = await self.resolver(name)
-        opts = self.effective_options(options or LoadOptions())
+        opts = self.effective_options(options or LoadOptions(), ref)
         lo = next((x for x in self.loaded.values() if x.ref.key == ref.key and x.state != "gone"), None)
         same = lo is not None and lo.state in ("ready", "unloading") and not lo.matches(opts)
         if same:
@@ -569,10 +569,13 @@ class Scheduler:
 
     # -------------------------------------------------------------- internals: loading
 
-    def effective_options(self, options: LoadOptions) -> LoadOptions:
-        """The options a load would really use (the configured default slots filled in)."""
+    def effective_options(self, options: LoadOptions, ref: ModelRef | None = None) -> LoadOptions:
+        """The options a load would really use: the configured default slots filled in, and the
+        model's registered projector (``--mmproj``) unless the request names one."""
         if options.num_parallel is None and self.settings.num_parallel:
             options = options.replace(num_parallel=self.settings.num_parallel)
+        if ref is not None and ref.mmproj and options.mmproj is None:
+            options = options.replace(mmproj=ref.mmproj)
         return options
 
     async def _retire_for_reload(self, lo: Loaded, options: LoadOptions) -> None:
@@ -676,7 +679,7 @@ class Scheduler:
 
     async def _load(self, ref: ModelRef, options: LoadOptions, keep_alive: float | None) -> Loaded:
         """Called with the lock held: make room, start the runner, retry on OOM as Ollama does."""
-        options = self.effective_options(options)
+        options = self.effective_options(options, ref)
         options, preds, fit_source = await self._make_room(ref, options)
         ka = self.settings.keep_alive if keep_alive is None else keep_alive
         lo = Loaded(ref=ref, options=options, keep_alive=ka, predictions=preds, fit_source=fit_source)

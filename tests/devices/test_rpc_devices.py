@@ -225,6 +225,21 @@ async def test_a_worker_that_stops_answering_fails_the_load_within_the_stall_tim
         a.resume()
 
 
+async def test_out_of_memory_on_a_worker_with_an_automatic_context_steps_down(workers, make_scheduler, make_model):
+    # Tiny weights and a 64M-token training context: with llama.cpp's --fit off, the whole model
+    # and its KV cache go to the worker, which cannot allocate the cache; the scheduler steps the
+    # automatic context down once, and the retry loads on the same worker.
+    (w,) = workers(1)
+    sched = make_scheduler([w], fit_estimator="coarse")
+    oom = str(make_model("rpc-oom", layers=1, embd=256, heads=2, kv_heads=2, ctx=64 * 1024 * 1024, seed=5))
+    lo = await sched.load(oom, LoadOptions(num_parallel=1, fit=False))
+    retries = [e for e in sched.events.history if e.kind == "oom_retry"]
+    assert len(retries) == 1 and retries[0].data["ctx_to"] == 32768, [e.message for e in sched.events.history]
+    assert lo.options.num_ctx == 32768 and lo.actual.n_ctx == 32768
+    assert lo.options.rpc == (w.endpoint,) and by_device(lo).get(w.id, 0) > 0, by_device(lo)
+    assert w.alive, "the worker survives a failed allocation"
+
+
 async def test_a_paused_worker_is_left_out_of_placement(workers, make_scheduler, model):
     a, b = workers(2)
     sched = make_scheduler([a, b], worker_timeout=0.5)

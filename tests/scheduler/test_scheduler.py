@@ -414,3 +414,45 @@ async def test_no_unpinned_model_is_evicted_for_nothing(make_scheduler, small_mo
         await sched.load(big, OPTS)
     assert "evict" not in kinds(sched)
     assert {p["path"] for p in sched.ps()} == {small_models[0], small_models[1]}
+
+
+# ----------------------------------------------------------------------------- the projector
+
+
+async def test_a_registered_projector_reaches_llama_server(engine, small_models, tmp_path):
+    """A model registered with a projector (``ModelRef.mmproj``) is started with ``--mmproj``.
+
+    The projector here is a stand-in (a ``clip`` GGUF without a vision tower), so llama.cpp's
+    multimodal loader refuses it: the load fails, and says it was the projector."""
+    import dataclasses
+
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from jupyter_llama.scheduler import FileResolver, SchedulerSettings
+
+    proj = tmp_path / "mmproj-stand-in.gguf"
+    w = GGUFWriter(str(proj), "clip")
+    w.add_string("clip.projector_type", "mlp")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_tensor("mm.0.weight", np.zeros((16, 32), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    files = FileResolver()
+
+    async def with_projector(name: str):
+        return dataclasses.replace(await files(name), mmproj=str(proj))
+
+    sched = Scheduler(SchedulerSettings(binary=engine.path), resolver=with_projector)
+    try:
+        with pytest.raises(LoadFailed) as err:
+            await sched.load(small_models[0], OPTS)
+        assert "mmproj" in str(err.value).lower() or "multimodal" in str(err.value).lower(), str(err.value)
+        plan = await sched.estimate(small_models[0], OPTS)
+        assert plan["options"].mmproj == str(proj), "the plan carries the model's projector"
+        explicit = await sched.estimate(small_models[0], OPTS.replace(mmproj="/elsewhere/p.gguf"))
+        assert explicit["options"].mmproj == "/elsewhere/p.gguf", "a request naming a projector wins"
+    finally:
+        await sched.shutdown()
