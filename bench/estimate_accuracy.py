@@ -19,6 +19,10 @@ absolute error %, share within 5% and 10%), then the goals with pass/fail:
   median;
 * llama.cpp's projection, measured by the same yardstick (reported, not required).
 
+Then (unless ``--no-workers``) the sweep on two ``ggml-rpc-server`` workers from
+``bench/rpc_devices.py``: budgets that force partial offload, detailed within 10% per device
+and in total in >= 95% of loads, coarse never below actual.
+
 Usage: ``.venv/bin/python bench/estimate_accuracy.py [--quick] [--out DIR]``
 (``JUPYTER_LLAMA_SERVER`` picks the llama-server; ``llama-fit-params`` is taken from beside it).
 """
@@ -345,13 +349,23 @@ async def main_async(args) -> int:
     print(text)
     print()
     print(f"wrote {csv_path} and {png_path}")
-    return 0 if passed else 1
+    if args.no_workers:
+        return 0 if passed else 1
+    # The device path on real devices: two RPC workers with budgets that force partial offload
+    # (bench/rpc_devices.py owns the sweep; its table and goals are printed here too).
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rpc_devices import accuracy_on_workers
+
+    print("\n== on two ggml-rpc-server workers: 3 budgets x 2 contexts x 2 KV types ==")
+    workers_ok = await accuracy_on_workers(engine)
+    return 0 if passed and workers_ok else 1
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a subset of 8 configurations")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="output folder (default bench/out)")
+    ap.add_argument("--no-workers", action="store_true", help="skip the sweep on two RPC workers")
     args = ap.parse_args()
     return asyncio.run(main_async(args))
 

@@ -210,11 +210,21 @@ async def api_vs_bare(engine, model: str, a: LocalWorker, b: LocalWorker, argv_t
     return lr <= 1.10 and sr >= 0.95
 
 
+SHAPE = SynthShape(layers=4, embd=512, heads=8, kv_heads=8, ctx=2048, seed=3)  # 24 MB f16, 5 layers with the output
+
+
+async def accuracy_on_workers(engine) -> bool:
+    """Part 1 alone, with its own model and workers (bench/estimate_accuracy.py runs it too)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(write_synthetic(Path(tmp) / "rpc.gguf", SHAPE))
+        with LocalWorker(engine) as a, LocalWorker(engine) as b:
+            return await accuracy(engine, model, a, b)
+
+
 async def main() -> int:
     engine = find_engine()
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(write_synthetic(Path(tmp) / "rpc.gguf", SynthShape(layers=4, embd=512, heads=8, kv_heads=8,
-                                                                         ctx=2048, seed=3)))
+        model = str(write_synthetic(Path(tmp) / "rpc.gguf", SHAPE))
         with LocalWorker(engine) as a, LocalWorker(engine) as b:
             print(f"workers {a.endpoint} and {b.endpoint}; model {os.path.getsize(model) / MiB:.1f} MiB, 5 layers "
                   "with the output\n")
