@@ -360,12 +360,23 @@ def parse_create(body: dict) -> CreateRequest:
 # ----------------------------------------------------------------------------- chunks
 
 
+_SECOND: tuple[int, str] = (-1, "")  # the last whole second formatted, shared by every stream
+
+
 def rfc3339(t: float | None = None) -> str:
-    """RFC 3339 time in UTC with microseconds (``2026-01-02T03:04:05.123456+00:00``); cheap
-    enough for every streamed chunk."""
-    if t is None:
-        return _dt.datetime.now(_dt.timezone.utc).isoformat()
-    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).isoformat()
+    """RFC 3339 time in UTC with microseconds (``2026-01-02T03:04:05.123456+00:00``).
+
+    Every streamed chunk carries one, so the date and time of day are formatted once per
+    second and only the microseconds per call."""
+    global _SECOND
+    t = time.time() if t is None else t
+    sec = math.floor(t)
+    cached_sec, text = _SECOND
+    if sec != cached_sec:
+        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
+        _SECOND = (sec, text)
+    micros = min(int((t - sec) * 1_000_000), 999_999)
+    return f"{text}.{micros:06d}+00:00"
 
 
 def stats_from_timings(timings: dict | None, total_s: float, load_s: float) -> dict:

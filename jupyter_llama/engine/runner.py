@@ -148,6 +148,59 @@ def child_client() -> httpx.AsyncClient:
     )
 
 
+class _BadResponse(ValueError):
+    """The child's answer is not the HTTP/1.1 the stream reader expects."""
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, bool, int | None]:
+    """(status, chunked, content length) of an HTTP/1.1 response; the headers are consumed."""
+    status_line = await reader.readline()
+    parts = status_line.split(None, 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+        raise _BadResponse(f"not an HTTP response: {status_line[:80]!r}")
+    chunked, length = False, None
+    while True:
+        line = await reader.readline()
+        if line in (b"\r\n", b"\n", b""):
+            break
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"transfer-encoding" and b"chunked" in value.lower():
+            chunked = True
+        elif name == b"content-length" and value.strip().isdigit():
+            length = int(value.strip())
+    return int(parts[1]), chunked, length
+
+
+async def _body_pieces(reader: asyncio.StreamReader, chunked: bool, length: int | None) -> AsyncIterator[bytes]:
+    """The body as it arrives: chunk by chunk, or read by read up to the length or the end."""
+    if chunked:
+        while True:
+            size_line = await reader.readline()
+            if not size_line:
+                raise asyncio.IncompleteReadError(b"", None)
+            try:
+                n = int(size_line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise _BadResponse(f"bad chunk size line {size_line[:40]!r}") from None
+            if n == 0:
+                return
+            data = await reader.readexactly(n + 2)  # the chunk and its CRLF
+            yield data[:-2]
+    left = length
+    while left is None or left > 0:
+        data = await reader.read(65536 if left is None else min(left, 65536))
+        if not data:
+            return
+        if left is not None:
+            left -= len(data)
+        yield data
+
+
+async def _read_body(reader: asyncio.StreamReader, chunked: bool, length: int | None) -> bytes:
+    return b"".join([piece async for piece in _body_pieces(reader, chunked, length)])
+
+
 class Runner:
     """A llama-server child for one model file under one set of load options."""
 
@@ -420,37 +473,48 @@ class Runner:
         """POST with ``stream: true``; yield each server-sent event's JSON object.
 
         Closing the iterator (or cancelling its consumer) closes the connection, which
-        makes llama-server stop generating for it.
+        makes llama-server stop generating for it. This path carries every token a user
+        receives, so it talks HTTP/1.1 to the child over a plain asyncio stream rather than
+        through httpx: the child is ours, on loopback, and answers a streamed request with
+        chunked SSE, and per token httpx's layers cost more CPU than the rest of the relay
+        together (bench/api_overhead.py; the CPU it takes is taken from the child, which
+        uses every core).
         """
         self._check_ready()
-        body = dict(payload, stream=True)
-        started = False
-        for attempt in (1, 2):
-            try:
-                async with self.client.stream("POST", self.url + path, json=body, headers=self._headers()) as r:
-                    if r.status_code >= 400:
-                        text = (await r.aread()).decode("utf-8", "replace")
-                        raise RequestError(r.status_code, _error_text(text, r.status_code))
-                    async for line in r.aiter_lines():
-                        started = True
-                        if not line.startswith("data:"):
-                            if line.startswith("error:"):
-                                raise RequestError(500, _error_text(line[6:].strip(), 500))
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            return
-                        event = json.loads(data)
-                        if isinstance(event, dict) and "error" in event and len(event) == 1:
-                            raise RequestError(500, _error_text(data, 500))
-                        yield event
-                    return
-            except httpx.RemoteProtocolError as e:
-                # A stale pooled connection fails before any byte arrives: retry once, fresh.
-                if started or attempt == 2 or not self.alive:
-                    raise await self._after_transport_error(e) from None
-            except httpx.HTTPError as e:
-                raise await self._after_transport_error(e) from None
+        body = json.dumps(dict(payload, stream=True)).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+                f"Authorization: Bearer {self.api_key}\r\nContent-Type: application/json\r\n"
+                f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+        writer = None
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.port), 5.0)
+            writer.write(head.encode() + body)
+            status, chunked, length = await _read_head(reader)
+            if status >= 400:
+                text = (await _read_body(reader, chunked, length)).decode("utf-8", "replace")
+                raise RequestError(status, _error_text(text, status))
+            pending = b""
+            async for piece in _body_pieces(reader, chunked, length):
+                pending += piece
+                *lines, pending = pending.split(b"\n")
+                for raw in lines:
+                    line = raw.rstrip(b"\r")
+                    if not line.startswith(b"data:"):
+                        if line.startswith(b"error:"):
+                            raise RequestError(500, _error_text(line[6:].strip().decode("utf-8", "replace"), 500))
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    event = json.loads(data)
+                    if isinstance(event, dict) and "error" in event and len(event) == 1:
+                        raise RequestError(500, _error_text(data.decode("utf-8", "replace"), 500))
+                    yield event
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, _BadResponse) as e:
+            raise await self._after_transport_error(e) from None
+        finally:
+            if writer is not None:
+                writer.close()
 
     def completion(self, prompt: str, **params) -> AsyncIterator[dict]:
         """Stream llama-server's native ``/completion`` chunks (``content``, ``stop``, ``timings``)."""

@@ -58,6 +58,8 @@ beyond in-place operations (the estimator falls back to coarse numbers for those
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 F32 = 4
@@ -447,6 +449,7 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
     return nodes
 
 
+@functools.lru_cache(maxsize=4096)  # a fit tries many splits; each backend's part repeats
 def compute_buffer_bytes(plan: GraphPlan, n_ubatch: int, n_seq: int, n_outputs_max: int,
                          alignment: int = CPU_ALIGNMENT, copies: int = 1, **part) -> int:
     """The compute buffer llama.cpp reserves: the largest high-water mark over its three
