@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jupyter_llama.engine.binary import find_engine
-from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import LoadError, Runner
 from jupyter_llama.memory.estimate import estimate_coarse, estimate_detailed
 from jupyter_llama.memory.fitparams import run_fit_params_async

@@ -2,7 +2,7 @@
 
 * Pull: a ~500 MB synthetic Q8_0 GGUF served by a local HTTP server (the test suite's
   Hugging Face look-alike, ``tests/models/hfserver.py``, which sends files with
-  ``sendfile``), fetched alternately by ``ModelStore.pull`` (hash while downloading, check
+  ``sendfile``), fetched alternately by ``models.pull.pull`` (hash while downloading, check
   the GGUF header, land the blob, write the manifest) and by ``curl -s -o`` of the same
   URL (``os.sync()`` before each, so no transfer pays for the last one's writeback).
   Printed: MB/s of each, median over the rounds, and the ratio ours/curl
@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "tests" / "models"))
 
 from hfserver import HFServer  # noqa: E402
 
+from jupyter_llama.models.pull import pull  # noqa: E402
 from jupyter_llama.models.store import ModelStore  # noqa: E402
 from jupyter_llama.models.synth import SynthShape, write_synthetic  # noqa: E402
 
@@ -78,14 +79,14 @@ def bench_pull(work: Path, rounds: int, megabytes: float) -> dict:
                 store = ModelStore(work / f"store-url-{r}")
                 os.sync()
                 t = time.perf_counter()
-                store.pull(url, name="bench")
+                pull(url, name="bench", store=store)
                 results["url"].append(size / (time.perf_counter() - t) / MB)
                 shutil.rmtree(store.root)
 
                 store = ModelStore(work / f"store-hf-{r}")
                 os.sync()
                 t = time.perf_counter()
-                store.pull("hf.co/bench/model-GGUF:Q8_0")
+                pull("hf.co/bench/model-GGUF:Q8_0", store=store)
                 results["hf"].append(size / (time.perf_counter() - t) / MB)
                 shutil.rmtree(store.root)
                 print(f"  round {r + 1}: curl {results['curl'][-1]:.0f} MB/s, pull(url) {results['url'][-1]:.0f} MB/s, "

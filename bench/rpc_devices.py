@@ -35,7 +35,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jupyter_llama.engine.binary import find_engine  # noqa: E402
-from jupyter_llama.engine.launch import LoadOptions  # noqa: E402
+from jupyter_llama.load_options import LoadOptions  # noqa: E402
 from jupyter_llama.engine.runner import _free_port  # noqa: E402
 from jupyter_llama.engine.worker import LocalWorker  # noqa: E402
 from jupyter_llama.memory import devices as devmod  # noqa: E402

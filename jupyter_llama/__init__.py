@@ -1,6 +1,8 @@
 """jupyter-llama: Ollama's manager layer over llama.cpp's llama-server, inside Jupyter."""
 
-__version__ = "0.1.0"
+from ._version import __version__
+
+__all__ = ["__version__"]
 
 
 def _jupyter_server_extension_points():

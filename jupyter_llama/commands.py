@@ -660,7 +660,7 @@ def cmd_estimate(args, fe: Frontend):
     if _is_file(args.model) and args.url is None and not _manager_configured():
         # A file needs no manager: predict here, without starting one.
         from .engine.binary import EngineBroken, EngineNotFound, find_engine
-        from .engine.launch import LoadOptions
+        from .load_options import LoadOptions
         from .memory.devices import inventory
         from .memory.estimate import estimate_all
         from .models.gguf_info import GGUFError, read_gguf_info
@@ -799,7 +799,7 @@ def cmd_worker(args, fe: Frontend):
 
 
 def cmd_plot(args, fe: Frontend):
-    from .engine.launch import LoadOptions
+    from .load_options import LoadOptions
     from .memory.report import MemoryReport
     from .plots import plot_memory
 

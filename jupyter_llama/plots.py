@@ -17,7 +17,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
-from .engine.launch import LoadOptions
+from .load_options import LoadOptions
 from .memory.report import ACTUAL, COMPONENTS, GiB, MemoryReport, MiB, SOURCES
 
 # Okabe-Ito: distinguishable with deuteranopia, protanopia and tritanopia.

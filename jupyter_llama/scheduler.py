@@ -33,7 +33,7 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence
 from . import config
 from .config import ConfigError, format_duration, parse_duration
 from .errors import BadRequest, DoesNotFit, LoadFailed, ModelNotFound, PinnedInTheWay, SchedulerError, ServerBusy
-from .engine.launch import LoadOptions
+from .load_options import LoadOptions
 from .engine.runner import EngineError, LoadError, Runner
 from .memory import devices as devmod
 from .memory import rpc

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ..engine.launch import LoadOptions
+from ..load_options import LoadOptions
 from ..errors import BadRequest
 from .options import format_to_schema, parse_keep_alive, split_options
 

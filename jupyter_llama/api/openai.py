@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..engine.launch import LoadOptions
+from ..load_options import LoadOptions
 from ..errors import BadRequest
 from .options import parse_keep_alive
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ConfigError, parse_duration
-from ..engine.launch import FLASH_ATTN, KV_CACHE_TYPES, LoadOptions, LoadOptionsError
+from ..load_options import FLASH_ATTN, KV_CACHE_TYPES, LoadOptions, LoadOptionsError
 from ..errors import BadRequest
 
 __all__ = [

@@ -1,9 +1,4 @@
-"""Load options and the llama-server command line they become.
-
-The manager decides *what* to load; llama.cpp decides *how* to place it. So ``-ngl`` is
-passed only when the user sets ``num_gpu`` (REFERENCE section 1): ``num_gpu > 0`` gives
-``-ngl N``, ``0`` gives ``-ngl 0`` (CPU only), and ``None``/``-1`` (automatic) passes
-nothing, leaving llama.cpp's ``--fit`` to choose the split.
+"""The llama-server command line for a model under its load options.
 
 Secrets never go on the command line (any local user can read another process's argv):
 the per-child API key travels in the child's environment as ``LLAMA_API_KEY``.
@@ -11,140 +6,13 @@ the per-child API key travels in the child's environment as ``LLAMA_API_KEY``.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
-KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-FLASH_ATTN = ("auto", "on", "off")
+from ..load_options import LoadOptions, memory_args
 
 # Verbosity 4 makes libllama print its INFO lines: the memory figures we read back.
 LOG_ARGS = ("--log-verbosity", "4", "--no-log-prefix", "--no-log-timestamps")
-
-
-class LoadOptionsError(ValueError):
-    """A load option has a value llama-server would refuse; the message says which."""
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """Everything that decides how a child is started. Changing any of these needs a reload.
-
-    ``None`` means automatic: the option is not passed and llama.cpp picks the value.
-    Sampling options (temperature, top_k, ...) are per request and deliberately absent.
-    """
-
-    num_ctx: int | None = None  # context per request; None = training context (fit may shrink it)
-    num_parallel: int | None = None  # -np; None = llama-server's auto (4 slots, unified KV)
-    num_gpu: int | None = None  # -ngl; None or -1 = automatic placement by llama.cpp
-    main_gpu: int | None = None  # -mg
-    num_batch: int | None = None  # -b
-    num_ubatch: int | None = None  # -ub
-    num_thread: int | None = None  # -t
-    use_mmap: bool | None = None  # --load-mode mmap | none
-    flash_attn: str | None = None  # -fa on|off|auto
-    cache_type_k: str | None = None  # -ctk
-    cache_type_v: str | None = None  # -ctv
-    kv_unified: bool | None = None  # -kvu / -no-kvu
-    mmproj: str | None = None  # --mmproj FILE (multimodal projector)
-    mmproj_offload: bool = True  # False gives --no-mmproj-offload
-    embedding: bool = False  # --embedding (embedding models)
-    fit: bool | None = None  # llama.cpp's own fitting of unset options to free memory (-fit on|off)
-    fit_target_mib: tuple[int, ...] | None = None  # --fit-target: free MiB llama.cpp must leave per device
-    rpc: tuple[str, ...] | None = None  # --rpc: the RPC workers (HOST:PORT) this child may use
-
-    def __post_init__(self):
-        def positive(name, allow_zero=False):
-            v = getattr(self, name)
-            if v is None:
-                return
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise LoadOptionsError(f"{name} must be a whole number, got {v!r}")
-            if v < 0 or (v == 0 and not allow_zero):
-                raise LoadOptionsError(f"{name} must be {'0 or more' if allow_zero else 'at least 1'}, got {v}")
-
-        if self.num_gpu is not None and self.num_gpu < 0:
-            object.__setattr__(self, "num_gpu", None)  # -1 is Ollama's "automatic"
-        if self.num_ctx == 0:
-            object.__setattr__(self, "num_ctx", None)  # 0 is "automatic" in Ollama's API too
-        positive("num_ctx")
-        positive("num_parallel")
-        positive("num_gpu", allow_zero=True)
-        positive("main_gpu", allow_zero=True)
-        positive("num_batch")
-        positive("num_ubatch")
-        positive("num_thread")
-        for name in ("cache_type_k", "cache_type_v"):
-            v = getattr(self, name)
-            if v is not None and v not in KV_CACHE_TYPES:
-                raise LoadOptionsError(f"{name} {v!r} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPES)}")
-        if self.flash_attn is not None:
-            fa = {True: "on", False: "off"}.get(self.flash_attn, self.flash_attn)
-            if fa not in FLASH_ATTN:
-                raise LoadOptionsError(f"flash_attn must be one of on, off, auto, got {self.flash_attn!r}")
-            object.__setattr__(self, "flash_attn", fa)
-        if self.num_ctx is not None and self.num_ctx < 16:
-            raise LoadOptionsError(f"num_ctx {self.num_ctx} is too small; use at least 16 tokens")
-        if self.fit_target_mib is not None:
-            object.__setattr__(self, "fit_target_mib", tuple(int(x) for x in self.fit_target_mib))
-        if self.rpc is not None:
-            object.__setattr__(self, "rpc", tuple(str(x) for x in self.rpc) or None)
-
-    @property
-    def total_ctx(self) -> int | None:
-        """The ``-c`` value: ``num_ctx`` is the context *each request* gets (Ollama's meaning),
-        so with ``P`` explicit slots the child needs ``num_ctx * P`` cells. With automatic
-        slots llama-server shares one unified cache in which every request may use all of it."""
-        if self.num_ctx is None:
-            return None
-        return self.num_ctx * (self.num_parallel or 1)
-
-    @property
-    def gpu_automatic(self) -> bool:
-        return self.num_gpu is None
-
-    def replace(self, **changes) -> "LoadOptions":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "LoadOptions":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise LoadOptionsError(f"unknown load option(s): {', '.join(sorted(unknown))}")
-        return cls(**data)
-
-    def differences(self, other: "LoadOptions") -> list[str]:
-        """Names of options whose values differ (what a reload event reports)."""
-        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
-
-
-@dataclass
-class LaunchSpec:
-    """A ready-to-exec child: argv without secrets, plus the environment that carries them."""
-
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    port: int = 0
-    api_key: str = ""
-
-
-def memory_args(options: LoadOptions) -> list[str]:
-    """The options that decide placement and memory, as llama.cpp's tools spell them.
-
-    llama-server and llama-fit-params share these flags, so the projection is made for
-    exactly what the child will be asked to do (``--rpc`` included: the same workers).
-    """
-    o = options
-    rpc = [("--rpc", ",".join(o.rpc))] if o.rpc else []
-    pairs = [*rpc, ("-c", o.total_ctx), ("-np", o.num_parallel), ("-ngl", o.num_gpu), ("-mg", o.main_gpu),
-             ("-b", o.num_batch), ("-ub", o.num_ubatch), ("-fa", o.flash_attn),
-             ("-ctk", o.cache_type_k), ("-ctv", o.cache_type_v)]
-    return [x for flag, value in pairs if value is not None for x in (flag, str(value))]
 
 
 def build_argv(binary: str | os.PathLike, model: str | os.PathLike, options: LoadOptions, *,

@@ -31,7 +31,8 @@ from typing import Any, AsyncIterator
 import httpx
 
 from ..memory.report import MemoryReport
-from .launch import LoadOptions, build_argv
+from ..load_options import LoadOptions
+from .launch import build_argv
 from .logparse import LogParser
 
 CRASH_MESSAGE = ("model runner has unexpectedly stopped, this may be due to resource limitations "

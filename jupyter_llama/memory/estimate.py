@@ -21,7 +21,7 @@ import platform
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..engine.launch import LoadOptions
+from ..load_options import LoadOptions
 from ..models.gguf_info import GGUFInfo
 from .computegraph import CPU_ALIGNMENT, GPU_ALIGNMENT, GraphPlan, LayerShape, compute_buffer_bytes
 from .report import (ACTUAL, COARSE, COMPONENTS, COMPUTE, DETAILED, HOST, KV, LLAMA_CPP, OTHER, OUTPUT,

@@ -33,7 +33,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine.launch import LoadOptions, memory_args
+from ..load_options import LoadOptions, memory_args
 from .report import COMPUTE, HOST, KV, LLAMA_CPP, WEIGHTS, MemoryReport, MiB, device_of_backend
 
 log = logging.getLogger(__name__)

@@ -1185,23 +1185,6 @@ class ModelStore:
 
     __call__ = resolve
 
-    # -- public: pull (see models.pull) ----------------------------------------------------
-
-    def pull(self, source: str, name: str | None = None, progress: Progress | None = None, **kw) -> ModelEntry:
-        from .pull import pull
-
-        return pull(source, name, progress=progress, store=self, **kw)
-
-    async def apull(self, source: str, name: str | None = None, progress: Progress | None = None, **kw) -> ModelEntry:
-        from .pull import apull
-
-        return await apull(source, name, progress=progress, store=self, **kw)
-
-    def pull_stream(self, source: str, name: str | None = None, **kw):
-        from .pull import pull_stream
-
-        return pull_stream(source, name, store=self, **kw)
-
     # -- internals ------------------------------------------------------------------------
 
     @staticmethod

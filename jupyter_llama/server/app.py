@@ -37,9 +37,10 @@ from jupyter_server.utils import url_path_join
 from tornado.ioloop import PeriodicCallback
 from traitlets import Bool, Float, Int, Type, Unicode, default, validate
 
-from .. import __version__, config
+from .. import config
+from .._version import __version__
 from ..config import ConfigError
-from ..engine.launch import LoadOptions
+from ..load_options import LoadOptions
 from ..scheduler import Scheduler, SchedulerError, SchedulerSettings
 
 URL_ENV = "JUPYTER_LLAMA_URL"

@@ -45,15 +45,16 @@ from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
 from tornado.iostream import StreamClosedError
 
-from .. import __version__
+from .._version import __version__
 from ..api import ollama as oa
 from ..api import openai as oai
 from ..api.options import split_options
 from ..config import ConfigError
-from ..engine.launch import LoadOptionsError
+from ..load_options import LoadOptionsError
 from ..engine.runner import EngineError, RequestError, RunnerCrashed
 from ..models.gguf_info import GGUFError
 from ..errors import NotLoaded
+from ..models.pull import pull_stream
 from ..scheduler import BadRequest, ModelNotFound, SchedulerError
 
 if TYPE_CHECKING:
@@ -477,7 +478,7 @@ class PullHandler(LlamaHandler):
             self.ext.store_changed()
 
     async def _pull_stream(self, req: oa.PullRequest) -> None:
-        gen = self.ext.store.pull_stream(req.source, req.name)
+        gen = pull_stream(req.source, req.name, store=self.ext.store)
         async with closing(gen) as statuses:
             if not req.stream:
                 last = {"status": "success"}

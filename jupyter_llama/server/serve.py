@@ -17,7 +17,7 @@ import signal
 import sys
 from typing import Sequence
 
-from .. import __version__
+from .._version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import RunnerCrashed, process_alive
 from jupyter_llama.engine.worker import LocalWorker
 from jupyter_llama.memory import devices as devmod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import Runner
 
 

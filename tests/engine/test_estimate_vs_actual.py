@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory.estimate import estimate_all_async, estimate_detailed, format_estimates
 from jupyter_llama.memory.fitparams import project, project_async
 from jupyter_llama.memory.report import COARSE, COMPUTE, DETAILED, KV, LLAMA_CPP, WEIGHTS

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jupyter_llama.engine.launch import LoadOptions, build_argv
+from jupyter_llama.engine.launch import build_argv
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import LoadError, Runner, RunnerCrashed, process_alive
 from jupyter_llama.memory.report import COMPUTE, KV, MiB, OUTPUT, WEIGHTS
 
@@ -154,7 +155,7 @@ def test_sigkill_of_parent_leaves_no_child(engine, tiny_model, tmp_path):
     script = textwrap.dedent(f"""
         import asyncio, sys
         from jupyter_llama.engine.runner import Runner
-        from jupyter_llama.engine.launch import LoadOptions
+        from jupyter_llama.load_options import LoadOptions
         async def main():
             r = Runner({str(tiny_model)!r}, LoadOptions(num_ctx=512), binary={engine.path!r})
             await r.start()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory import estimate as est
 from jupyter_llama.memory.computegraph import GraphPlan, LayerShape, Tensor, _Allocator, compute_buffer_bytes, simulate
 from jupyter_llama.memory.estimate import (estimate_coarse, estimate_detailed, format_estimates,

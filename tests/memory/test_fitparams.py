@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory import fitparams as fp
 from jupyter_llama.memory.report import COMPUTE, KV, LLAMA_CPP, MiB, WEIGHTS
 

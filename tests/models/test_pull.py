@@ -164,7 +164,7 @@ def test_render_progress():
 def test_pull_hf_repo_default_quant_with_projector(repo, ggufs, projectors, tmp_path):
     store = ModelStore(tmp_path / "store")
     events = []
-    e = store.pull(f"hf.co/{REPO}", progress=events.append)
+    e = pull_mod.pull(f"hf.co/{REPO}", progress=events.append, store=store)
     assert e.display == f"hf.co/{REPO}:latest"
     assert e.model_digest == sha256(ggufs["q4"])  # tiny-Q4_K_M.gguf
     assert e.projector_digest == sha256(projectors["f16"])
@@ -188,22 +188,22 @@ def test_pull_hf_repo_default_quant_with_projector(repo, ggufs, projectors, tmp_
 
 def test_pull_by_tag_case_insensitive_and_by_url_forms(repo, ggufs, tmp_path):
     store = ModelStore(tmp_path / "store")
-    e = store.pull(f"hf.co/{REPO}:q8_0")
+    e = pull_mod.pull(f"hf.co/{REPO}:q8_0", store=store)
     assert e.display == f"hf.co/{REPO}:q8_0" and e.model_digest == sha256(ggufs["q8"])
-    e = store.pull(f"https://huggingface.co/{REPO}", name="viaurl")
+    e = pull_mod.pull(f"https://huggingface.co/{REPO}", name="viaurl", store=store)
     assert e.model_digest == sha256(ggufs["q4"])
-    e = store.pull(f"https://huggingface.co/{REPO}/resolve/main/tiny-F32.gguf")
+    e = pull_mod.pull(f"https://huggingface.co/{REPO}/resolve/main/tiny-F32.gguf", store=store)
     assert e.display == f"hf.co/{REPO}:F32" and e.projector_digest is None
     with pytest.raises(PullError) as ei:
-        store.pull(f"hf.co/{REPO}:Q5_K_M")
+        pull_mod.pull(f"hf.co/{REPO}:Q5_K_M", store=store)
     assert "tiny-Q4_K_M.gguf (Q4_K_M)" in str(ei.value)
     with pytest.raises(PullError, match="not found"):
-        store.pull("hf.co/owner/missing-GGUF")
+        pull_mod.pull("hf.co/owner/missing-GGUF", store=store)
 
 
 def test_pull_listing_is_paged(repo, tmp_path):
     repo.page_size = 2
-    e = ModelStore(tmp_path / "store").pull(f"hf.co/{REPO}:Q8_0")
+    e = pull_mod.pull(f"hf.co/{REPO}:Q8_0", store=ModelStore(tmp_path / "store"))
     assert e.display.endswith(":Q8_0")
     assert sum(1 for r in repo.requests if "/tree/main" in r[1]) >= 3
 
@@ -211,12 +211,12 @@ def test_pull_listing_is_paged(repo, tmp_path):
 def test_token_goes_to_the_hub_only(repo, ggufs, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     store = ModelStore(tmp_path / "store")
-    store.pull(f"hf.co/{REPO}:Q8_0")
+    pull_mod.pull(f"hf.co/{REPO}:Q8_0", store=store)
     api = [r for r in repo.requests if "/api/models/" in r[1]]
     assert api and all(r[2].get("Authorization") == "Bearer hf_secret" for r in api)
     repo.requests.clear()
     repo.add_file("plain", ggufs["b"])
-    store.pull(repo.file_url("plain"))
+    pull_mod.pull(repo.file_url("plain"), store=store)
     assert repo.requests and all("Authorization" not in r[2] for r in repo.requests)
 
 
@@ -224,16 +224,16 @@ def test_gated_repo_needs_the_token(repo, tmp_path, monkeypatch):
     repo.require_token = "hf_good"
     store = ModelStore(tmp_path / "store")
     with pytest.raises(PullError, match="gated or private: set HF_TOKEN"):
-        store.pull(f"hf.co/{REPO}:Q8_0")
+        pull_mod.pull(f"hf.co/{REPO}:Q8_0", store=store)
     monkeypatch.setenv("HF_TOKEN", "hf_good")
-    assert store.pull(f"hf.co/{REPO}:Q8_0").display.endswith(":Q8_0")
+    assert pull_mod.pull(f"hf.co/{REPO}:Q8_0", store=store).display.endswith(":Q8_0")
 
 
 def test_pull_plain_url_and_reuse(hf, ggufs, tmp_path):
     store = ModelStore(tmp_path / "store")
     hf.add_file("tiny-model.gguf", ggufs["b"])
     events = []
-    e = store.pull(hf.file_url("tiny-model.gguf"), progress=events.append)
+    e = pull_mod.pull(hf.file_url("tiny-model.gguf"), progress=events.append, store=store)
     assert e.display == "tiny-model:latest"
     assert e.model_digest == sha256(ggufs["b"])
     assert e.source == {"type": "url", "url": hf.file_url("tiny-model.gguf")}
@@ -241,7 +241,7 @@ def test_pull_plain_url_and_reuse(hf, ggufs, tmp_path):
                for ev in events)
     sent = hf.sent("tiny-model.gguf")
     assert sent == os.path.getsize(ggufs["b"])
-    store.pull(hf.file_url("tiny-model.gguf"), name="again")  # unchanged on the server: not fetched again
+    pull_mod.pull(hf.file_url("tiny-model.gguf"), name="again", store=store)  # unchanged on the server: not fetched again
     assert hf.sent("tiny-model.gguf") == sent
     assert len(os.listdir(store.blobs_dir)) == 1
 
@@ -250,13 +250,13 @@ async def test_pull_stream_is_an_async_generator(repo, tmp_path):
     store = ModelStore(tmp_path / "store")
     seen = [s async for s in pull_stream(f"hf.co/{REPO}:F32", store=store)]
     assert seen[0] == {"status": "pulling manifest"} and seen[-1] == {"status": "success"}
-    entry = await store.apull(f"hf.co/{REPO}:F32", name="again")
+    entry = await pull_mod.apull(f"hf.co/{REPO}:F32", name="again", store=store)
     assert entry.display == "again:latest"
 
 
 def test_pulling_again_repairs_a_corrupt_blob(repo, ggufs, tmp_path):
     store = ModelStore(tmp_path / "store")
-    e = store.pull(f"hf.co/{REPO}:Q8_0")
+    e = pull_mod.pull(f"hf.co/{REPO}:Q8_0", store=store)
     blob = store.blob_path(e.model_digest)
     data = bytearray(blob.read_bytes())
     data[-10] ^= 0xFF
@@ -266,7 +266,7 @@ def test_pulling_again_repairs_a_corrupt_blob(repo, ggufs, tmp_path):
     assert f"jupyter-llama pull hf.co/{REPO}:Q8_0" in str(ei.value)
     assert store.show(e.display, verify=True)["verify"]["ok"] is False
     before = repo.repo_sent(REPO, "tiny-Q8_0.gguf")
-    store.pull(f"hf.co/{REPO}:Q8_0")
+    pull_mod.pull(f"hf.co/{REPO}:Q8_0", store=store)
     assert repo.repo_sent(REPO, "tiny-Q8_0.gguf") == before + os.path.getsize(ggufs["q8"])
     asyncio.run(store.resolve(e.display))
 
@@ -280,7 +280,7 @@ def test_interrupted_pull_resumes_with_range(repo, ggufs, tmp_path):
     half = f.size // 2
     f.drop_after, f.drop_times = half, 1
     with pytest.raises(PullError) as ei:
-        store.pull("hf.co/owner/big-GGUF", retries=0)
+        pull_mod.pull("hf.co/owner/big-GGUF", retries=0, store=store)
     msg = str(ei.value)
     assert "partial download is kept" in msg and "pull again to resume" in msg
     partial = store.partial_dir / f"sha256-{f.sha256}.partial"
@@ -288,7 +288,7 @@ def test_interrupted_pull_resumes_with_range(repo, ggufs, tmp_path):
     assert not store.blob_path(f.sha256).exists() and store.list() == []
     sent_before = repo.repo_sent("owner/big-GGUF", "big-F32.gguf")
     events = []
-    e = store.pull("hf.co/owner/big-GGUF", progress=events.append)
+    e = pull_mod.pull("hf.co/owner/big-GGUF", progress=events.append, store=store)
     assert repo.repo_sent("owner/big-GGUF", "big-F32.gguf") - sent_before == f.size - half
     fid = repo.repos["owner/big-GGUF"].files["big-F32.gguf"]
     assert file_requests(repo, fid)[-1][2].get("Range") == f"bytes={half}-"
@@ -303,9 +303,9 @@ def test_resume_after_the_file_changed_upstream_starts_again(hf, ggufs, tmp_path
     store = ModelStore(tmp_path / "store")
     hf.add_file("m.gguf", ggufs["big"], drop_after=400_000, drop_times=1)
     with pytest.raises(PullError, match="partial download is kept"):
-        store.pull(hf.file_url("m.gguf"), retries=0)
+        pull_mod.pull(hf.file_url("m.gguf"), retries=0, store=store)
     new = hf.add_file("m.gguf", ggufs["c"])  # same URL, other bytes, other ETag
-    e = store.pull(hf.file_url("m.gguf"))
+    e = pull_mod.pull(hf.file_url("m.gguf"), store=store)
     assert e.model_digest == new.sha256
     last = file_requests(hf, "m.gguf")[-1][2]
     assert last.get("Range") == "bytes=400000-" and last.get("If-Range") != new.etag
@@ -316,7 +316,7 @@ def test_resume_after_the_file_changed_upstream_starts_again(hf, ggufs, tmp_path
 def test_dropped_connection_is_retried_with_range(hf, ggufs, tmp_path):
     store = ModelStore(tmp_path / "store")
     f = hf.add_file("big.gguf", ggufs["big"], drop_after=600_000, drop_times=2)
-    e = store.pull(hf.file_url("big.gguf"), retries=3, backoff=0.01)
+    e = pull_mod.pull(hf.file_url("big.gguf"), retries=3, backoff=0.01, store=store)
     assert e.model_digest == f.sha256
     ranges = [r[2].get("Range") for r in file_requests(hf, "big.gguf")]
     assert ranges == [None, "bytes=600000-", "bytes=1200000-"]
@@ -327,11 +327,11 @@ def test_retries_exhausted_keep_the_partial(hf, ggufs, tmp_path):
     store = ModelStore(tmp_path / "store")
     hf.add_file("big.gguf", ggufs["big"], drop_after=500_000, drop_times=10)
     with pytest.raises(PullError) as ei:
-        store.pull(hf.file_url("big.gguf"), retries=2, backoff=0.01)
+        pull_mod.pull(hf.file_url("big.gguf"), retries=2, backoff=0.01, store=store)
     assert "tried 3 times" in str(ei.value) and "partial download is kept" in str(ei.value)
     assert [p.stat().st_size for p in store.partial_dir.glob("*.partial")] == [1_500_000]
     hf.files["big.gguf"].drop_times = 0
-    store.pull(hf.file_url("big.gguf"))
+    pull_mod.pull(hf.file_url("big.gguf"), store=store)
     assert hf.sent("big.gguf") == hf.files["big.gguf"].size
 
 
@@ -359,12 +359,13 @@ def test_pulls_in_two_processes_download_once(repo, ggufs, tmp_path):
     f.rate = f.size / 2.5
     code = (
         "import sys\n"
+        "from jupyter_llama.models.pull import pull\n"
         "from jupyter_llama.models.store import ModelStore\n"
-        f"ModelStore({str(store.root)!r}).pull('hf.co/owner/big-GGUF', name='other')\n"
+        f"pull('hf.co/owner/big-GGUF', name='other', store=ModelStore({str(store.root)!r}))\n"
         "print('ok')\n"
     )
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("e", store.pull("hf.co/owner/big-GGUF", name="here")))
+    t = threading.Thread(target=lambda: result.setdefault("e", pull_mod.pull("hf.co/owner/big-GGUF", name="here", store=store)))
     t.start()
     deadline = time.monotonic() + 10
     while repo.repo_sent("owner/big-GGUF", "big-F32.gguf") == 0 and time.monotonic() < deadline:
@@ -392,7 +393,7 @@ async def test_closing_the_stream_cancels_and_keeps_the_partial(repo, ggufs, tmp
     await asyncio.sleep(0.3)
     assert partial.stat().st_size == kept  # the worker stopped
     f.rate = None
-    await store.apull("hf.co/owner/big-GGUF")
+    await pull_mod.apull("hf.co/owner/big-GGUF", store=store)
     fid = repo.repos["owner/big-GGUF"].files["big-F32.gguf"]
     assert file_requests(repo, fid)[-1][2].get("Range") == f"bytes={kept}-"
     assert store.blob_path(f.sha256).read_bytes() == Path(ggufs["big"]).read_bytes()
@@ -411,7 +412,7 @@ def test_hash_mismatch_discards_the_download(repo, tmp_path):
     store = ModelStore(tmp_path / "store")
     repo.repo_file(REPO, "tiny-Q8_0.gguf").lfs_oid = "0" * 64
     with pytest.raises(HashMismatch) as ei:
-        store.pull(f"hf.co/{REPO}:Q8_0")
+        pull_mod.pull(f"hf.co/{REPO}:Q8_0", store=store)
     assert "sha256 mismatch" in str(ei.value) and "discarded" in str(ei.value)
     _assert_clean(store)
 
@@ -425,7 +426,7 @@ def test_hash_mismatch_discards_the_download(repo, tmp_path):
 def test_bad_urls(hf, tmp_path, route, exc, msg):
     store = ModelStore(tmp_path / "store")
     with pytest.raises(exc, match=msg):
-        store.pull(hf.url + route, name="bad")
+        pull_mod.pull(hf.url + route, name="bad", store=store)
     _assert_clean(store)
 
 
@@ -435,7 +436,7 @@ def test_truncated_gguf_body_is_refused(hf, tmp_path, ggufs):
     short.write_bytes(Path(ggufs["a"]).read_bytes()[:3000])
     hf.add_file("short.gguf", short)
     with pytest.raises(NotAModel, match="truncated"):
-        store.pull(hf.file_url("short.gguf"))
+        pull_mod.pull(hf.file_url("short.gguf"), store=store)
     _assert_clean(store)
 
 
@@ -443,11 +444,11 @@ def test_disk_too_small(repo, hf, ggufs, tmp_path, monkeypatch):
     store = ModelStore(tmp_path / "store")
     monkeypatch.setattr(pull_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
     with pytest.raises(DiskFull, match="not enough disk space"):
-        store.pull(f"hf.co/{REPO}:Q8_0")
+        pull_mod.pull(f"hf.co/{REPO}:Q8_0", store=store)
     assert repo.repo_sent(REPO, "tiny-Q8_0.gguf") == 0  # refused before downloading
     hf.add_file("plain.gguf", ggufs["b"])  # size known only from Content-Length
     with pytest.raises(DiskFull):
-        store.pull(hf.file_url("plain.gguf"))
+        pull_mod.pull(hf.file_url("plain.gguf"), store=store)
     _assert_clean(store)
 
 
@@ -469,7 +470,7 @@ def test_disk_filling_up_during_the_download(hf, ggufs, tmp_path, monkeypatch):
     hf.add_file("big.gguf", ggufs["big"])
     store = ModelStore(tmp_path / "store")
     with pytest.raises(DiskFull, match="disk filled up.*partial download is kept"):
-        store.pull(hf.file_url("big.gguf"), retries=3, backoff=0.01)
+        pull_mod.pull(hf.file_url("big.gguf"), retries=3, backoff=0.01, store=store)
     assert len(file_requests(hf, "big.gguf")) == 1  # not retried
     assert not store.blob_path(hf.files["big.gguf"].sha256).exists() and store.list() == []
 
@@ -480,18 +481,18 @@ def test_connection_refused(tmp_path):
         port = s.getsockname()[1]
     store = ModelStore(tmp_path / "store")
     with pytest.raises(PullError, match="Nothing was kept"):
-        store.pull(f"http://127.0.0.1:{port}/m.gguf", retries=1, backoff=0.01)
+        pull_mod.pull(f"http://127.0.0.1:{port}/m.gguf", retries=1, backoff=0.01, store=store)
     _assert_clean(store)
 
 
 def test_bad_name_is_refused_before_any_request(repo, tmp_path):
     with pytest.raises(InvalidName):
-        ModelStore(tmp_path / "store").pull(f"hf.co/{REPO}", name="no/such/thing/here")
+        pull_mod.pull(f"hf.co/{REPO}", name="no/such/thing/here", store=ModelStore(tmp_path / "store"))
     assert repo.requests == []
 
 
 def test_a_pulled_model_can_be_removed(repo, tmp_path):
     store = ModelStore(tmp_path / "store")
-    store.pull(f"hf.co/{REPO}")
+    pull_mod.pull(f"hf.co/{REPO}", store=store)
     asyncio.run(store.remove(f"hf.co/{REPO}"))
     assert os.listdir(store.blobs_dir) == [] and store.list() == []

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory.report import KV, MemoryReport, MiB
 from jupyter_llama.plots import plot_memory, plot_sweep, run_sweep, scheduler_sweep_functions
 from jupyter_llama.scheduler import Scheduler, SchedulerSettings

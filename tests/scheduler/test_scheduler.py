@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import RunnerCrashed
 from jupyter_llama.memory.report import MemoryReport
 from jupyter_llama.scheduler import (BadRequest, DoesNotFit, Event, LoadFailed, ModelNotFound, PinnedInTheWay, Scheduler,

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import child_pids
 from jupyter_llama.scheduler import ServerBusy
 

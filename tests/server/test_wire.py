@@ -11,7 +11,7 @@ import pytest
 from jupyter_llama.api import ollama as oa
 from jupyter_llama.api import openai as oai
 from jupyter_llama.api.options import parse_keep_alive, split_options
-from jupyter_llama.engine.launch import LoadOptions
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.scheduler import BadRequest
 
 
