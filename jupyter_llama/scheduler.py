@@ -28,7 +28,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 from . import config
 from .config import ConfigError, format_duration, parse_duration
@@ -329,6 +329,54 @@ def default_predictor(ref: ModelRef, options: LoadOptions, gpus: list[str],
             DETAILED: estimate_detailed(ref.info, options, gpus, split)}
 
 
+@dataclass
+class FitPlan:
+    """Whether a model fits now, the one computation behind every verdict (the scheduler's
+    own decision, ``/api/estimate``, the picker, the panel and ``%llama estimate``).
+
+    ``devices`` maps each device the prediction uses to ``need`` (the deciding estimate, with
+    its margin), ``available`` (what may still be planned with there: free memory less GPU
+    overhead, capped by the budget less what loaded models use), ``in_use``, ``budget``,
+    ``checked`` (whether the verdict looks at it: with automatic placement llama.cpp's --fit
+    keeps each accelerator within the room it was given, so only the host is checked) and
+    ``fits``. ``verdict`` is ``fits``, ``evict`` (``evict`` names the models a load now would
+    unload, in order), ``first`` (it may not fit but nothing else is loaded, so it gets to
+    try), ``over_budget`` (alone it needs more than a budget: refused) or ``refuse`` (nothing
+    that may be evicted would make room).
+    """
+
+    model: str
+    estimator: str
+    devices: dict[str, dict]
+    cap: int
+    others: int
+    verdict: str
+    evict: list[str] = field(default_factory=list)
+    workers: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict == "fits"
+
+    @property
+    def short(self) -> dict[str, int]:
+        """Bytes missing per checked device."""
+        return {d: n["need"] - n["available"] for d, n in self.devices.items() if n["checked"] and not n["fits"]}
+
+    @property
+    def over_cap(self) -> bool:
+        return self.others >= self.cap
+
+    def words(self, only: Iterable[str] | None = None) -> str:
+        keep = set(only) if only is not None else None
+        return _fit_words({d: n for d, n in self.devices.items() if keep is None or d in keep}, self.estimator)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "estimator": self.estimator, "verdict": self.verdict, "fits": self.fits,
+                "devices": self.devices, "cap": self.cap, "loaded": self.others, "over_cap": self.over_cap,
+                "evict": list(self.evict), "workers": list(self.workers), "text": self.words()}
+
+
 class Scheduler:
     """Loads, fits, evicts and unloads llama-server runners. See the module docstring."""
 
@@ -479,15 +527,19 @@ class Scheduler:
         opts = self.effective_options(options or LoadOptions(), ref)
         lo = next((x for x in self.loaded.values() if x.ref.key == ref.key and x.state != "gone"), None)
         same = lo is not None and lo.state in ("ready", "unloading") and not lo.matches(opts)
+        inv = await self.inventory()
+        used = self.usage()
+        if lo is not None:  # would it fit if it were loaded afresh: its own runner not counted
+            for d, n in lo.charge.by_device().items():
+                used[d] = max(0, used.get(d, 0) - n)
         if same:
             opts, estimates, actual = lo.options, dict(lo.predictions), lo.actual
         else:
-            inv = await self.inventory()
-            opts, planned = await asyncio.to_thread(self.plan, ref, opts, inv, self.usage())
+            opts, planned = await asyncio.to_thread(self.plan, ref, opts, inv, used)
             estimates = await est.with_projection_async(planned, engine, ref.path, opts)
             actual = None
         return {"ref": ref, "options": opts, "estimates": estimates, "actual": actual, "loaded": lo,
-                "same_options": same}
+                "same_options": same, "fit": self.fit(ref, opts, estimates, inv, used)}
 
     async def shutdown(self) -> None:
         """Stop every child and wait for them."""
@@ -662,7 +714,7 @@ class Scheduler:
                 used[dev] += n
         return dict(used)
 
-    def _available(self, inv: devmod.Inventory, used: dict[str, int]) -> dict[str, tuple[int, int | None]]:
+    def available(self, inv: devmod.Inventory, used: dict[str, int]) -> dict[str, tuple[int, int | None]]:
         """Per device: (bytes we may still plan with, the budget if one is set)."""
         out = {}
         for d in inv.devices():
@@ -791,6 +843,58 @@ class Scheduler:
             return "mmproj"
         return None
 
+    def fit(self, ref: ModelRef, placed: LoadOptions, preds: dict[str, MemoryReport], inv: devmod.Inventory,
+            used: dict[str, int]) -> FitPlan:
+        """The :class:`FitPlan` for loading ``ref`` as ``placed`` with ``preds``, given the
+        devices and what loaded models use (this model's own runner not counted). Pure: it
+        decides nothing and unloads nothing; the eviction it names is a dry run of the rule."""
+        fit_source = self.settings.fit_estimator if self.settings.fit_estimator in preds else COARSE
+        need = self._need(preds, fit_source)
+        cap = self.max_loaded(len(inv.accelerators(include_unusable=True)))
+        others = [lo for lo in self.loaded.values() if lo.state in ("ready", "loading") and lo.ref.key != ref.key]
+        checked = {HOST} if placed.fit_target_mib is not None else set(need.devices)
+
+        def numbers(usage: dict[str, int]) -> dict[str, dict]:
+            avail = self.available(inv, usage)
+            out = {}
+            for d in need.devices:
+                n, a = need.total(device=d), avail.get(d, (0, None))
+                out[d] = {"need": n, "available": a[0], "in_use": usage.get(d, 0), "budget": a[1],
+                          "checked": d in checked, "fits": d not in checked or n <= a[0]}
+            return out
+
+        devices = numbers(used)
+        plan = FitPlan(ref.name, need.source, devices, cap, len(others), "fits", workers=list(placed.rpc or ()))
+        if not plan.short and not plan.over_cap:
+            return plan
+        if not others:
+            over = any(n["checked"] and n["budget"] is not None and n["need"] > n["budget"] for n in devices.values())
+            plan.verdict = "over_budget" if over else "first"
+            return plan
+        # A dry run of the eviction rule: who would go, in order, until the model fits.
+        usage, count = dict(used), len(others)
+        for victim in self._eviction_order(ref):
+            plan.evict.append(victim.name)
+            for d, n in victim.charge.by_device().items():
+                usage[d] = max(0, usage.get(d, 0) - n)
+            count -= 1
+            trial = numbers(usage)
+            if all(n["fits"] for n in trial.values()) and count < cap:
+                plan.verdict = "evict"
+                return plan
+        plan.verdict = "refuse"
+        return plan
+
+    def _eviction_order(self, ref: ModelRef) -> list[Loaded]:
+        """The order :meth:`_choose_victim` would pick victims in, if nothing changed meanwhile."""
+        candidates = [lo for lo in self.loaded.values() if lo.state == "ready" and lo.ref.key != ref.key]
+        unpinned = sorted((lo for lo in candidates if not lo.pinned), key=lambda lo: (lo.keep_alive, lo.ref.path))
+        pinned = sorted((lo for lo in candidates if lo.pinned), key=lambda lo: lo.ref.path)
+        order: list[Loaded] = []
+        for group in (unpinned, pinned if self.settings.evict_pinned else []):
+            order += [lo for lo in group if lo.refcount == 0] + [lo for lo in group if lo.refcount > 0]
+        return order
+
     async def _make_room(self, ref: ModelRef, options: LoadOptions) -> tuple[LoadOptions, dict[str, MemoryReport], str]:
         """Evict until the load fits (or refuse); returns the placed options, the predictions
         and the estimator that decided. The placement is planned again after each eviction:
@@ -800,45 +904,34 @@ class Scheduler:
             used = self.usage()
             placed, preds = await asyncio.to_thread(self.plan, ref, options, inv, used)
             fit_source = self.settings.fit_estimator if self.settings.fit_estimator in preds else COARSE
-            need = self._need(preds, fit_source)
-            cap = self.max_loaded(len(inv.accelerators(include_unusable=True)))
-            others = [lo for lo in self.loaded.values() if lo.state in ("ready", "loading")]
-            avail = self._available(inv, used)
-            # With automatic placement llama.cpp's --fit keeps each accelerator within the room we
-            # gave it (its --fit-target, measured by llama.cpp itself): only the host is checked.
-            # With num_gpu set, every device is; after the load, the actual figures are.
-            checked = [HOST] if placed.fit_target_mib is not None else need.devices
-            short = {d: need.total(device=d) - avail.get(d, (0, None))[0] for d in checked
-                     if need.total(device=d) > avail.get(d, (0, None))[0]}
-            numbers = {d: {"need": need.total(device=d), "available": avail.get(d, (0, None))[0],
-                           "in_use": used.get(d, 0), "budget": avail.get(d, (0, None))[1]} for d in need.devices}
-            over_cap = len(others) >= cap
-            if not short and not over_cap:
-                self.events.emit("fit", ref.name, "fits: " + _fit_words(numbers, need.source), fits=True,
-                                 estimator=need.source, devices=numbers, workers=list(placed.rpc or ()),
+            plan = self.fit(ref, placed, preds, inv, used)
+            numbers = {d: {k: n[k] for k in ("need", "available", "in_use", "budget")} for d, n in plan.devices.items()}
+            if plan.fits:
+                self.events.emit("fit", ref.name, "fits: " + plan.words(), fits=True, estimator=plan.estimator,
+                                 devices=numbers, workers=plan.workers,
                                  predicted={k: v.total() for k, v in preds.items()})
                 return placed, preds, fit_source
-            if not others:
-                over_budget = {d: n for d, n in numbers.items() if d in checked and n["budget"] is not None
-                               and n["need"] > n["budget"]}
-                if over_budget:
-                    d, n = next(iter(over_budget.items()))
-                    msg = (f"{ref.name} needs {format_bytes(n['need'])} on {d} ({need.source} estimate) but the budget "
-                           f"there is {format_bytes(n['budget'])}; raise JUPYTER_LLAMA_MEMORY_LIMIT, or load it with a "
-                           "smaller context (num_ctx) or a smaller quantisation")
-                    self.events.emit("fit", ref.name, "does not fit: " + msg, fits=False, devices=numbers)
-                    raise DoesNotFit(msg)
-                self.events.emit("fit", ref.name, "may not fit (" + _fit_words(numbers, need.source)
-                                 + "), but no other model is loaded: the first model always gets to try",
-                                 fits=False, devices=numbers, workers=list(placed.rpc or ()))
+            if plan.verdict == "over_budget":
+                d, n = next((d, n) for d, n in plan.devices.items()
+                            if n["checked"] and n["budget"] is not None and n["need"] > n["budget"])
+                msg = (f"{ref.name} needs {format_bytes(n['need'])} on {d} ({plan.estimator} estimate) but the budget "
+                       f"there is {format_bytes(n['budget'])}; raise JUPYTER_LLAMA_MEMORY_LIMIT, or load it with a "
+                       "smaller context (num_ctx) or a smaller quantisation")
+                self.events.emit("fit", ref.name, "does not fit: " + msg, fits=False, devices=numbers)
+                raise DoesNotFit(msg)
+            if plan.verdict == "first":
+                self.events.emit("fit", ref.name, "may not fit (" + plan.words() + "), but no other model is "
+                                 "loaded: the first model always gets to try", fits=False, devices=numbers,
+                                 workers=plan.workers)
                 return placed, preds, fit_source
-            reason = (f"the loaded-model cap ({cap}) is reached" if over_cap and not short else
-                      "not enough memory: " + _fit_words({d: numbers[d] for d in short}, need.source))
+            short = plan.short
+            reason = (f"the loaded-model cap ({plan.cap}) is reached" if plan.over_cap and not short else
+                      "not enough memory: " + plan.words(short))
             self._refuse_if_only_pinned_help(ref, short, reason)
             victim, rule = self._choose_victim(ref, reason)
             self.events.emit("evict", victim.name, f"evicting {victim.name} to make room for {ref.name}: {reason}; "
                              f"chosen because {rule}", victim=victim.name, for_model=ref.name, rule=rule,
-                             devices=numbers, over_cap=over_cap)
+                             devices=numbers, over_cap=plan.over_cap)
             await self._unload(victim, f"evicted for {ref.name}", rule="evict")
 
     def _refuse_if_only_pinned_help(self, ref: ModelRef, short: dict[str, int], reason: str) -> None:

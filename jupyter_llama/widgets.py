@@ -68,7 +68,6 @@ __all__ = [
 
 ACTUAL = "actual"
 FOREVER_S = 50 * 365 * 86400  # expires_at further away than this: kept loaded for good
-SAFETY_MARGIN = 0.10  # the scheduler adds this to the detailed estimate when it checks fit
 
 # colours (colour-blind safe pairs from the Tableau palette)
 C_ACTUAL = "#4e79a7"
@@ -208,72 +207,63 @@ def load_options(num_ctx: int | None = None, gpu_mode: str = GPU_AUTO, gpu_layer
     return opts
 
 
-def _device_room(devices: Mapping, exclude: set[str] = frozenset()) -> dict[str, dict]:
-    """Per device what a new model may still use, computed as the scheduler does:
-    ``min(free - GPU overhead, (budget or total) - used by loaded models)``."""
-    used: dict[str, int] = {}
-    for lo in devices.get("loaded") or []:
-        if lo.get("name") in exclude:
-            continue
-        for d, n in (lo.get("by_device") or {}).items():
-            used[d] = used.get(d, 0) + int(n)
+def _device_room(devices: Mapping) -> dict[str, dict]:
+    """Per device of ``/api/devices``: its figures, what loaded models use (the server's
+    ``usage``) and what a new model may still use there (the scheduler's ``available``,
+    absent when no scheduler runs). Nothing is computed here."""
+    usage = devices.get("usage") or {}
     out = {}
     for d in devices.get("devices") or []:
         dev = d.get("id")
-        total, free = int(d.get("total") or 0), int(d.get("free") or 0)
-        budget = d.get("budget")
-        overhead = int(d.get("overhead") or 0) if dev != "cpu" else 0
-        ceiling = int(budget) if budget is not None else total
-        out[dev] = {"name": d.get("name") or dev, "total": total, "free": free, "budget": budget,
-                    "overhead": overhead, "used": used.get(dev, 0),
-                    "available": max(0, min(free - overhead, ceiling - used.get(dev, 0)))}
+        out[dev] = {"name": d.get("name") or dev, "total": int(d.get("total") or 0), "free": int(d.get("free") or 0),
+                    "budget": d.get("budget"), "overhead": int(d.get("overhead") or 0) if dev != "cpu" else 0,
+                    "used": int(usage.get(dev, 0)), "available": d.get("available"),
+                    "state": ("unreachable" if d.get("reachable") is False else "held" if d.get("held_by")
+                              else "ready"), "held_by": d.get("held_by"), "error": d.get("error")}
     return out
 
 
-def fit_summary(estimate: Mapping, devices: Mapping, *, estimator: str = DETAILED,
-                margin: float = SAFETY_MARGIN) -> dict:
-    """Predicted memory for one model and set of options, per device, against what is available.
+def fit_summary(estimate: Mapping, devices: Mapping | None = None) -> dict:
+    """``/api/estimate``'s answer in rows and words: per device the predictions of each source
+    and the scheduler's fit plan for it (what it needs with the estimator and margin the
+    scheduler really uses, what is available, the verdict, what a load would evict).
 
-    ``estimate`` is ``/api/estimate``'s answer, ``devices`` ``/api/devices``'. The fit verdict
-    uses ``estimator`` (the scheduler's default: ``detailed`` plus ``margin``; falls back to
-    ``coarse``), against the room the scheduler would see: free memory (less GPU overhead),
-    capped by the budget less what other loaded models use. Returns
-    ``{"model", "fits", "estimator", "n_ctx", "layers", "devices": [rows], "text", "warnings"}``;
-    each row has ``device, coarse, detailed, llama_cpp, need, available, budget, fits``.
+    The verdict is the scheduler's (``estimate["fit"]``); without a scheduler (no engine yet)
+    there is none, and ``fits`` is None. ``devices`` (``/api/devices``) only says which
+    devices this machine has. Returns ``{"model", "fits", "verdict", "estimator", "n_ctx",
+    "layers", "devices": [rows], "evict", "text", "warnings"}``; each row has ``device, coarse,
+    detailed, llama_cpp, need, available, budget, used, known, checked, fits``.
     """
     ests = estimate.get("estimates") or {}
-    source = estimator if estimator in ests else (COARSE if COARSE in ests else next(iter(ests), None))
-    loaded = estimate.get("loaded") or {}
-    exclude = {loaded.get("name")} if loaded.get("name") else set()
-    room = _device_room(devices, exclude)
+    fit = estimate.get("fit") or {}
+    plan = fit.get("devices") or {}
+    known = {d.get("id") for d in (devices or {}).get("devices") or []}
     per = {src: _report_by_device(rep) for src, rep in ests.items()}
-    factor = 1.0 + margin if source == DETAILED and margin else 1.0
-    label = f"{source}+{margin:.0%}" if factor != 1.0 else (source or "none")
-    need_by_dev = {d: int(round(n * factor)) for d, n in per.get(source, {}).items()} if source else {}
     rows = []
-    for dev in _device_order(list(need_by_dev) + [d for src in per.values() for d in src]):
-        r = room.get(dev)
-        need = need_by_dev.get(dev, 0)
-        available = r["available"] if r else 0
+    for dev in _device_order(list(plan) + [d for src in per.values() for d in src]):
+        n = plan.get(dev) or {}
         rows.append({
             "device": dev,
             "coarse": per.get(COARSE, {}).get(dev),
             "detailed": per.get(DETAILED, {}).get(dev),
             "llama_cpp": per.get(LLAMA_CPP, {}).get(dev),
-            "need": need,
-            "available": available,
-            "budget": r["budget"] if r else None,
-            "used": r["used"] if r else 0,
-            "known": r is not None,
-            "fits": need <= available,
+            "need": n.get("need"),
+            "available": n.get("available"),
+            "budget": n.get("budget"),
+            "used": n.get("in_use", 0),
+            "known": dev in known if known else n.get("available") is not None,
+            "checked": n.get("checked", False),
+            "fits": n.get("fits"),
         })
-    fits = bool(rows) and all(r["fits"] for r in rows)
-    main = ests.get(source) or {}
+    source = fit.get("estimator") or (DETAILED if DETAILED in ests else next(iter(ests), None))
+    main = ests.get(DETAILED) or ests.get(COARSE) or {}
     n_ctx = main.get("n_ctx") or (estimate.get("options") or {}).get("num_ctx")
     lo, lt = main.get("layers_offloaded"), main.get("layers_total")
     warnings = [w for rep in ests.values() for w in (rep.get("warnings") or [])]
-    summary = {"model": estimate.get("model"), "fits": fits, "estimator": label, "n_ctx": n_ctx,
-               "layers": f"{lo}/{lt}" if lo is not None and lt else None,
+    loaded = estimate.get("loaded") or {}
+    summary = {"model": estimate.get("model"), "fits": fit.get("fits") if fit else None,
+               "verdict": fit.get("verdict"), "estimator": source or "none", "n_ctx": n_ctx,
+               "layers": f"{lo}/{lt}" if lo is not None and lt else None, "evict": list(fit.get("evict") or []),
                "already_loaded": loaded.get("name"), "devices": rows, "warnings": warnings,
                "totals": {src: sum(v.values()) for src, v in per.items()}}
     summary["text"] = _fit_words(summary)
@@ -285,21 +275,25 @@ def _fit_words(s: dict) -> str:
         return f"No memory prediction for {s['model']}."
     ctx = f" with context {s['n_ctx']}" if s.get("n_ctx") else ""
     totals = s["totals"]
-    pred = []
-    for src in (DETAILED, COARSE, LLAMA_CPP):
-        if src in totals:
-            pred.append(f"{src} {format_bytes(totals[src])}")
+    pred = [f"{src} {format_bytes(totals[src])}" for src in (DETAILED, COARSE, LLAMA_CPP) if src in totals]
     head = f"{s['model']}{ctx} is predicted to need " + ", ".join(pred) + "."
     if s.get("layers"):
         head += f" GPU layers {s['layers']}."
+    if s.get("verdict") is None:
+        return head + " (No scheduler is running here, so there is no fit verdict.)"
     parts = []
     for r in s["devices"]:
+        if r["need"] is None or not r["checked"]:
+            continue
         budget = f", budget {format_bytes(r['budget'])}" if r["budget"] is not None else ""
         where = r["device"] if r["known"] else f"{r['device']} (not on this machine)"
         parts.append(f"{where} needs {format_bytes(r['need'])} ({s['estimator']}) of "
-                     f"{format_bytes(r['available'])} available{budget}")
-    verdict = "Fits" if s["fits"] else "Does not fit"
-    tail = f"{verdict}: " + "; ".join(parts) + "."
+                     f"{format_bytes(r['available'] or 0)} available{budget}")
+    verdict = {"fits": "Fits", "evict": "Fits after evicting " + ", ".join(s["evict"]),
+               "first": "May not fit, but nothing else is loaded: it gets to try",
+               "over_budget": "Does not fit (over the budget)",
+               "refuse": "Does not fit, and evicting would not make room"}.get(s["verdict"], s["verdict"])
+    tail = f"{verdict}: " + "; ".join(parts) + "." if parts else f"{verdict}."
     if s.get("already_loaded"):
         tail += f" ({s['already_loaded']} is loaded now.)"
     return f"{head} {tail}"
@@ -387,6 +381,7 @@ def device_rows(devices: Mapping | None) -> list[dict]:
         cap = r["budget"] if r["budget"] is not None else r["total"]
         rows.append({"device": dev, "name": r["name"], "total": r["total"], "free": r["free"],
                      "budget": r["budget"], "used": r["used"], "available": r["available"],
+                     "state": r["state"], "held_by": r["held_by"], "error": r["error"],
                      "capacity": cap, "used_pct": (100.0 * r["used"] / cap) if cap else 0.0})
     return rows
 
@@ -417,14 +412,21 @@ def _fmt(n: int | None) -> str:
 def render_fit(summary: Mapping) -> str:
     """Plain words and a small table for :func:`fit_summary`'s result."""
     ok = summary.get("fits")
-    colour = C_OK if ok else C_BAD
-    verdict = "fits" if ok else "does not fit"
+    v = summary.get("verdict")
+    colour = C_OK if ok or v == "evict" else C_MUTED if v in (None, "first") else C_BAD
+    verdict = {"fits": "fits", "evict": "fits after evicting", "first": "may not fit", None: "no verdict"}.get(
+        v, "does not fit")
+
+    def cell(r):
+        if r["fits"] is None or not r.get("checked"):
+            return f"<td style='{_TD};color:{C_MUTED}'>{'' if r['fits'] is None else 'not checked'}</td>"
+        return f"<td style='{_TD};color:{C_OK if r['fits'] else C_BAD}'>{'fits' if r['fits'] else 'does not fit'}</td>"
+
     rows = "".join(
         f"<tr><td style='{_TD};text-align:left'>{_e(r['device'])}</td><td style='{_TD}'>{_fmt(r['coarse'])}</td>"
         f"<td style='{_TD}'>{_fmt(r['detailed'])}</td><td style='{_TD}'>{_fmt(r['llama_cpp'])}</td>"
         f"<td style='{_TD}'><b>{_fmt(r['need'])}</b></td><td style='{_TD}'>{_fmt(r['available'])}</td>"
-        f"<td style='{_TD}'>{_fmt(r['budget'])}</td>"
-        f"<td style='{_TD};color:{C_OK if r['fits'] else C_BAD}'>{'fits' if r['fits'] else 'does not fit'}</td></tr>"
+        f"<td style='{_TD}'>{_fmt(r['budget'])}</td>{cell(r)}</tr>"
         for r in summary.get("devices") or [])
     table = (f"<table style='{_TABLE}'><tr><th style='{_TH};text-align:left'>device</th><th style='{_TH}'>coarse</th>"
              f"<th style='{_TH}'>detailed</th><th style='{_TH}'>llama.cpp</th>"
@@ -484,9 +486,13 @@ def render_devices(rows: Iterable[Mapping], n_models: int = 0) -> str:
     out = []
     for r in rows:
         budget = f"budget {_fmt(r['budget'])}" if r["budget"] is not None else "no budget"
-        words = (f"{_fmt(r['used'])} used by loaded models of {_fmt(r['capacity'])} "
-                 f"({'budget' if r['budget'] is not None else 'total'}); {_fmt(r['free'])} free; {budget}; "
-                 f"{_fmt(r['available'])} left to plan with")
+        if r.get("state") == "unreachable":
+            words = f"unreachable: {r.get('error') or 'the worker did not answer'}; left out of placement"
+        else:
+            room = (f"in use by {r.get('held_by')} (a worker serves one model at a time)" if r.get("state") == "held"
+                    else f"{_fmt(r['available'])} left to plan with")
+            words = (f"{_fmt(r['used'])} used by loaded models of {_fmt(r['capacity'])} "
+                     f"({'budget' if r['budget'] is not None else 'total'}); {_fmt(r['free'])} free; {budget}; {room}")
         out.append(f"<div style='display:flex;gap:8px;align-items:center;font-size:12px'>"
                    f"<div style='width:60px'><b>{_e(r['device'])}</b></div>"
                    f"<div style='flex:1'>{_bar(r['used_pct'], colour='#76b7b2')}</div>"

@@ -838,6 +838,10 @@ class DevicesHandler(LlamaHandler):
             loaded = [{"name": lo.name, "state": lo.state, "source": lo.charge.source,
                        "by_device": lo.charge.by_device()} for lo in list(sched.loaded.values()) if lo.state != "gone"]
         body = inv.to_dict()
+        if sched is not None:  # what a new model may still use on each device: the scheduler's own figure
+            room = sched.available(inv, usage)
+            for d in body.get("devices", []):
+                d["available"] = room.get(d["id"], (None, None))[0]
         body["usage"] = usage
         body["loaded"] = loaded
         body["text"] = devmod.format_inventory(inv)
@@ -886,7 +890,8 @@ class EstimateHandler(LlamaHandler):
             ref = await self.ext.store.resolve(name)
             inv = await asyncio.to_thread(devmod.inventory)
             estimates = await est.estimate_all_async(ref.info, opts, [d.id for d in inv.accelerators()])
-            res = {"options": opts, "estimates": estimates, "actual": None, "loaded": None, "same_options": False}
+            res = {"options": opts, "estimates": estimates, "actual": None, "loaded": None, "same_options": False,
+                   "fit": None}
         lo, actual = res["loaded"], res["actual"]
         out: dict[str, Any] = {
             "model": name, "options": res["options"].to_dict(),
@@ -896,6 +901,7 @@ class EstimateHandler(LlamaHandler):
                 "same_options": res["same_options"],
                 "predictions": {k: v.to_dict() for k, v in lo.predictions.items()}},
             "actual": actual.to_dict() if actual else None,
+            "fit": res["fit"].to_dict() if res["fit"] is not None else None,
             "table": est.format_estimates(res["estimates"], actual),
         }
         self.finish(dumps(out))

@@ -11,7 +11,7 @@
 /** Bytes per component on one device (``MemoryReport.to_dict()["devices"][dev]``). */
 export type Components = { [component: string]: number };
 
-/** One memory report: a prediction (coarse, detailed, llama_cpp) or the actual figures. */
+/** One memory report: a prediction (coarse, detailed, llama.cpp) or the actual figures. */
 export interface IMemoryReport {
   source?: string;
   devices?: { [device: string]: Components };
@@ -81,6 +81,8 @@ export interface IDevice {
   error?: string | null;
   /** The loaded model holding this worker (a worker serves one llama-server at a time). */
   held_by?: string | null;
+  /** What a new model may still use here: the scheduler's own figure (absent without one). */
+  available?: number | null;
 }
 
 /** ``GET api/devices``. */
@@ -127,7 +129,7 @@ export interface IPullStatus {
 export const ACTUAL = 'actual';
 export const DETAILED = 'detailed';
 export const COARSE = 'coarse';
-export const LLAMA_CPP = 'llama_cpp';
+export const LLAMA_CPP = 'llama.cpp'; // the source name the server uses (memory/report.py)
 
 /** An ``expires_at`` further away than this means "kept loaded for good". */
 export const FOREVER_S = 50 * 365 * 86400;
@@ -405,7 +407,8 @@ export interface IDeviceRow {
   budget: number | null;
   overhead: number;
   used: number;
-  available: number;
+  /** From the scheduler; null when none runs. */
+  available: number | null;
   capacity: number;
   capacityKind: 'budget' | 'total';
   usedPct: number;
@@ -433,7 +436,8 @@ function deviceRoom(devices: IDevices | null | undefined): Map<string, IDeviceRo
     const overhead = id === 'cpu' ? 0 : Number(d.overhead) || 0;
     const u = used.get(id) ?? 0;
     const capacity = budget !== null ? budget : total;
-    const available = Math.max(0, Math.min(free - overhead, capacity - u));
+    // The scheduler's figure, never recomputed here (one fit computation, on the server).
+    const available = d.available === null || d.available === undefined ? null : Number(d.available);
     const capacityKind = budget !== null ? 'budget' : 'total';
     const state: IDeviceRow['state'] =
       d.reachable === false ? 'unreachable' : d.held_by ? 'held' : 'ready';
@@ -448,7 +452,9 @@ function deviceRoom(devices: IDevices | null | undefined): Map<string, IDeviceRo
         (overhead ? ` · ${formatBytes(overhead)} kept free` : '') +
         (state === 'held'
           ? ` · in use by ${heldBy} (figures from before it loaded; a worker serves one model at a time)`
-          : ` · ${formatBytes(available)} left to plan with`);
+          : available !== null
+            ? ` · ${formatBytes(available)} left to plan with`
+            : '');
     }
     out.set(id, {
       device: id,

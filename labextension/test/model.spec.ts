@@ -190,7 +190,7 @@ describe('loaded models', () => {
     const dev: IDevices = {
       devices: [
         { id: 'cpu', total: 64 * GiB, free: 60 * GiB },
-        { id: 'cuda:0', name: 'H100', total: 80 * GiB, free: 70 * GiB, budget: 8 * GiB, overhead: GiB }
+        { id: 'cuda:0', name: 'H100', total: 80 * GiB, free: 70 * GiB, budget: 8 * GiB, overhead: GiB, available: 4 * GiB }
       ],
       loaded: [{ name: 'big', by_device: { 'cuda:0': 4 * GiB, cpu: GiB } }]
     };
@@ -209,8 +209,9 @@ describe('loaded models', () => {
     expect(g.capacity).toBe(8 * GiB);
     expect(g.used).toBe(4 * GiB);
     expect(g.usedPct).toBe(50);
-    // min(free - overhead, budget - used) = min(69, 4) GiB
-    expect(g.available).toBe(4 * GiB);
+    expect(g.available).toBe(4 * GiB); // the scheduler's figure, as given
+    expect(c.available).toBeNull(); // none given: no figure is made up
+    expect(c.text).not.toContain('left to plan with');
     expect(c.capacityKind).toBe('total');
     expect(loadedRows({ models: [{ name: 'x', size_vram: 1, layers_total: 10 }] }, null, 0)[0].layers).toBe('?');
     expect(loadedRows({ models: [{ name: 'x', layers_total: 10 }] }, null, 0)[0].layers).toBe('0/10');
@@ -227,7 +228,8 @@ describe('devices and status bar', () => {
     const MiB = 1024 ** 2;
     const dev: IDevices = {
       devices: [
-        { id: 'rpc:127.0.0.1:50061', kind: 'rpc', total: 100 * MiB, free: 90 * MiB, budget: 64 * MiB, reachable: true },
+        { id: 'rpc:127.0.0.1:50061', kind: 'rpc', total: 100 * MiB, free: 90 * MiB, budget: 64 * MiB, reachable: true,
+          available: 64 * MiB },
         { id: 'rpc:127.0.0.1:50062', kind: 'rpc', total: 0, free: 0, budget: null, reachable: false,
           error: 'connection refused' },
         { id: 'rpc:127.0.0.1:50063', kind: 'rpc', total: 100 * MiB, free: 80 * MiB, budget: null, reachable: true,

@@ -55,6 +55,7 @@ def test_lifecycle_through_the_cli(manager, tmp_path):
     est = cli(env, "estimate", "tiny", "--num-ctx", "512")
     assert est.returncode == 0, est.stderr
     assert "coarse" in est.stdout and "detailed" in est.stdout
+    assert "\nfit (detailed+10%): fits\n" in est.stdout, est.stdout  # the scheduler's verdict, as a load would act
 
     assert cli(env, "stop", "tiny").returncode == 0
     assert loaded() == set()

@@ -144,6 +144,37 @@ async def test_oversized_model_evicts_idle_ones_and_budget_is_never_exceeded(mak
     assert fit.data["fits"] and fit.data["devices"]["cpu"]["budget"] == budget
 
 
+async def test_the_fit_plan_is_the_verdict_the_load_acts_on(make_scheduler, small_models, make_model):
+    """``estimate()['fit']`` (what /api/estimate, the picker and the panel show) is the same
+    computation the load then runs: same need, same room, same verdict, same victims."""
+    small_actual, small_need = await measure_actual(make_scheduler, small_models[0])
+    big = str(make_model("big2", layers=4, embd=256, heads=4, kv_heads=2, ctx=2048, seed=8))
+    big_actual, big_need = await measure_actual(make_scheduler, big)
+    # both small ones fit; the big one fits beside one of them, not beside both
+    budget = max(small_actual, small_need) + max(big_actual, big_need) + small_actual // 4
+    sched = make_scheduler(budget=budget, max_loaded_models=4)
+    await sched.load(small_models[0], OPTS, keep_alive=30)
+    await sched.load(small_models[1], OPTS, keep_alive=60)
+    plan = (await sched.estimate(big, OPTS))["fit"]
+    cpu = plan.devices["cpu"]
+    used = sum(p["size"] for p in sched.ps())
+    assert plan.estimator == "detailed+10%" and cpu["budget"] == budget and cpu["in_use"] == used
+    assert cpu["available"] == budget - used and cpu["need"] > cpu["available"] and not cpu["fits"]
+    assert plan.verdict == "evict" and plan.evict[0] == small_models[0], "shortest keep_alive first"
+    # an already loaded model is planned without its own memory counted against it
+    again = (await sched.estimate(small_models[1], OPTS))["fit"]
+    assert again.devices["cpu"]["in_use"] == used - next(p["size"] for p in sched.ps() if p["path"] == small_models[1])
+
+    await sched.load(big, OPTS)
+    evicted = [e.data["victim"] for e in sched.events.history if e.kind == "evict"]
+    assert evicted == plan.evict, (evicted, plan.evict)
+    fit_event = [e for e in sched.events.history if e.kind == "fit" and e.model == big][-1]
+    assert fit_event.data["estimator"] == plan.estimator
+
+    coarse = make_scheduler(budget=budget, fit_estimator="coarse")
+    assert (await coarse.estimate(big, OPTS))["fit"].estimator == "coarse", "the configured estimator, no margin"
+
+
 async def test_model_larger_than_the_budget_is_refused_with_numbers(make_scheduler, small_models):
     sched = make_scheduler(budget=64 * 1024)
     with pytest.raises(DoesNotFit, match=r"budget there is 64\.0 KiB.*JUPYTER_LLAMA_MEMORY_LIMIT"):

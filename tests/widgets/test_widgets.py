@@ -74,9 +74,9 @@ def _report(source, **by_dev):
             "warnings": []}
 
 
-def _devices(free=20 * 1024 * MiB, budget=None, loaded=(), gpus=()):
+def _devices(free=20 * 1024 * MiB, budget=None, loaded=(), gpus=(), available=None):
     devs = [{"id": "cpu", "name": "host memory", "total": 24 * 1024 * MiB, "free": free, "budget": budget,
-             "overhead": 0, "usable": free}]
+             "overhead": 0, "usable": free, "available": available}]
     for gid, total, gfree, overhead in gpus:
         devs.append({"id": gid, "name": "GPU", "total": total, "free": gfree, "budget": None, "overhead": overhead,
                      "usable": gfree - overhead})
@@ -114,50 +114,49 @@ def test_load_options_map_the_fields():
     assert load_options(0, "auto", num_predict=5) == {"num_predict": 5}
 
 
-def test_fit_summary_fits_with_numbers():
+def _fit(verdict, estimator="detailed+10%", evict=(), **devices):
+    """A fit plan as /api/estimate returns it (the scheduler computes it; the widget renders it)."""
+    devs = {d: dict(need=n[0], available=n[1], in_use=n[2] if len(n) > 2 else 0, budget=n[3] if len(n) > 3 else None,
+                    checked=True, fits=n[0] <= n[1]) for d, n in devices.items()}
+    return {"estimator": estimator, "verdict": verdict, "fits": verdict == "fits", "devices": devs,
+            "evict": list(evict)}
+
+
+def test_fit_summary_renders_the_schedulers_plan():
     est = {"model": "tiny", "options": {"num_ctx": 1024},
            "estimates": {"coarse": _report("coarse", cpu=1 * MiB), "detailed": _report("detailed", cpu=4 * MiB)},
-           "loaded": None}
+           "loaded": None, "fit": _fit("fits", cpu=(round(4.4 * MiB), 100 * MiB))}
     s = fit_summary(est, _devices(free=100 * MiB))
-    assert s["fits"] is True
-    assert s["estimator"] == "detailed+10%"
+    assert s["fits"] is True and s["verdict"] == "fits" and s["estimator"] == "detailed+10%"
     (row,) = s["devices"]
     assert row["device"] == "cpu" and row["detailed"] == 4 * MiB and row["coarse"] == 1 * MiB
-    assert row["need"] == round(4 * MiB * 1.1) and row["available"] == 100 * MiB
+    assert row["need"] == round(4.4 * MiB) and row["available"] == 100 * MiB
     assert "Fits: cpu needs 4.4 MiB (detailed+10%) of 100.0 MiB available" in s["text"]
     assert "with context 1024" in s["text"]
     html = render_fit(s)
     assert ">fits<" in html and "100.0 MiB" in html and "<table" in html
 
 
-def test_fit_summary_budget_and_other_models_limit_the_room():
-    est = {"model": "m", "estimates": {"detailed": _report("detailed", cpu=20 * MiB)}}
-    other = {"name": "other:latest", "by_device": {"cpu": 20 * MiB}}
-    # a budget of 32 MiB, of which another loaded model uses 20: 12 MiB left, 22 MiB needed
-    s = fit_summary(est, _devices(budget=32 * MiB, loaded=[other]))
-    assert s["fits"] is False
+def test_fit_summary_says_what_a_load_would_evict():
+    est = {"model": "m", "estimates": {"detailed": _report("detailed", cpu=20 * MiB)},
+           "fit": _fit("evict", evict=["other:latest"], cpu=(22 * MiB, 12 * MiB, 20 * MiB, 32 * MiB))}
+    s = fit_summary(est, _devices(budget=32 * MiB))
+    assert s["fits"] is False and s["evict"] == ["other:latest"]
     assert s["devices"][0]["available"] == 12 * MiB and s["devices"][0]["budget"] == 32 * MiB
-    assert "Does not fit: cpu needs 22.0 MiB (detailed+10%) of 12.0 MiB available, budget 32.0 MiB" in s["text"]
-    assert ">does not fit<" in render_fit(s)
-    # the model being estimated is itself loaded: its own memory does not count against it
-    est_loaded = dict(est, loaded={"name": "other:latest"})
-    assert fit_summary(est_loaded, _devices(budget=32 * MiB, loaded=[other]))["fits"] is True
-    # Ollama's coarse estimator, without the margin
-    s = fit_summary(dict(est, estimates={"coarse": _report("coarse", cpu=12 * MiB),
-                                         "detailed": _report("detailed", cpu=20 * MiB)}),
-                    _devices(budget=32 * MiB, loaded=[other]), estimator="coarse")
-    assert s["fits"] is True and s["estimator"] == "coarse" and s["devices"][0]["need"] == 12 * MiB
+    assert ("Fits after evicting other:latest: cpu needs 22.0 MiB (detailed+10%) of 12.0 MiB available, "
+            "budget 32.0 MiB") in s["text"]
+    assert ">fits after evicting<" in render_fit(s)
+    refused = fit_summary(dict(est, fit=_fit("refuse", cpu=(40 * MiB, 12 * MiB))), None)
+    assert "Does not fit, and evicting would not make room" in refused["text"]
+    assert ">does not fit<" in render_fit(refused)
 
 
-def test_fit_summary_gpu_overhead_and_missing_device():
+def test_fit_summary_without_a_scheduler_has_no_verdict():
     est = {"model": "m", "estimates": {"detailed": _report("detailed", cpu=MiB, **{"cuda:0": 900 * MiB})}}
-    devs = _devices(gpus=[("cuda:0", 8192 * MiB, 1000 * MiB, 100 * MiB)])
-    s = fit_summary(est, devs)
-    gpu = next(r for r in s["devices"] if r["device"] == "cuda:0")
+    s = fit_summary(est, _devices())
+    assert s["fits"] is None and s["verdict"] is None
     assert [r["device"] for r in s["devices"]] == ["cpu", "cuda:0"]
-    assert gpu["available"] == 900 * MiB and gpu["need"] == 990 * MiB and s["fits"] is False
-    s = fit_summary(est, _devices())  # no GPU on this machine
-    assert s["fits"] is False and "cuda:0 (not on this machine)" in s["text"]
+    assert "no fit verdict" in s["text"] and ">no verdict<" in render_fit(s)
 
 
 def test_parse_time_and_durations():
@@ -218,9 +217,10 @@ def test_panel_rows_from_ps_and_devices():
 
 
 def test_device_rows_and_events():
-    devs = device_rows(_devices(budget=32 * MiB, loaded=[{"name": "a", "by_device": {"cpu": 8 * MiB}}]))
+    devs = device_rows(_devices(budget=32 * MiB, loaded=[{"name": "a", "by_device": {"cpu": 8 * MiB}}],
+                                available=24 * MiB))
     assert devs[0]["used"] == 8 * MiB and devs[0]["capacity"] == 32 * MiB and devs[0]["used_pct"] == 25.0
-    assert devs[0]["available"] == 24 * MiB
+    assert devs[0]["available"] == 24 * MiB, "the scheduler's figure, shown as given"
     evs = [{"seq": i, "time": 1_000_000.0 + i, "kind": "load", "model": "m", "message": f"m{i}"} for i in range(1, 12)]
     rows = event_rows(evs, limit=3)
     assert [r["seq"] for r in rows] == [11, 10, 9]
