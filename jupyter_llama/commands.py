@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+from .models.names import same_model
+
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
@@ -377,17 +379,10 @@ def _call(fe: Frontend, func: Callable, *a, model: str | None = None, **kw):
         raise CommandError(str(e), code) from None
 
 
-def _same_model(listed: str | None, asked: str) -> bool:
-    """``tiny`` and ``tiny:latest`` name the same model."""
-    if not listed:
-        return False
-    return listed == asked or (":" not in asked and listed == f"{asked}:latest")
-
-
 def _placement(fe: Frontend, model: str) -> str:
     try:
         for m in fe.client().ps().get("models", []):
-            if _same_model(m.get("name"), model) or _same_model(m.get("model"), model):
+            if same_model(m.get("name"), model) or same_model(m.get("model"), model):
                 size, vram = m.get("size") or 0, m.get("size_vram") or 0
                 if not size or not vram:
                     return "CPU"
@@ -711,7 +706,7 @@ def describe_event(e: dict) -> str:
 def cmd_explain(args, fe: Frontend):
     events = _call(fe, fe.client().events, None, limit=max(args.limit, 1000) if args.model else args.limit)
     if args.model:  # `tiny` and `tiny:latest` are one model
-        events = [e for e in events if _same_model(e.get("model"), args.model)]
+        events = [e for e in events if same_model(e.get("model"), args.model)]
     if args.json:
         fe.json(events)
         return EXIT_OK

@@ -69,12 +69,6 @@ def _ordered_sources(reports: Mapping[str, MemoryReport]) -> list[str]:
     return known + [s for s in reports if s not in known]
 
 
-def error_percent(predicted: MemoryReport, actual: MemoryReport | None) -> float | None:
-    if actual is None or actual.total() == 0:
-        return None
-    return (predicted.total() - actual.total()) / actual.total() * 100.0
-
-
 def plot_memory(reports: Mapping[str, MemoryReport], *, title: str | None = None, model: str | None = None,
                 options: LoadOptions | None = None, engine: str | None = None, figsize=(8, 4.5)):
     """Stacked bars: one group per device, one bar per source, stacks per component.

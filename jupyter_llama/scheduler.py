@@ -27,7 +27,6 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 from . import config
@@ -116,12 +115,6 @@ class EventLog:
     def listen(self, maxsize: int = 1000) -> "Subscription":
         """Start receiving events now (registered before this returns, so nothing is missed)."""
         return Subscription(self, maxsize)
-
-    async def subscribe(self, maxsize: int = 1000) -> AsyncIterator[Event]:
-        with self.listen(maxsize) as sub:
-            while True:
-                yield await sub.get()
-
 
 class Subscription:
     """A live feed of events; use as a context manager, ``await get()`` each one."""
@@ -382,8 +375,7 @@ class Scheduler:
 
     def __init__(self, settings: SchedulerSettings, *, resolver: Resolver | None = None,
                  predictor: Predictor = default_predictor,
-                 inventory: Callable[[], devmod.Inventory] | None = None,
-                 default_options: LoadOptions | None = None):
+                 inventory: Callable[[], devmod.Inventory] | None = None):
         if not settings.binary:
             raise ConfigError("scheduler needs the path of a llama-server binary (settings.binary)")
         self.settings = settings
@@ -392,7 +384,6 @@ class Scheduler:
         # Workers are probed by the scheduler itself (it knows which ones its runners hold).
         self._inventory_fn = inventory or (lambda: devmod.inventory(workers=()))
         self._worker_status: dict[str, rpc.WorkerStatus] = {}  # last good probe per worker
-        self.default_options = default_options or LoadOptions()
         self.loaded: dict[str, Loaded] = {}
         self.events = EventLog()
         self._lock = asyncio.Lock()

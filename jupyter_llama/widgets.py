@@ -46,6 +46,7 @@ import ipywidgets as W
 
 from .client import AsyncLlamaClient, LlamaClient, LlamaError
 from .memory.report import COARSE, DETAILED, LLAMA_CPP, format_bytes
+from .models.names import same_model
 
 __all__ = [
     "ModelPicker",
@@ -1076,7 +1077,7 @@ class RunningPanel(W.VBox, _Actions):
 
     def row(self, name: str) -> _ModelRow | None:
         """The row widget of a loaded model (by ps name, or a name without ``:latest``)."""
-        return self._rows.get(name) or self._rows.get(f"{name}:latest")
+        return next((row for listed, row in self._rows.items() if same_model(listed, name)), None)
 
     # ------------------------------------------------------------------ unload
 

@@ -43,8 +43,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Iterable
+from dataclasses import dataclass
 
 from jupyter_llama.memory import rpc
 from jupyter_llama.memory.report import (ACTUAL, COMPUTE, KV, OUTPUT, RS, WEIGHTS, MemoryReport,
@@ -221,10 +220,6 @@ class LogParser:
             self.feed_text(line)
             return
         self._feed_one(line.rstrip("\r\n"))
-
-    def feed_lines(self, lines: Iterable[str]) -> None:
-        for line in lines:
-            self.feed(line)
 
     def _feed_one(self, line: str) -> None:
         if "\x1b" in line:

@@ -445,17 +445,10 @@ class Runner:
     async def post(self, path: str, payload: dict, timeout: float | None = None) -> dict:
         """A non-streaming request; returns the decoded JSON body."""
         self._check_ready()
-        for attempt in (1, 2):
-            try:
-                r = await self.client.post(self.url + path, json=payload, headers=self._headers(), timeout=timeout)
-                break
-            except httpx.RemoteProtocolError as e:
-                # A pooled keep-alive connection the child had already closed: nothing was
-                # processed, so one retry on a fresh connection is safe.
-                if attempt == 2 or not self.alive:
-                    raise await self._after_transport_error(e) from None
-            except httpx.HTTPError as e:
-                raise await self._after_transport_error(e) from None
+        try:  # a fresh connection each time (child_client keeps no pool), so nothing to retry
+            r = await self.client.post(self.url + path, json=payload, headers=self._headers(), timeout=timeout)
+        except httpx.HTTPError as e:
+            raise await self._after_transport_error(e) from None
         if r.status_code >= 400:
             raise RequestError(r.status_code, _error_text(r.text, r.status_code))
         return r.json()

@@ -202,6 +202,19 @@ def parse_name(text: str, default_tag: str = DEFAULT_TAG) -> ModelName:
     return ModelName(host, namespace, model, tag)
 
 
+def same_model(a: str | None, b: str | None) -> bool:
+    """Whether two names name the same model, as the registry resolves them: ``tiny``,
+    ``tiny:latest``, ``TINY:Latest`` and ``local/library/tiny:latest`` all do. The one place
+    names are compared (the panel's TypeScript mirrors it in ``sameModel``). A text that is
+    not a valid name equals only itself, case-folded."""
+    if not a or not b:
+        return False
+    try:
+        return parse_name(a).key == parse_name(b).key
+    except InvalidName:
+        return a.casefold() == b.casefold()
+
+
 def is_valid_name(text: str) -> bool:
     try:
         parse_name(text)

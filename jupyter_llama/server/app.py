@@ -40,7 +40,6 @@ from traitlets import Bool, Float, Int, Type, Unicode, default, validate
 from .. import config
 from .._version import __version__
 from ..config import ConfigError
-from ..load_options import LoadOptions
 from ..scheduler import Scheduler, SchedulerError, SchedulerSettings
 
 URL_ENV = "JUPYTER_LLAMA_URL"
@@ -324,7 +323,7 @@ class LlamaExtension(ExtensionApp):
         self.engine_error = None
         settings = self.scheduler_settings(self.engine.path)
         self.resolver = CachedResolver(self.store)
-        self.scheduler = self.scheduler_class(settings, resolver=self.resolver, default_options=LoadOptions())
+        self.scheduler = self.scheduler_class(settings, resolver=self.resolver)
 
     def initialize_handlers(self) -> None:
         from .handlers import default_handlers

@@ -54,6 +54,7 @@ from ..load_options import LoadOptionsError
 from ..engine.runner import EngineError, RequestError, RunnerCrashed
 from ..models.gguf_info import GGUFError
 from ..errors import NotLoaded
+from ..models.names import same_model
 from ..models.pull import pull_stream
 from ..scheduler import BadRequest, ModelNotFound, SchedulerError
 
@@ -780,7 +781,7 @@ class OpenAIModelsHandler(OpenAIHandler):
             self.finish_json(body)
             return
         for m in body["data"]:
-            if m["id"] == model or m["id"] == f"{model}:latest":
+            if same_model(m["id"], model):
                 self.finish_json(m)
                 return
         raise ModelNotFound(model)

@@ -265,8 +265,13 @@ export interface IModelRow {
 }
 
 /** Does ``name`` (from tags) name the same model as ``other`` (from ps)? ``x`` is ``x:latest``. */
+/** Whether two names name the same model (``tiny`` is ``tiny:latest``; names compare
+ * case-insensitively). Mirrors ``models.names.same_model``, the server's one comparison. */
 export function sameModel(name: string, other: string): boolean {
-  const norm = (n: string) => (n.includes(':') ? n : `${n}:latest`);
+  const norm = (n: string) => {
+    const low = n.toLowerCase().replace(/^(local\/)?library\//, '');
+    return low.includes(':') ? low : `${low}:latest`;
+  };
   return norm(name) === norm(other);
 }
 

@@ -129,6 +129,7 @@ describe('registered models', () => {
   it('treats "x" and "x:latest" as the same model, and sorts by name', () => {
     expect(sameModel('tiny', 'tiny:latest')).toBe(true);
     expect(sameModel('tiny:q4', 'tiny:latest')).toBe(false);
+    expect(sameModel('TINY:Latest', 'library/tiny')).toBe(true);
     const rows = modelRows(
       { models: [{ name: 'b' }, { name: 'a:latest' }] },
       { models: [{ name: 'b:latest', state: 'loading' }] }

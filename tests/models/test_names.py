@@ -114,3 +114,12 @@ def test_model_name_is_hashable_and_usable_as_key():
     d = {parse_name("Tiny"): 1}
     assert d[parse_name("tiny:latest")] == 1
     assert isinstance(parse_name("tiny"), ModelName)
+
+
+def test_same_model_is_the_one_name_comparison():
+    from jupyter_llama.models.names import same_model
+
+    assert same_model("tiny", "tiny:latest") and same_model("TINY:Latest", "local/library/tiny:latest")
+    assert same_model("me/tiny:v1", "ME/Tiny:V1") and not same_model("me/tiny:v1", "tiny:v1")
+    assert not same_model("tiny:q4", "tiny") and not same_model(None, "tiny") and not same_model("tiny", "")
+    assert same_model("not a name!", "NOT A NAME!") and not same_model("not a name!", "tiny")

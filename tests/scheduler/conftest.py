@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import process_alive
 from jupyter_llama.memory.devices import Budgets
 from jupyter_llama.scheduler import Scheduler, SchedulerSettings
@@ -28,7 +27,7 @@ async def make_scheduler(engine):
         s = SchedulerSettings(binary=engine.path, **settings)
         if budget is not None:
             s.budgets = Budgets(limits={"cpu": int(budget)})
-        sched = Scheduler(s, default_options=LoadOptions(), **extra)
+        sched = Scheduler(s, **extra)
         made.append(sched)
         return sched
 
