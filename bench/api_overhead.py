@@ -24,12 +24,13 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from jupyter_llama.engine.runner import free_port
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "In a small village", "Write a poem about"]
 SAMPLING = {"temperature": 0, "ignore_eos": True}
@@ -135,10 +136,6 @@ async def client_main(cfg: dict) -> dict:
 # ============================================================================ server (this process)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _print_table(results: dict, meta: dict) -> bool:
@@ -192,7 +189,7 @@ def server_main(args) -> int:
         desc = f"synthetic llama 6x384 ({path.stat().st_size / 2**20:.1f} MiB)"
     os.environ.update(JUPYTER_LLAMA_MODELS=str(root / "models"), JUPYTER_CONFIG_DIR=str(root / "config"),
                       JUPYTER_DATA_DIR=str(root / "data"), JUPYTER_RUNTIME_DIR=str(root / "runtime"))
-    port, token = _free_port(), "bench-token"
+    port, token = free_port(), "bench-token"
     app = ServerApp.instance(jpserver_extensions={"jupyter_llama": True})
     app.initialize(argv=[f"--ServerApp.port={port}", "--ServerApp.ip=127.0.0.1", "--ServerApp.open_browser=False",
                          f"--IdentityProvider.token={token}", "--ServerApp.allow_root=True",

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jupyter_llama.engine.binary import find_engine  # noqa: E402
 from jupyter_llama.load_options import LoadOptions  # noqa: E402
-from jupyter_llama.engine.runner import _free_port  # noqa: E402
+from jupyter_llama.engine.runner import free_port  # noqa: E402
 from jupyter_llama.engine.worker import LocalWorker  # noqa: E402
 from jupyter_llama.memory import devices as devmod  # noqa: E402
 from jupyter_llama.memory.report import COARSE, DETAILED, HOST, MiB  # noqa: E402
@@ -115,7 +115,7 @@ async def lean_stream(port: int, body: dict) -> int:
 
 async def bare_run(engine, model: str, argv_tail: list[str]) -> tuple[float, float]:
     """(seconds to /health ok, tokens/s of one TOKENS-token stream) for a hand-started child."""
-    port = _free_port()
+    port = free_port()
     t0 = time.monotonic()
     proc = subprocess.Popen([engine.path, "--model", model, "--host", "127.0.0.1", "--port", str(port), *argv_tail,
                              "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -23,7 +23,7 @@ import time
 import httpx
 
 from .client import ServerInfo, ServerNotFound
-from .engine.runner import _free_port
+from .engine.runner import free_port
 
 START_TIMEOUT = 60.0
 
@@ -36,7 +36,7 @@ class EmbeddedManager:
 
     def __init__(self, log_path: str | None = None, env: dict[str, str] | None = None):
         self.extra_env = dict(env or {})
-        self.port = _free_port()
+        self.port = free_port()
         self.token = secrets.token_urlsafe(24)
         self.url = f"http://127.0.0.1:{self.port}/llama/"
         self.log_path = log_path or os.path.join(tempfile.gettempdir(), f"jupyter-llama-embedded-{os.getpid()}.log")

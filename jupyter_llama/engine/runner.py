@@ -117,7 +117,8 @@ def child_pids(parent: int, name: str | None = None) -> list[int]:
     return out
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (the kernel's pick; taken by the caller soon after)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -295,7 +296,7 @@ class Runner:
         raise LoadError(f"could not find a free port for {self.name} after 3 tries")
 
     async def _spawn(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.api_key = secrets.token_urlsafe(24)
         self.argv = build_argv(self.binary, self.model_path, self.options, port=self.port, alias=self.name)
         self.argv += self.extra_args

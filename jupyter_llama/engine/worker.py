@@ -23,7 +23,7 @@ from typing import Callable
 
 from ..memory import rpc
 from .binary import Engine
-from .runner import _SETPRIV, _free_port, _pdeathsig_preexec
+from .runner import _SETPRIV, free_port, _pdeathsig_preexec
 
 UNSAFE_BIND_WARNING = ("warning: ggml's RPC protocol has no authentication and no encryption: anyone who can reach "
                        "{host}:{port} can use this machine's device and read its memory. Expose workers on a "
@@ -93,7 +93,7 @@ class LocalWorker:
 
     def __init__(self, engine: Engine, port: int = 0, *, threads: int | None = None, log_path: str | None = None,
                  ready_timeout: float = 20.0):
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.id = rpc.device_id(self.endpoint)
         argv = worker_argv(engine, host="127.0.0.1", port=self.port, threads=threads)

@@ -3,7 +3,6 @@ import contextlib
 import hashlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from jupyter_llama.engine.runner import free_port
 from jupyter_llama.models import pull as pull_mod
 from jupyter_llama.models.names import InvalidName
 from jupyter_llama.models.pull import (
@@ -476,9 +476,7 @@ def test_disk_filling_up_during_the_download(hf, ggufs, tmp_path, monkeypatch):
 
 
 def test_connection_refused(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nobody listens there
     store = ModelStore(tmp_path / "store")
     with pytest.raises(PullError, match="Nothing was kept"):
         pull_mod.pull(f"http://127.0.0.1:{port}/m.gguf", retries=1, backoff=0.01, store=store)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ import httpx
 import pytest
 
 from jupyter_llama.models import synth
+from jupyter_llama.engine.runner import free_port
 from jupyter_llama.models.gguf_info import read_gguf_info
 from jupyter_llama.models.synth import MIN_VOCAB, SynthShape, special_token_ids, write_synthetic
 
@@ -116,10 +116,6 @@ def test_hundred_megabyte_model_reads_back(tmp_path):
 # ----------------------------------------------------------------------------- llama-server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -139,7 +135,7 @@ def start_server(llama_server_binary, tmp_path):
     started: list[Server] = []
 
     def start(model: Path, ctx: int = 512) -> Server:
-        port = _free_port()
+        port = free_port()
         log = tmp_path / f"server-{len(started)}.log"
         with open(log, "wb") as fh:
             proc = subprocess.Popen(

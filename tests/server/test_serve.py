@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,11 @@ import httpx
 import pytest
 from srvutil import OPTS, TINY, is_alive, llama_children
 
+from jupyter_llama.engine.runner import free_port
+
 pytestmark = pytest.mark.engine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -38,7 +35,7 @@ def serve(tmp_path, engine, make_model):
     env.update(JUPYTER_LLAMA_MODELS=str(models), JUPYTER_LLAMA_SERVER=engine.path, HOME=str(home),
                JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_DATA_DIR=str(home / "data"),
                JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_PLATFORM_DIRS="1")
-    port, token = _free_port(), "serve-test-token"
+    port, token = free_port(), "serve-test-token"
     procs = []
 
     def start():

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from jupyter_llama.engine.runner import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(300)]
 
@@ -65,10 +66,6 @@ def _chromium() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen, timeout: float = 30) -> None:
@@ -109,7 +106,7 @@ def workers(engine):
     from jupyter_llama.memory import rpc
 
     with LocalWorker(engine) as live:
-        yield live.id, rpc.device_id(f"127.0.0.1:{_free_port()}")
+        yield live.id, rpc.device_id(f"127.0.0.1:{free_port()}")
 
 
 @pytest.fixture()
@@ -137,7 +134,7 @@ def lab(engine, workers, tmp_path):
     (settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False}))
     token = "ui-" + os.urandom(8).hex()
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env.update({
         "JUPYTER_LLAMA_MODELS": str(models),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jupyter_llama.engine.runner import child_pids, process_alive
+from jupyter_llama.engine.runner import child_pids, free_port, process_alive
 
 TINY = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=4096, seed=3)
 OTHER = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=4096, seed=4)
@@ -46,10 +45,6 @@ class Manager:
             return ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +59,7 @@ def manager(engine, make_model, tmp_path_factory):
     store.create("other", make_model("w-other", **OTHER))
     for d in ("runtime", "config", "data"):
         (root / d).mkdir()
-    port = _free_port()
+    port = free_port()
     token = secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_TOKEN=token, JUPYTER_LLAMA_MODELS=str(models_dir),
                JUPYTER_LLAMA_SERVER=engine.path, JUPYTER_LLAMA_MEMORY_LIMIT=BUDGET, JUPYTER_LLAMA_KEEP_ALIVE="30s",

@@ -261,12 +261,9 @@ def test_pull_progress_widget_from_statuses():
 
 
 def _unreachable_client() -> LlamaClient:
-    import socket
+    from jupyter_llama.engine.runner import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return LlamaClient(f"http://127.0.0.1:{port}/", "nothing")
+    return LlamaClient(f"http://127.0.0.1:{free_port()}/", "nothing")
 
 
 def test_widgets_show_errors_instead_of_raising():
