@@ -110,24 +110,33 @@ def env(name: str, default: str | None = None) -> str | None:
 
 def env_int(name: str, default: int) -> int:
     value = env(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"{ENV_PREFIX}{name}: expected a whole number, got {value!r}") from None
+    return default if value is None else parse_int(value, ENV_PREFIX + name)
 
 
-def env_bool(name: str, default: bool = False) -> bool:
-    value = env(name)
-    if value is None:
-        return default
-    v = value.strip().lower()
+def parse_bool(value, what: str) -> bool:
+    """The one way a setting says yes or no: 1/0, true/false, yes/no, on/off (any case)."""
+    if isinstance(value, bool):
+        return value
+    v = str(value).strip().lower()
     if v in ("1", "true", "yes", "on"):
         return True
     if v in ("0", "false", "no", "off"):
         return False
-    raise ConfigError(f"{ENV_PREFIX}{name}: expected 1/0, true/false, yes/no or on/off, got {value!r}")
+    raise ConfigError(f"{what}: expected 1/0, true/false, yes/no or on/off, got {value!r}")
+
+
+def parse_int(value, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise ConfigError(f"{what}: expected a whole number, got {value!r}") from None
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    value = env(name)
+    return default if value is None else parse_bool(value, ENV_PREFIX + name)
 
 
 def cache_dir() -> Path:

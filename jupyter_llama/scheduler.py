@@ -27,7 +27,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from . import config
 from .config import ConfigError, format_duration, parse_duration
@@ -157,41 +157,55 @@ class SchedulerSettings:
     rpc_workers: tuple[str, ...] = ()  # llama.cpp RPC workers (HOST:PORT), each a device
     worker_timeout: float = 2.0  # a probe of a worker gives up after this (never a hang)
 
+    # The settings a person sets (an environment variable each, or a LlamaExtension trait).
+    SETTABLE = ("keep_alive", "max_loaded_models", "max_queue", "load_timeout", "fit_estimator", "evict_pinned",
+                "num_parallel", "memory_limit", "gpu_overhead", "rpc_workers")
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, object], label: Callable[[str], str], **overrides) -> "SchedulerSettings":
+        """Settings from ``values`` (keys from :attr:`SETTABLE`; strings are parsed, typed values
+        taken as they are, None or "" leave the default). ``label(key)`` names the setting in
+        error messages (``JUPYTER_LLAMA_KEEP_ALIVE``, ``LlamaExtension.keep_alive``)."""
+        unknown = set(values) - set(cls.SETTABLE)
+        if unknown:
+            raise ConfigError(f"unknown scheduler settings: {', '.join(sorted(unknown))}")
+        given = {k: v for k, v in values.items() if v is not None and v != ""}
+        s = cls()
+        if "keep_alive" in given:
+            s.keep_alive = parse_duration(given["keep_alive"], label("keep_alive"))
+        if "load_timeout" in given:
+            s.load_timeout = parse_duration(given["load_timeout"], label("load_timeout"))
+        for key in ("max_loaded_models", "max_queue"):
+            if key in given:
+                setattr(s, key, config.parse_int(given[key], label(key)))
+        if "num_parallel" in given:  # 0 means automatic, as unset does
+            s.num_parallel = config.parse_int(given["num_parallel"], label("num_parallel")) or None
+        if "fit_estimator" in given:
+            s.fit_estimator = str(given["fit_estimator"]).strip()
+        if "evict_pinned" in given:
+            s.evict_pinned = config.parse_bool(given["evict_pinned"], label("evict_pinned"))
+        s.budgets = devmod.budgets_from(given.get("memory_limit"), given.get("gpu_overhead"),
+                                        label("memory_limit"), label("gpu_overhead"))
+        s.rpc_workers = rpc.parse_workers(given.get("rpc_workers"), label("rpc_workers"))
+        for k, v in overrides.items():
+            setattr(s, k, v)
+        s.validate(label)
+        return s
+
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "SchedulerSettings":
         environ = os.environ if environ is None else environ
-        get = lambda k: environ.get(config.ENV_PREFIX + k) or None  # noqa: E731
-        s = cls()
-        if get("KEEP_ALIVE"):
-            s.keep_alive = parse_duration(get("KEEP_ALIVE"), "JUPYTER_LLAMA_KEEP_ALIVE")
-        for attr, key in (("max_loaded_models", "MAX_LOADED_MODELS"), ("max_queue", "MAX_QUEUE")):
-            if get(key):
-                try:
-                    setattr(s, attr, int(get(key)))
-                except ValueError:
-                    raise ConfigError(f"JUPYTER_LLAMA_{key}: expected a whole number, got {get(key)!r}") from None
-        if get("LOAD_TIMEOUT"):
-            s.load_timeout = parse_duration(get("LOAD_TIMEOUT"), "JUPYTER_LLAMA_LOAD_TIMEOUT")
-        if get("FIT_ESTIMATOR"):
-            s.fit_estimator = get("FIT_ESTIMATOR")
-        if get("EVICT_PINNED"):
-            s.evict_pinned = get("EVICT_PINNED").strip().lower() in ("1", "true", "yes", "on")
-        if get("NUM_PARALLEL"):
-            s.num_parallel = int(get("NUM_PARALLEL"))
-        s.budgets = devmod.budgets_from_env(environ)
-        s.rpc_workers = devmod.workers_from_env(environ)
-        for k, v in overrides.items():
-            setattr(s, k, v)
-        s.validate()
-        return s
+        values = {k: environ.get(config.ENV_PREFIX + k.upper()) for k in cls.SETTABLE}  # JUPYTER_LLAMA_KEEP_ALIVE, ...
+        return cls.from_values(values, lambda k: config.ENV_PREFIX + k.upper(), **overrides)
 
-    def validate(self) -> None:
+    def validate(self, label: Callable[[str], str] = lambda k: config.ENV_PREFIX + k.upper()) -> None:
         if self.fit_estimator not in (COARSE, DETAILED):
-            raise ConfigError(f"fit estimator must be 'coarse' or 'detailed', got {self.fit_estimator!r}")
+            raise ConfigError(f"{label('fit_estimator')} must be 'coarse' or 'detailed', got {self.fit_estimator!r}")
         if self.max_queue < 1:
-            raise ConfigError(f"JUPYTER_LLAMA_MAX_QUEUE must be at least 1, got {self.max_queue}")
+            raise ConfigError(f"{label('max_queue')} must be at least 1, got {self.max_queue}")
         if self.max_loaded_models < 0:
-            raise ConfigError(f"JUPYTER_LLAMA_MAX_LOADED_MODELS must be 0 (automatic) or more, got {self.max_loaded_models}")
+            raise ConfigError(f"{label('max_loaded_models')} must be 0 (automatic) or more, "
+                              f"got {self.max_loaded_models}")
 
 
 # ----------------------------------------------------------------------------- loaded runners

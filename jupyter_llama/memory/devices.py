@@ -451,16 +451,21 @@ class Budgets:
                 "limits_source": self.limits_source, "overhead_source": self.overhead_source}
 
 
+def budgets_from(limit_text: str | None, overhead_text: str | None, limit_source: str = MEMORY_LIMIT_VAR,
+                 overhead_source: str = GPU_OVERHEAD_VAR) -> Budgets:
+    """Budgets from a memory-limit text and a GPU-overhead size; the sources name the setting
+    they came from (an environment variable or a LlamaExtension trait) in messages."""
+    limits = parse_memory_limit(limit_text or None, limit_source)
+    overhead = parse_size(overhead_text.strip(), overhead_source) if overhead_text and overhead_text.strip() else 0
+    return Budgets(limits=limits, gpu_overhead=overhead,
+                   limits_source=limit_source if limits else "",
+                   overhead_source=overhead_source if overhead else "")
+
+
 def budgets_from_env(environ: Mapping[str, str] | None = None) -> Budgets:
     """Budgets from ``JUPYTER_LLAMA_MEMORY_LIMIT`` and ``JUPYTER_LLAMA_GPU_OVERHEAD``."""
     environ = os.environ if environ is None else environ
-    limit_text = environ.get(MEMORY_LIMIT_VAR) or None
-    overhead_text = environ.get(GPU_OVERHEAD_VAR) or None
-    limits = parse_memory_limit(limit_text, MEMORY_LIMIT_VAR)
-    overhead = parse_size(overhead_text.strip(), GPU_OVERHEAD_VAR) if overhead_text and overhead_text.strip() else 0
-    return Budgets(limits=limits, gpu_overhead=overhead,
-                   limits_source=MEMORY_LIMIT_VAR if limits else "",
-                   overhead_source=GPU_OVERHEAD_VAR if overhead else "")
+    return budgets_from(environ.get(MEMORY_LIMIT_VAR), environ.get(GPU_OVERHEAD_VAR))
 
 
 # --------------------------------------------------------------------------- inventory

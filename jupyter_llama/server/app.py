@@ -35,7 +35,7 @@ from jupyter_server._tz import utcnow
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.utils import url_path_join
 from tornado.ioloop import PeriodicCallback
-from traitlets import Bool, Float, Int, Type, Unicode, default, validate
+from traitlets import Bool, Float, Int, Type, Undefined, Unicode, validate
 
 from .. import config
 from .._version import __version__
@@ -105,8 +105,48 @@ class CachedResolver:
         self._cache.clear()
 
 
-def _env_default(name: str, fallback: str = "") -> str:
-    return config.env(name, fallback) or fallback
+class _FromEnv:
+    """Traits whose default is read from ``JUPYTER_LLAMA_<NAME>`` when the extension is made
+    (so a variable set after import still counts), else a fallback; ``--help-all`` says so.
+    Configuration (``c.LlamaExtension.keep_alive = ...``, the command line) wins over both."""
+
+    class _Mixin:
+        def __init__(self, env: str, fallback, parse, **kw):
+            super().__init__(**kw)
+            self.env_name, self.fallback, self.parse = env, fallback, parse
+            self.default_value = Undefined  # use make_dynamic_default
+
+        def make_dynamic_default(self):
+            value = config.env(self.env_name)
+            return self.parse(self.fallback if value is None else value, config.ENV_PREFIX + self.env_name)
+
+        def default_value_repr(self) -> str:
+            return f"${config.ENV_PREFIX}{self.env_name}, else {self.fallback!r}"
+
+    class _Unicode(_Mixin, Unicode):
+        pass
+
+    class _Int(_Mixin, Int):
+        pass
+
+    class _Bool(_Mixin, Bool):
+        pass
+
+    @classmethod
+    def text(cls, env: str, fallback: str, **kw):
+        return cls._Unicode(env, fallback, lambda v, what: str(v), **kw)
+
+    @classmethod
+    def integer(cls, env: str, fallback: int, **kw):
+        return cls._Int(env, fallback, config.parse_int, **kw)
+
+    @classmethod
+    def boolean(cls, env: str, fallback: bool, **kw):
+        return cls._Bool(env, fallback, config.parse_bool, **kw)
+
+    @classmethod
+    def size(cls, env: str, fallback: str, **kw):
+        return cls._Int(env, fallback, config.parse_size, **kw)
 
 
 class LlamaExtension(ExtensionApp):
@@ -119,107 +159,61 @@ class LlamaExtension(ExtensionApp):
 
     # ------------------------------------------------------------------ settings
 
-    keep_alive = Unicode(
+    keep_alive = _FromEnv.text(
+        "KEEP_ALIVE", "5m",
         help="How long an idle model stays loaded: seconds, or a duration such as '5m', '1h30m'; "
-             "negative keeps it forever; 0 unloads at once. A request's own keep_alive overrides it. "
-             "Default from JUPYTER_LLAMA_KEEP_ALIVE, else 5m.",
+             "negative keeps it forever; 0 unloads at once. A request's own keep_alive overrides it.",
     ).tag(config=True)
 
-    @default("keep_alive")
-    def _default_keep_alive(self):
-        return _env_default("KEEP_ALIVE", "5m")
-
-    max_loaded_models = Int(
-        help="Most models loaded at once; 0 means 3 x max(number of GPUs, 1). "
-             "Default from JUPYTER_LLAMA_MAX_LOADED_MODELS, else 0.",
+    max_loaded_models = _FromEnv.integer(
+        "MAX_LOADED_MODELS", 0, help="Most models loaded at once; 0 means 3 x max(number of GPUs, 1).",
     ).tag(config=True)
 
-    @default("max_loaded_models")
-    def _default_max_loaded(self):
-        return config.env_int("MAX_LOADED_MODELS", 0)
-
-    num_parallel = Int(
-        help="Request slots per loaded model (llama-server -np); 0 leaves it to llama-server (automatic). "
-             "Default from JUPYTER_LLAMA_NUM_PARALLEL, else 0.",
+    num_parallel = _FromEnv.integer(
+        "NUM_PARALLEL", 0,
+        help="Request slots per loaded model (llama-server -np); 0 leaves it to llama-server (automatic).",
     ).tag(config=True)
 
-    @default("num_parallel")
-    def _default_num_parallel(self):
-        return config.env_int("NUM_PARALLEL", 0)
-
-    max_queue = Int(
-        help="Most requests waiting for a model to load; past it requests fail at once with 503. "
-             "Default from JUPYTER_LLAMA_MAX_QUEUE, else 512.",
+    max_queue = _FromEnv.integer(
+        "MAX_QUEUE", 512, help="Most requests waiting for a model to load; past it requests fail at once with 503.",
     ).tag(config=True)
 
-    @default("max_queue")
-    def _default_max_queue(self):
-        return config.env_int("MAX_QUEUE", 512)
-
-    load_timeout = Unicode(
+    load_timeout = _FromEnv.text(
+        "LOAD_TIMEOUT", "5m",
         help="How long a loading model may stay silent (no log output, no health answer) before the "
-             "load fails, as a duration. Default from JUPYTER_LLAMA_LOAD_TIMEOUT, else 5m.",
+             "load fails, as a duration.",
     ).tag(config=True)
 
-    @default("load_timeout")
-    def _default_load_timeout(self):
-        return _env_default("LOAD_TIMEOUT", "5m")
-
-    memory_limit = Unicode(
+    memory_limit = _FromEnv.text(
+        "MEMORY_LIMIT", "",
         help="Memory budget for all loaded models together: a size for every device ('8GiB') or per "
-             "device ('cuda:0=20GiB,cpu=6GiB'); empty means no budget. "
-             "Default from JUPYTER_LLAMA_MEMORY_LIMIT.",
+             "device ('cuda:0=20GiB,rpc:gpu-box:50052=10GiB,cpu=6GiB'); empty means no budget.",
     ).tag(config=True)
 
-    @default("memory_limit")
-    def _default_memory_limit(self):
-        return _env_default("MEMORY_LIMIT")
-
-    gpu_overhead = Unicode(
-        help="Memory kept free on every GPU (a size such as '512MiB'). "
-             "Default from JUPYTER_LLAMA_GPU_OVERHEAD.",
+    gpu_overhead = _FromEnv.text(
+        "GPU_OVERHEAD", "", help="Memory kept free on every GPU (a size such as '512MiB').",
     ).tag(config=True)
 
-    @default("gpu_overhead")
-    def _default_gpu_overhead(self):
-        return _env_default("GPU_OVERHEAD")
-
-    rpc_workers = Unicode(
+    rpc_workers = _FromEnv.text(
+        "RPC_WORKERS", "",
         help="llama.cpp RPC workers (`jupyter-llama worker` / ggml-rpc-server) to use as devices, as "
              "'HOST:PORT,HOST:PORT' in the order llama.cpp should number them; each is the device "
-             "rpc:HOST:PORT in budgets and listings. Default from JUPYTER_LLAMA_RPC_WORKERS.",
+             "rpc:HOST:PORT in budgets and listings.",
     ).tag(config=True)
 
-    @default("rpc_workers")
-    def _default_rpc_workers(self):
-        return _env_default("RPC_WORKERS")
-
-    models_dir = Unicode(
-        help="The model registry's directory. Default from JUPYTER_LLAMA_MODELS, else "
-             "<jupyter data dir>/llama/models.",
+    models_dir = _FromEnv.text(
+        "MODELS", "", help="The model registry's directory (empty: <jupyter data dir>/llama/models).",
     ).tag(config=True)
 
-    @default("models_dir")
-    def _default_models_dir(self):
-        return _env_default("MODELS")
-
-    server_binary = Unicode(
-        help="Path of the llama-server binary. Default from JUPYTER_LLAMA_SERVER, else the project's own "
-             "cached build, else llama-server on PATH.",
+    server_binary = _FromEnv.text(
+        "SERVER", "",
+        help="Path of the llama-server binary (empty: the project's own cached build, else llama-server on PATH).",
     ).tag(config=True)
 
-    @default("server_binary")
-    def _default_server_binary(self):
-        return _env_default("SERVER")
-
-    fit_estimator = Unicode(
-        help="Which memory prediction decides whether a model fits: 'detailed' or 'coarse' (Ollama's). "
-             "Default from JUPYTER_LLAMA_FIT_ESTIMATOR, else detailed.",
+    fit_estimator = _FromEnv.text(
+        "FIT_ESTIMATOR", "detailed",
+        help="Which memory prediction decides whether a model fits: 'detailed' or 'coarse' (Ollama's).",
     ).tag(config=True)
-
-    @default("fit_estimator")
-    def _default_fit_estimator(self):
-        return _env_default("FIT_ESTIMATOR", "detailed")
 
     @validate("fit_estimator")
     def _check_fit_estimator(self, proposal):
@@ -227,32 +221,18 @@ class LlamaExtension(ExtensionApp):
             raise ConfigError(f"LlamaExtension.fit_estimator must be 'detailed' or 'coarse', got {proposal['value']!r}")
         return proposal["value"]
 
-    evict_pinned = Bool(
-        help="Whether pinned models (negative keep_alive) may be evicted when nothing else makes room. "
-             "Default from JUPYTER_LLAMA_EVICT_PINNED, else false.",
+    evict_pinned = _FromEnv.boolean(
+        "EVICT_PINNED", False,
+        help="Whether pinned models (negative keep_alive) may be evicted when nothing else makes room.",
     ).tag(config=True)
 
-    @default("evict_pinned")
-    def _default_evict_pinned(self):
-        return config.env_bool("EVICT_PINNED", False)
-
-    max_request_size = Int(
-        help="Largest JSON request body accepted, in bytes (larger ones get 413). "
-             "Default from JUPYTER_LLAMA_MAX_REQUEST_SIZE, else 64 MiB.",
+    max_request_size = _FromEnv.size(
+        "MAX_REQUEST_SIZE", "64MiB", help="Largest JSON request body accepted, in bytes (larger ones get 413).",
     ).tag(config=True)
 
-    @default("max_request_size")
-    def _default_max_request_size(self):
-        return config.parse_size(_env_default("MAX_REQUEST_SIZE", "64MiB"), "JUPYTER_LLAMA_MAX_REQUEST_SIZE")
-
-    max_upload_size = Int(
-        help="Largest blob upload (POST api/blobs/sha256:...) accepted, in bytes. "
-             "Default from JUPYTER_LLAMA_MAX_UPLOAD_SIZE, else 256 GiB.",
+    max_upload_size = _FromEnv.size(
+        "MAX_UPLOAD_SIZE", "256GiB", help="Largest blob upload (POST api/blobs/sha256:...) accepted, in bytes.",
     ).tag(config=True)
-
-    @default("max_upload_size")
-    def _default_max_upload_size(self):
-        return config.parse_size(_env_default("MAX_UPLOAD_SIZE", "256GiB"), "JUPYTER_LLAMA_MAX_UPLOAD_SIZE")
 
     activity_interval = Float(
         10.0,
@@ -281,21 +261,12 @@ class LlamaExtension(ExtensionApp):
     _engine_checked_at = 0.0
 
     def scheduler_settings(self, binary: str) -> SchedulerSettings:
-        """The SchedulerSettings these traitlets describe (parsed and validated like the env vars)."""
-        env = {
-            "JUPYTER_LLAMA_KEEP_ALIVE": self.keep_alive,
-            "JUPYTER_LLAMA_MAX_LOADED_MODELS": str(self.max_loaded_models),
-            "JUPYTER_LLAMA_MAX_QUEUE": str(self.max_queue),
-            "JUPYTER_LLAMA_LOAD_TIMEOUT": self.load_timeout,
-            "JUPYTER_LLAMA_FIT_ESTIMATOR": self.fit_estimator,
-            "JUPYTER_LLAMA_EVICT_PINNED": "1" if self.evict_pinned else "0",
-            "JUPYTER_LLAMA_NUM_PARALLEL": str(self.num_parallel) if self.num_parallel > 0 else "",
-            "JUPYTER_LLAMA_MEMORY_LIMIT": self.memory_limit,
-            "JUPYTER_LLAMA_GPU_OVERHEAD": self.gpu_overhead,
-            "JUPYTER_LLAMA_RPC_WORKERS": self.rpc_workers,
-        }
+        """The SchedulerSettings these traits describe, parsed and validated once, by the
+        scheduler's own parser; messages name the trait and the variable it defaults from."""
+        values = {k: getattr(self, k) for k in SchedulerSettings.SETTABLE}
         try:
-            return SchedulerSettings.from_env(env, binary=binary)
+            return SchedulerSettings.from_values(
+                values, lambda k: f"LlamaExtension.{k} ({config.ENV_PREFIX}{k.upper()})", binary=binary)
         except (ConfigError, ValueError) as e:
             raise ConfigError(f"LlamaExtension settings: {e}") from None
 

@@ -38,3 +38,30 @@ def test_format_duration():
     assert format_duration(42) == "42s"
     assert format_duration(300) == "5m"
     assert format_duration(5400) == "1h30m"
+
+
+def test_one_parser_for_every_setting_whatever_its_source(monkeypatch):
+    """The environment and the extension's traits go through SchedulerSettings.from_values,
+    with the same booleans everywhere, and each error names where the value came from."""
+    from jupyter_llama.config import ConfigError, parse_bool
+    from jupyter_llama.scheduler import SchedulerSettings
+    from jupyter_llama.server.app import LlamaExtension
+
+    assert [parse_bool(v, "x") for v in ("1", "YES", "on", "True", "0", "no", "Off", "false")] == [True] * 4 + [False] * 4
+    with pytest.raises(ConfigError, match="EVICT_PINNED: expected 1/0"):
+        SchedulerSettings.from_env({"JUPYTER_LLAMA_EVICT_PINNED": "sometimes"})
+    env = {"JUPYTER_LLAMA_KEEP_ALIVE": "90s", "JUPYTER_LLAMA_EVICT_PINNED": "on", "JUPYTER_LLAMA_NUM_PARALLEL": "2",
+           "JUPYTER_LLAMA_MEMORY_LIMIT": "cpu=1GiB", "JUPYTER_LLAMA_RPC_WORKERS": "127.0.0.1:50052"}
+    from_env = SchedulerSettings.from_env(env, binary="/x")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    from_traits = LlamaExtension().scheduler_settings("/x")
+    for s in (from_env, from_traits):
+        assert s.keep_alive == 90 and s.evict_pinned is True and s.num_parallel == 2
+        assert s.budgets.limits == {"cpu": 1 << 30} and s.rpc_workers == ("127.0.0.1:50052",)
+    monkeypatch.setenv("JUPYTER_LLAMA_LOAD_TIMEOUT", "later")
+    with pytest.raises(ConfigError, match=r"LlamaExtension\.load_timeout \(JUPYTER_LLAMA_LOAD_TIMEOUT\)"):
+        LlamaExtension().scheduler_settings("/x")
+    monkeypatch.delenv("JUPYTER_LLAMA_LOAD_TIMEOUT")
+    ext = LlamaExtension(keep_alive="2m")  # configuration wins over the environment
+    assert ext.keep_alive == "2m" and ext.scheduler_settings("/x").keep_alive == 120
