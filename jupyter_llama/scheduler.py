@@ -495,8 +495,25 @@ class Scheduler:
         await self._unload(lo, reason, rule="explicit")
         return True
 
+    def live(self) -> list[Loaded]:
+        """The models that have a runner now (loading, ready or unloading), as a list the
+        caller may hold across awaits."""
+        return [lo for lo in self.loaded.values() if lo.state != "gone"]
+
     def ps(self) -> list[dict]:
-        return [lo.info() for lo in self.loaded.values() if lo.state != "gone"]
+        return [lo.info() for lo in self.live()]
+
+    def kill_now(self) -> None:
+        """SIGKILL every child at once, without waiting (a last resort when the loop is gone)."""
+        for lo in list(self.loaded.values()):
+            if lo.runner is not None:
+                lo.runner.kill_now()
+
+    async def unload_file(self, path: str, reason: str) -> None:
+        """Unload every model loaded from the file ``path`` (a model being deleted)."""
+        for lo in self.live():
+            if lo.ref.key == path:
+                await self.unload(lo.name, reason=reason)
 
     async def find_loaded(self, name: str) -> Loaded | None:
         """The loaded model ``name`` names, resolved as a load would resolve it (``m`` is

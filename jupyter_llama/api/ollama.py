@@ -84,7 +84,7 @@ def parse_body(raw: bytes | str | None) -> dict:
     return data
 
 
-def _model_name(body: dict, key: str = "model") -> str:
+def model_name(body: dict, key: str = "model") -> str:
     name = body.get(key)
     if name is None and key == "model":
         name = body.get("name")  # Ollama's older field name
@@ -196,7 +196,7 @@ _UNSUPPORTED_GENERATE = {
 
 def parse_generate(body: dict) -> GenerateRequest:
     """``POST /api/generate``."""
-    model = _model_name(body)
+    model = model_name(body)
     for key, why in _UNSUPPORTED_GENERATE.items():
         if body.get(key):
             raise BadRequest(why)
@@ -258,7 +258,7 @@ def _chat_message(i: int, m) -> dict:
 
 def parse_chat(body: dict) -> ChatRequest:
     """``POST /api/chat``."""
-    model = _model_name(body)
+    model = model_name(body)
     messages = body.get("messages", [])
     if messages is None:
         messages = []
@@ -280,7 +280,7 @@ def parse_chat(body: dict) -> ChatRequest:
 
 
 def _embed_common(body: dict) -> tuple[str, LoadOptions, float | None]:
-    model = _model_name(body)
+    model = model_name(body)
     split = split_options(body.get("options"))
     return model, split.load_options(embedding=True), parse_keep_alive(body.get("keep_alive"))
 
@@ -311,7 +311,7 @@ def parse_embeddings(body: dict) -> EmbedRequest:
 
 def parse_show(body: dict) -> tuple[str, bool]:
     """``POST /api/show``: (model, verbose)."""
-    return _model_name(body), _bool(body, "verbose", False)
+    return model_name(body), _bool(body, "verbose", False)
 
 
 def parse_pull(body: dict) -> PullRequest:
@@ -320,18 +320,18 @@ def parse_pull(body: dict) -> PullRequest:
     dest = body.get("destination")
     if dest is not None and (not isinstance(dest, str) or not dest.strip()):
         raise BadRequest("destination must be a model name")
-    return PullRequest(source=_model_name(body), name=dest.strip() if dest else None,
+    return PullRequest(source=model_name(body), name=dest.strip() if dest else None,
                        stream=_bool(body, "stream", True), insecure=_bool(body, "insecure", False))
 
 
 def parse_copy(body: dict) -> tuple[str, str]:
     """``POST /api/copy``: (source, destination)."""
-    return _model_name(body, "source"), _model_name(body, "destination")
+    return model_name(body, "source"), model_name(body, "destination")
 
 
 def parse_delete(body: dict) -> str:
     """``DELETE /api/delete``."""
-    return _model_name(body)
+    return model_name(body)
 
 
 _UNSUPPORTED_CREATE = ("quantize", "adapters", "template", "system", "parameters", "messages")
@@ -339,7 +339,7 @@ _UNSUPPORTED_CREATE = ("quantize", "adapters", "template", "system", "parameters
 
 def parse_create(body: dict) -> CreateRequest:
     """``POST /api/create`` from uploaded blobs (``files``) or an existing model (``from``)."""
-    model = _model_name(body)
+    model = model_name(body)
     for key in _UNSUPPORTED_CREATE:
         if body.get(key):
             raise BadRequest(f"create: {key} is not supported")

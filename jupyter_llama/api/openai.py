@@ -116,3 +116,18 @@ def models_body(entries) -> dict:
             pass
         data.append(model_object(e.display, created, e.name.namespace))
     return {"object": "list", "data": data}
+
+
+def embedding_inputs(body: dict) -> list[str]:
+    """``input`` of a ``/v1/embeddings`` request as a list of strings (400 for anything else)."""
+    inp = body.get("input")
+    inputs = [inp] if isinstance(inp, str) else list(inp or []) if isinstance(inp, list) else None
+    if inputs is None or not all(isinstance(s, str) for s in inputs):
+        raise BadRequest("input must be a string or a list of strings")
+    return inputs
+
+
+def embeddings_body(model: str, vectors: list[list[float]], tokens: int) -> dict:
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

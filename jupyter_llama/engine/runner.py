@@ -511,6 +511,39 @@ class Runner:
             if writer is not None:
                 writer.close()
 
+    # ------------------------------------------------------------------ the child's protocol
+
+    async def prompt(self, prompt: str, system: str = "", *, raw: bool = False, templated: bool = True) -> str:
+        """The text for ``/completion``: ``prompt`` as given (``raw``), or a system and user turn
+        through the model's own chat template (llama-server's ``/apply-template``); a model
+        without a template gets the system text and the prompt, a blank line apart."""
+        if raw:
+            return prompt
+        if not templated:
+            return (system + "\n\n" if system else "") + prompt
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        res = await self.post("/apply-template", {"messages": messages})
+        return res.get("prompt", prompt)
+
+    async def embed(self, inputs: list[str]) -> tuple[list, int]:
+        """``/embedding`` for ``inputs``, in input order, and the number of prompt tokens they
+        took. Each item is one vector when the model pools, or one vector per token when it
+        does not (pooling ``none``); pooling and normalising are the API's business."""
+        if not inputs:
+            return [], 0
+        res = await self.post("/embedding", {"content": inputs})
+        items = sorted(res if isinstance(res, list) else [res], key=lambda it: it.get("index", 0))
+        vectors = [it.get("embedding") or [] for it in items]
+        if vectors and vectors[0] and isinstance(vectors[0][0], list):  # per-token vectors: one per prompt token
+            return vectors, sum(len(v) for v in vectors)
+        tokens = 0
+        for text in inputs:
+            try:
+                tokens += len((await self.post("/tokenize", {"content": text})).get("tokens", []))
+            except EngineError:
+                break
+        return vectors, tokens
+
     def completion(self, prompt: str, **params) -> AsyncIterator[dict]:
         """Stream llama-server's native ``/completion`` chunks (``content``, ``stop``, ``timings``)."""
         return self.stream_sse("/completion", {"prompt": prompt, **params})

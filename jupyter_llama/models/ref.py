@@ -21,3 +21,8 @@ class ModelRef:
     @property
     def key(self) -> str:  # runners are keyed by model file, as in Ollama
         return self.path
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the GGUF carries a chat template (``tokenizer.chat_template``)."""
+        return bool((getattr(self.info, "metadata", None) or {}).get("tokenizer.chat_template"))

@@ -47,7 +47,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Iterator
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
 
 from filelock import FileLock
 
@@ -892,6 +892,35 @@ class ModelStore:
                 _unlink(t)
         emit({"status": "success"})
         return entry
+
+    def create_from_files(self, name: str | ModelName, files: Mapping[str, str]) -> ModelEntry:
+        """Name uploaded blobs by Ollama's ``files`` map (file name -> digest): one GGUF is the
+        model; with two, the other must be the multimodal projector (told by its name, or by
+        not being a language model)."""
+        digests = {}
+        for fname, digest in files.items():
+            hexd = normalize_digest(digest)
+            if not self.has_blob(hexd):
+                raise BadRequest(f"files: {fname} (sha256:{hexd}) has not been uploaded; POST it to api/blobs first")
+            digests[fname] = hexd
+        if len(digests) == 1:
+            return self.create_from_blobs(name, next(iter(digests.values())))
+
+        def is_projector(fname: str, hexd: str) -> bool:
+            if "mmproj" in fname.lower() or "projector" in fname.lower():
+                return True
+            try:
+                info = read_gguf_info(self.blob_path(hexd))
+            except GGUFError:
+                return True  # not a language model: the projector, if anything
+            return info.architecture in ("clip", "mllama_vision")
+
+        proj = [f for f, d in digests.items() if is_projector(f, d)]
+        if len(digests) != 2 or len(proj) != 1:
+            raise BadRequest("files: give one GGUF (the model), or two: the model and its multimodal projector "
+                             "(mmproj); could not tell which is which")
+        model = next(d for f, d in digests.items() if f != proj[0])
+        return self.create_from_blobs(name, model, digests[proj[0]])
 
     def create_from_blobs(self, name: str | ModelName, model_digest: str, projector_digest: str | None = None,
                           source: dict | None = None) -> ModelEntry:

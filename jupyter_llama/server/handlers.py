@@ -314,7 +314,8 @@ class GenerateHandler(LlamaHandler):
                 self.finish_json(oa.load_chunk(req.model, "load", chat=False, total_s=time.monotonic() - started,
                                                load_s=lease.load_duration))
                 return
-            prompt = await _prompt(lease, req)
+            prompt = await lease.runner.prompt(req.prompt, req.system, raw=req.raw,
+                                               templated=lease.loaded.ref.has_chat_template)
             tr = oa.GenerateTranslator(req.model, started, lease.load_duration)
             await self.relay(lease.runner.completion(prompt, **req.sampling), tr.feed, req.stream, tr.combined)
         finally:
@@ -325,20 +326,6 @@ async def _unload(handler: LlamaHandler, name: str) -> None:
     sched = await handler.ext.get_scheduler()
     await sched.resolver(name)  # 404 for a model that does not exist
     await sched.unload(name, reason="unloaded on request (keep_alive 0)")
-
-
-async def _prompt(lease, req: oa.GenerateRequest) -> str:
-    """The text for ``/completion``: raw, or through the model's chat template (llama-server's)."""
-    info = lease.loaded.ref.info
-    has_template = bool((getattr(info, "metadata", None) or {}).get("tokenizer.chat_template"))
-    if req.raw:
-        return req.prompt
-    if not has_template:
-        return (req.system + "\n\n" if req.system else "") + req.prompt
-    messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
-        {"role": "user", "content": req.prompt}]
-    res = await lease.runner.post("/apply-template", {"messages": messages})
-    return res.get("prompt", req.prompt)
 
 
 class ChatHandler(LlamaHandler):
@@ -371,29 +358,6 @@ class ChatHandler(LlamaHandler):
             lease.release()
 
 
-async def _embed(lease, inputs: list[str]) -> tuple[list[list[float]], int]:
-    """Unit vectors for ``inputs`` from the child's ``/embedding`` (mean-pooled when it does not
-    pool), and the number of prompt tokens."""
-    if not inputs:
-        return [], 0
-    res = await lease.runner.post("/embedding", {"content": inputs})
-    items = res if isinstance(res, list) else [res]
-    items = sorted(items, key=lambda it: it.get("index", 0))
-    raw = [it.get("embedding") or [] for it in items]
-    vectors = await asyncio.to_thread(lambda: [oa.mean_pool_normalize(v) for v in raw])
-    if raw and raw[0] and isinstance(raw[0][0], list):  # per-token vectors: one per prompt token
-        tokens = sum(len(v) for v in raw)
-    else:
-        tokens = 0
-        for text in inputs:
-            try:
-                tok = await lease.runner.post("/tokenize", {"content": text})
-                tokens += len(tok.get("tokens", []))
-            except EngineError:
-                break
-    return vectors, tokens
-
-
 class EmbedHandler(LlamaHandler):
     legacy = False
 
@@ -410,9 +374,10 @@ class EmbedHandler(LlamaHandler):
         started = time.monotonic()
         lease = await self.acquire(req.model, req.options, req.keep_alive)
         try:
-            vectors, tokens = await _embed(lease, req.inputs)
+            raw, tokens = await lease.runner.embed(req.inputs)
         finally:
             lease.release()
+        vectors = await asyncio.to_thread(lambda: [oa.mean_pool_normalize(v) for v in raw])
         if req.legacy:
             self.finish_json({"embedding": vectors[0] if vectors else []})
             return
@@ -435,9 +400,7 @@ class PsHandler(LlamaHandler):
         models = []
         if sched is not None:
             now = time.time()
-            for lo in list(sched.loaded.values()):
-                if lo.state == "gone":
-                    continue
+            for lo in sched.live():
                 models.append(oa.ps_model(lo.info(), lo.ref.info, now, projector=bool(lo.ref.mmproj)))
         self.finish(dumps(oa.ps_body(models)))
 
@@ -516,11 +479,8 @@ class DeleteHandler(LlamaHandler):
         sched = self.ext.scheduler
 
         async def unload_first(ref) -> None:
-            if sched is None:
-                return
-            for lo in list(sched.loaded.values()):
-                if lo.ref.key == ref.path and lo.state != "gone":
-                    await sched.unload(lo.name, reason=f"model {name} deleted")
+            if sched is not None:
+                await sched.unload_file(ref.path, reason=f"model {name} deleted")
 
         with self.ext.work():
             try:
@@ -543,10 +503,8 @@ class CreateHandler(LlamaHandler):
         store = self.ext.store
         statuses: list[dict] = [{"status": "parsing GGUF"}]
         if req.files:
-            model_digest, projector_digest = await asyncio.to_thread(_split_files, store, req.files)
-            for d in filter(None, (model_digest, projector_digest)):
-                statuses.append({"status": f"using existing layer sha256:{_hex(d)}"})
-            entry = await asyncio.to_thread(store.create_from_blobs, req.model, model_digest, projector_digest)
+            entry = await asyncio.to_thread(store.create_from_files, req.model, req.files)
+            statuses += [{"status": f"using existing layer {ly['digest']}"} for ly in entry.layers]
         else:
             src = req.from_ or ""
             if await asyncio.to_thread(store.exists, src):
@@ -568,42 +526,6 @@ class CreateHandler(LlamaHandler):
         for st in statuses:
             await self.send(ndjson(st))
         self.end_stream(NDJSON)
-
-
-def _hex(digest: str) -> str:
-    from ..models.store import normalize_digest
-
-    return normalize_digest(digest)
-
-
-def _split_files(store, files: dict[str, str]) -> tuple[str, str | None]:
-    """(model digest, projector digest or None) from Ollama's ``files`` map."""
-    from ..models.gguf_info import read_gguf_info
-
-    digests = {}
-    for fname, digest in files.items():
-        hexd = _hex(digest)
-        if not store.has_blob(hexd):
-            raise BadRequest(f"files: {fname} (sha256:{hexd}) has not been uploaded; POST it to api/blobs first")
-        digests[fname] = hexd
-    if len(digests) == 1:
-        return next(iter(digests.values())), None
-
-    def is_projector(fname: str, hexd: str) -> bool:
-        if "mmproj" in fname.lower() or "projector" in fname.lower():
-            return True
-        try:
-            info = read_gguf_info(store.blob_path(hexd))
-        except GGUFError:
-            return True  # not a language model: the projector, if anything
-        return info.architecture in ("clip", "mllama_vision")
-
-    proj = [f for f, d in digests.items() if is_projector(f, d)]
-    if len(proj) != 1:
-        raise BadRequest("files: with two GGUF files one must be the model and one the multimodal projector "
-                         "(mmproj); could not tell which is which")
-    model = next(d for f, d in digests.items() if f != proj[0])
-    return model, digests[proj[0]]
 
 
 _ABORT = object()
@@ -758,14 +680,11 @@ class OpenAIHandler(LlamaHandler):
 
 
 async def _openai_embeddings(lease, req: oai.OpenAIRequest) -> dict:
-    inp = req.body.get("input")
-    inputs = [inp] if isinstance(inp, str) else list(inp or [])
-    if not all(isinstance(s, str) for s in inputs):
-        raise BadRequest("input must be a string or a list of strings")
-    vectors, tokens = await _embed(lease, inputs)
-    return {"object": "list", "model": req.model,
-            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    """OpenAI embeddings for a model that does not pool: the child's per-token vectors, pooled here."""
+    inputs = oai.embedding_inputs(req.body)
+    raw, tokens = await lease.runner.embed(inputs)
+    vectors = await asyncio.to_thread(lambda: [oa.mean_pool_normalize(v) for v in raw])
+    return oai.embeddings_body(req.model, vectors, tokens)
 
 
 class OpenAIModelsHandler(OpenAIHandler):
@@ -837,7 +756,7 @@ class DevicesHandler(LlamaHandler):
             inv = await sched.inventory()  # under the scheduler's budgets
             usage = sched.usage()
             loaded = [{"name": lo.name, "state": lo.state, "source": lo.charge.source,
-                       "by_device": lo.charge.by_device()} for lo in list(sched.loaded.values()) if lo.state != "gone"]
+                       "by_device": lo.charge.by_device()} for lo in sched.live()]
         body = inv.to_dict()
         if sched is not None:  # what a new model may still use on each device: the scheduler's own figure
             room = sched.available(inv, usage)
@@ -878,7 +797,7 @@ class EstimateHandler(LlamaHandler):
     @api_method
     async def post(self):
         body = self.json_body()
-        name = oa._model_name(body)
+        name = oa.model_name(body)
         opts = split_options(body.get("options")).load_options()
         from ..memory import estimate as est
 

@@ -81,10 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         # If the loop ended without the normal clean-up (an exception), stop the children now.
         ext = _extension(app)
-        if ext is not None and ext.scheduler is not None and ext.scheduler.loaded:
-            for lo in list(ext.scheduler.loaded.values()):
-                if lo.runner is not None:
-                    lo.runner.kill_now()
+        if ext is not None and ext.scheduler is not None:
+            ext.scheduler.kill_now()
     return 0
 
 
