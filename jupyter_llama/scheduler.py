@@ -23,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import enum
 import math
 import os
 import time
@@ -42,6 +43,32 @@ from .models.gguf_info import GGUFError, read_gguf_info
 from .models.ref import ModelRef
 
 Resolver = Callable[[str], Awaitable[ModelRef]]
+
+
+class ModelState(enum.StrEnum):
+    """Where a loaded model is in its life (``Loaded.state``; ``ps`` shows it)."""
+
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+    GONE = "gone"  # its runner is stopped; about to leave ``Scheduler.loaded``
+
+
+class EventKind(enum.StrEnum):
+    """What a scheduler decision was about (``Event.kind``, ``GET /llama/api/events``)."""
+
+    FIT = "fit"
+    LOAD = "load"
+    LOADED = "loaded"
+    RELOAD = "reload"
+    EVICT = "evict"
+    UNLOAD = "unload"
+    EXPIRE = "expire"
+    OOM_RETRY = "oom_retry"
+    CRASH = "crash"
+    ERROR = "error"
+    BUSY = "busy"
+    RECOVER = "recover"
 
 
 class FileResolver:
@@ -81,7 +108,7 @@ class Event:
 
     seq: int
     time: float  # epoch seconds
-    kind: str  # fit, load, loaded, reuse, reload, evict, unload, expire, oom_retry, crash, error, busy
+    kind: EventKind
     model: str | None
     message: str
     data: dict = field(default_factory=dict)
@@ -98,7 +125,7 @@ class EventLog:
         self._seq = 0
         self._subscribers: set[asyncio.Queue] = set()
 
-    def emit(self, kind: str, model: str | None, message: str, **data) -> Event:
+    def emit(self, kind: EventKind, model: str | None, message: str, **data) -> Event:
         self._seq += 1
         ev = Event(self._seq, time.time(), kind, model, message, data)
         self.history.append(ev)
@@ -225,7 +252,7 @@ class Loaded:
     predictions: dict[str, MemoryReport]
     fit_source: str
     runner: Runner | None = None
-    state: str = "loading"  # loading -> ready -> unloading -> gone
+    state: ModelState = ModelState.LOADING  # loading -> ready -> unloading -> gone
     refcount: int = 0
     loaded_at: float | None = None
     expires_at: float | None = None  # epoch seconds; None while busy or pinned
@@ -247,7 +274,7 @@ class Loaded:
 
     @property
     def actual(self) -> MemoryReport | None:
-        if self.runner is None or self.state not in ("ready", "unloading"):
+        if self.runner is None or self.state not in (ModelState.READY, ModelState.UNLOADING):
             return None
         rep = self.runner.memory()
         return rep if rep.total() > 0 else None
@@ -430,11 +457,11 @@ class Scheduler:
         options = options or LoadOptions()
         ref = await self.resolver(name)
         lo = self.loaded.get(ref.key)
-        if lo is not None and lo.state == "ready" and not lo.unload_when_idle and not lo.matches(options) \
+        if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.matches(options) \
                 and lo.runner is not None and lo.runner.alive:
             return self._lease(lo, ka, 0.0)  # fast path: no queue, no lock
         if self._pending >= self.settings.max_queue:
-            self.events.emit("busy", ref.name, f"queue full ({self._pending} waiting, limit "
+            self.events.emit(EventKind.BUSY, ref.name, f"queue full ({self._pending} waiting, limit "
                              f"{self.settings.max_queue}): request refused", pending=self._pending,
                              max_queue=self.settings.max_queue)
             raise ServerBusy(f"server busy, please try again later (queue limit {self.settings.max_queue} reached; "
@@ -444,17 +471,17 @@ class Scheduler:
         try:
             while True:
                 lo = self.loaded.get(ref.key)
-                if lo is not None and lo.state == "loading":
+                if lo is not None and lo.state == ModelState.LOADING:
                     await asyncio.shield(lo.ready)  # one load, however many wait for it
                     continue
-                if lo is not None and lo.state == "ready" and not lo.unload_when_idle and not lo.matches(options):
+                if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.matches(options):
                     if await self._healthy(lo):
                         return self._lease(lo, ka, time.monotonic() - t0)
                 async with self._lock:
                     if self._closed:
                         raise SchedulerError("the scheduler is shutting down")
                     lo = self.loaded.get(ref.key)
-                    if lo is not None and lo.state == "ready" and not lo.unload_when_idle \
+                    if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle \
                             and not lo.matches(options) and await self._healthy(lo):
                         continue  # someone loaded it while we waited for the lock
                     if lo is not None:
@@ -487,7 +514,7 @@ class Scheduler:
         lo = await self.find_loaded(name)
         if lo is None:
             return False
-        if lo.state == "loading":
+        if lo.state == ModelState.LOADING:
             try:
                 await asyncio.shield(lo.ready)
             except Exception:
@@ -498,7 +525,7 @@ class Scheduler:
     def live(self) -> list[Loaded]:
         """The models that have a runner now (loading, ready or unloading), as a list the
         caller may hold across awaits."""
-        return [lo for lo in self.loaded.values() if lo.state != "gone"]
+        return [lo for lo in self.loaded.values() if lo.state != ModelState.GONE]
 
     def ps(self) -> list[dict]:
         return [lo.info() for lo in self.live()]
@@ -523,7 +550,7 @@ class Scheduler:
         except SchedulerError:
             key = next((k for k, lo in self.loaded.items() if lo.name == name), None)
         lo = self.loaded.get(key) if key else None
-        return lo if lo is not None and lo.state != "gone" else None
+        return lo if lo is not None and lo.state != ModelState.GONE else None
 
     async def predict(self, name: str, options: LoadOptions | None = None) -> tuple[ModelRef, dict[str, MemoryReport]]:
         """Predictions for loading ``name`` now: on the devices a load would get, with the
@@ -547,8 +574,8 @@ class Scheduler:
 
         ref = await self.resolver(name)
         opts = self.effective_options(options or LoadOptions(), ref)
-        lo = next((x for x in self.loaded.values() if x.ref.key == ref.key and x.state != "gone"), None)
-        same = lo is not None and lo.state in ("ready", "unloading") and not lo.matches(opts)
+        lo = next((x for x in self.loaded.values() if x.ref.key == ref.key and x.state != ModelState.GONE), None)
+        same = lo is not None and lo.state in (ModelState.READY, ModelState.UNLOADING) and not lo.matches(opts)
         inv = await self.inventory()
         used = self.usage()
         if lo is not None:  # would it fit if it were loaded afresh: its own runner not counted
@@ -598,7 +625,7 @@ class Scheduler:
         if lo.refcount > 0:
             return
         lo.idle.set()
-        if lo.state != "ready":
+        if lo.state != ModelState.READY:
             return
         if lo.runner is None or not lo.runner.alive:
             self._spawn(self._crashed(lo))
@@ -616,9 +643,9 @@ class Scheduler:
 
     def _expire(self, lo: Loaded) -> None:
         lo.timer = None
-        if lo.state != "ready":
+        if lo.state != ModelState.READY:
             return
-        self.events.emit("expire", lo.name, f"keep_alive of {format_duration(lo.keep_alive)} ran out"
+        self.events.emit(EventKind.EXPIRE, lo.name, f"keep_alive of {format_duration(lo.keep_alive)} ran out"
                          + (f"; unloading after {lo.refcount} running request(s)" if lo.refcount else ""),
                          keep_alive=lo.keep_alive, refcount=lo.refcount)
         if lo.refcount:
@@ -638,7 +665,7 @@ class Scheduler:
             return False
         if time.monotonic() - lo.last_used < 10 or await r.health():
             return True
-        self.events.emit("crash", lo.name, "health check failed: the runner will be reloaded", pid=r.pid)
+        self.events.emit(EventKind.CRASH, lo.name, "health check failed: the runner will be reloaded", pid=r.pid)
         return False
 
     # -------------------------------------------------------------- internals: loading
@@ -662,7 +689,7 @@ class Scheduler:
             rule = "reload"
         else:
             reason, rule = "health check failed", "reload"
-        self.events.emit("reload", lo.name, f"reloading: {reason}", changed=changed)
+        self.events.emit(EventKind.RELOAD, lo.name, f"reloading: {reason}", changed=changed)
         await self._unload(lo, reason, rule=rule)
 
     async def inventory(self) -> devmod.Inventory:
@@ -685,7 +712,7 @@ class Scheduler:
         """Worker endpoint -> the model whose runner is connected to it (loading or loaded)."""
         out: dict[str, str] = {}
         for lo in self.loaded.values():
-            if lo.state != "gone" and lo.options.rpc:
+            if lo.state != ModelState.GONE and lo.options.rpc:
                 for ep in lo.options.rpc:
                     out[ep] = lo.name
         return out
@@ -730,7 +757,7 @@ class Scheduler:
         """Bytes per device charged to the loaded runners (actual when known, else predicted)."""
         used: dict[str, int] = collections.defaultdict(int)
         for lo in self.loaded.values():
-            if lo.state == "gone":
+            if lo.state == ModelState.GONE:
                 continue
             for dev, n in lo.charge.by_device().items():
                 used[dev] += n
@@ -769,23 +796,23 @@ class Scheduler:
                     if retry is None:
                         raise
         except BaseException as e:
-            lo.state = "gone"
+            lo.state = ModelState.GONE
             lo.gone.set()
             self.loaded.pop(ref.key, None)
             err = e if isinstance(e, SchedulerError) else LoadFailed(
                 f"failed to load {ref.name}: {e}") if isinstance(e, EngineError) else e
             if isinstance(e, Exception):
-                self.events.emit("error", ref.name, f"load failed: {str(e).splitlines()[0]}")
+                self.events.emit(EventKind.ERROR, ref.name, f"load failed: {str(e).splitlines()[0]}")
             if not lo.ready.done():
                 lo.ready.set_exception(err if isinstance(err, BaseException) else e)
                 lo.ready.exception()  # mark retrieved: waiters re-raise it themselves
             if err is e:
                 raise
             raise err from None
-        lo.state = "ready"
+        lo.state = ModelState.READY
         lo.loaded_at = time.time()
         actual = lo.actual
-        self.events.emit("loaded", ref.name, _loaded_message(lo, actual), load_seconds=round(lo.load_duration, 3),
+        self.events.emit(EventKind.LOADED, ref.name, _loaded_message(lo, actual), load_seconds=round(lo.load_duration, 3),
                          pid=lo.runner.pid, predicted={k: v.total() for k, v in preds.items()},
                          actual=actual.to_dict() if actual else None)
         try:
@@ -821,9 +848,9 @@ class Scheduler:
                 await self._stop_runner(new, "over budget once its actual size was known", rule="budget")
                 msg = (f"{words}, and no other model can make room. Raise JUPYTER_LLAMA_MEMORY_LIMIT or load it "
                        "with a smaller context")
-                self.events.emit("fit", new.name, "does not fit after all: " + msg, fits=False)
+                self.events.emit(EventKind.FIT, new.name, "does not fit after all: " + msg, fits=False)
                 raise DoesNotFit(msg) from None
-            self.events.emit("evict", victim.name, f"evicting {victim.name}: {words}; chosen because {rule}",
+            self.events.emit(EventKind.EVICT, victim.name, f"evicting {victim.name}: {words}; chosen because {rule}",
                              victim=victim.name, for_model=new.name, rule=rule, over_budget=over)
             await self._unload(victim, f"evicted for {new.name} (budget)", rule="evict")
 
@@ -831,7 +858,7 @@ class Scheduler:
         r = Runner(lo.ref.path, lo.options, binary=self.settings.binary, name=lo.ref.name,
                    load_timeout=self.settings.load_timeout)
         lo.runner = r
-        self.events.emit("load", lo.name, f"starting llama-server for {lo.name}"
+        self.events.emit(EventKind.LOAD, lo.name, f"starting llama-server for {lo.name}"
                          f" (context {lo.options.total_ctx or 'automatic'}, "
                          f"num_gpu {'automatic' if lo.options.num_gpu is None else lo.options.num_gpu})",
                          options=lo.options.to_dict())
@@ -847,13 +874,13 @@ class Scheduler:
             retried.add("ctx")
             step = 32768 if current > 32768 else 4096
             lo.options = lo.options.replace(num_ctx=step)
-            self.events.emit("oom_retry", lo.name, f"out of memory with automatic context {current}: "
+            self.events.emit(EventKind.OOM_RETRY, lo.name, f"out of memory with automatic context {current}: "
                              f"retrying once with context {step}", ctx_from=current, ctx_to=step)
             return "ctx"
-        others = [o for o in self.loaded.values() if o is not lo and o.state == "ready"]
+        others = [o for o in self.loaded.values() if o is not lo and o.state == ModelState.READY]
         if "evict" not in retried and others:
             retried.add("evict")
-            self.events.emit("oom_retry", lo.name, f"out of memory with {len(others)} other model(s) loaded: "
+            self.events.emit(EventKind.OOM_RETRY, lo.name, f"out of memory with {len(others)} other model(s) loaded: "
                              "evicting them all and retrying once", victims=[o.name for o in others])
             for o in others:
                 await self._unload(o, f"evicted to retry {lo.name} after an out-of-memory failure", rule="oom")
@@ -861,7 +888,7 @@ class Scheduler:
         if "mmproj" not in retried and lo.options.mmproj and lo.options.mmproj_offload:
             retried.add("mmproj")
             lo.options = lo.options.replace(mmproj_offload=False)
-            self.events.emit("oom_retry", lo.name, "out of memory: retrying once with the projector on the CPU")
+            self.events.emit(EventKind.OOM_RETRY, lo.name, "out of memory: retrying once with the projector on the CPU")
             return "mmproj"
         return None
 
@@ -873,7 +900,7 @@ class Scheduler:
         fit_source = self.settings.fit_estimator if self.settings.fit_estimator in preds else COARSE
         need = self._need(preds, fit_source)
         cap = self.max_loaded(len(inv.accelerators(include_unusable=True)))
-        others = [lo for lo in self.loaded.values() if lo.state in ("ready", "loading") and lo.ref.key != ref.key]
+        others = [lo for lo in self.loaded.values() if lo.state in (ModelState.READY, ModelState.LOADING) and lo.ref.key != ref.key]
         checked = {HOST} if placed.fit_target_mib is not None else set(need.devices)
 
         def numbers(usage: dict[str, int]) -> dict[str, dict]:
@@ -909,7 +936,7 @@ class Scheduler:
 
     def _eviction_order(self, ref: ModelRef) -> list[Loaded]:
         """The order :meth:`_choose_victim` would pick victims in, if nothing changed meanwhile."""
-        candidates = [lo for lo in self.loaded.values() if lo.state == "ready" and lo.ref.key != ref.key]
+        candidates = [lo for lo in self.loaded.values() if lo.state == ModelState.READY and lo.ref.key != ref.key]
         unpinned = sorted((lo for lo in candidates if not lo.pinned), key=lambda lo: (lo.keep_alive, lo.ref.path))
         pinned = sorted((lo for lo in candidates if lo.pinned), key=lambda lo: lo.ref.path)
         order: list[Loaded] = []
@@ -929,7 +956,7 @@ class Scheduler:
             plan = self.fit(ref, placed, preds, inv, used)
             numbers = {d: {k: n[k] for k in ("need", "available", "in_use", "budget")} for d, n in plan.devices.items()}
             if plan.fits:
-                self.events.emit("fit", ref.name, "fits: " + plan.words(), fits=True, estimator=plan.estimator,
+                self.events.emit(EventKind.FIT, ref.name, "fits: " + plan.words(), fits=True, estimator=plan.estimator,
                                  devices=numbers, workers=plan.workers,
                                  predicted={k: v.total() for k, v in preds.items()})
                 return placed, preds, fit_source
@@ -939,10 +966,10 @@ class Scheduler:
                 msg = (f"{ref.name} needs {format_bytes(n['need'])} on {d} ({plan.estimator} estimate) but the budget "
                        f"there is {format_bytes(n['budget'])}; raise JUPYTER_LLAMA_MEMORY_LIMIT, or load it with a "
                        "smaller context (num_ctx) or a smaller quantisation")
-                self.events.emit("fit", ref.name, "does not fit: " + msg, fits=False, devices=numbers)
+                self.events.emit(EventKind.FIT, ref.name, "does not fit: " + msg, fits=False, devices=numbers)
                 raise DoesNotFit(msg)
             if plan.verdict == "first":
-                self.events.emit("fit", ref.name, "may not fit (" + plan.words() + "), but no other model is "
+                self.events.emit(EventKind.FIT, ref.name, "may not fit (" + plan.words() + "), but no other model is "
                                  "loaded: the first model always gets to try", fits=False, devices=numbers,
                                  workers=plan.workers)
                 return placed, preds, fit_source
@@ -951,7 +978,7 @@ class Scheduler:
                       "not enough memory: " + plan.words(short))
             self._refuse_if_only_pinned_help(ref, short, reason)
             victim, rule = self._choose_victim(ref, reason)
-            self.events.emit("evict", victim.name, f"evicting {victim.name} to make room for {ref.name}: {reason}; "
+            self.events.emit(EventKind.EVICT, victim.name, f"evicting {victim.name} to make room for {ref.name}: {reason}; "
                              f"chosen because {rule}", victim=victim.name, for_model=ref.name, rule=rule,
                              devices=numbers, over_cap=plan.over_cap)
             await self._unload(victim, f"evicted for {ref.name}", rule="evict")
@@ -961,12 +988,12 @@ class Scheduler:
         device short and only pinned models hold the rest, refuse now, naming them."""
         if self.settings.evict_pinned or not short:
             return
-        pinned = [lo for lo in self.loaded.values() if lo.state == "ready" and lo.pinned and lo.ref.key != ref.key]
+        pinned = [lo for lo in self.loaded.values() if lo.state == ModelState.READY and lo.pinned and lo.ref.key != ref.key]
         if not pinned:
             return
         freeable: dict[str, int] = collections.defaultdict(int)
         for lo in self.loaded.values():
-            if lo.state == "ready" and not lo.pinned and lo.ref.key != ref.key:
+            if lo.state == ModelState.READY and not lo.pinned and lo.ref.key != ref.key:
                 for dev, n in lo.charge.by_device().items():
                     freeable[dev] += n
         if all(missing <= freeable.get(dev, 0) for dev, missing in short.items()):
@@ -975,12 +1002,12 @@ class Scheduler:
         msg = (f"cannot load {ref.name}: {reason}; evicting every unpinned model would not be enough, and only "
                f"pinned models ({names}) could make room. Unload one of them (keep_alive 0 or `stop`), or set "
                "JUPYTER_LLAMA_EVICT_PINNED=1")
-        self.events.emit("fit", ref.name, msg, fits=False, pinned=[lo.name for lo in pinned])
+        self.events.emit(EventKind.FIT, ref.name, msg, fits=False, pinned=[lo.name for lo in pinned])
         raise PinnedInTheWay(msg)
 
     def _choose_victim(self, ref: ModelRef, reason: str) -> tuple[Loaded, str]:
         """Shortest keep_alive first (ties by model path), idle before busy; pinned last of all."""
-        candidates = [lo for lo in self.loaded.values() if lo.state == "ready" and lo.ref.key != ref.key]
+        candidates = [lo for lo in self.loaded.values() if lo.state == ModelState.READY and lo.ref.key != ref.key]
         unpinned = sorted((lo for lo in candidates if not lo.pinned), key=lambda lo: (lo.keep_alive, lo.ref.path))
         pinned = sorted((lo for lo in candidates if lo.pinned), key=lambda lo: lo.ref.path)
         for group, label in ((unpinned, ""), (pinned if self.settings.evict_pinned else [], "pinned, ")):
@@ -997,7 +1024,7 @@ class Scheduler:
             names = ", ".join(lo.name for lo in pinned)
             msg = (f"cannot load {ref.name}: {reason}, and only pinned models ({names}) could make room. "
                    f"Unload one of them (keep_alive 0 or `stop`), or set JUPYTER_LLAMA_EVICT_PINNED=1")
-            self.events.emit("fit", ref.name, msg, fits=False, pinned=[lo.name for lo in pinned])
+            self.events.emit(EventKind.FIT, ref.name, msg, fits=False, pinned=[lo.name for lo in pinned])
             raise PinnedInTheWay(msg)
         raise DoesNotFit(f"cannot load {ref.name}: {reason}, and no loaded model can be evicted "
                          "(they are all still loading)")
@@ -1006,7 +1033,7 @@ class Scheduler:
 
     async def _unload(self, lo: Loaded, reason: str, rule: str) -> None:
         """Unload, waiting for running requests first; then wait for GPU memory to come back."""
-        if lo.state == "gone":
+        if lo.state == ModelState.GONE:
             return
         if lo.refcount > 0:
             lo.unload_when_idle = reason
@@ -1015,10 +1042,10 @@ class Scheduler:
         await self._stop_runner(lo, reason, rule)
 
     async def _stop_runner(self, lo: Loaded, reason: str, rule: str) -> None:
-        if lo.state in ("unloading", "gone"):
+        if lo.state in (ModelState.UNLOADING, ModelState.GONE):
             await lo.gone.wait()
             return
-        lo.state = "unloading"
+        lo.state = ModelState.UNLOADING
         if lo.timer:
             lo.timer.cancel()
             lo.timer = None
@@ -1031,9 +1058,9 @@ class Scheduler:
         if lo.runner is not None:
             await lo.runner.stop()
         self.loaded.pop(lo.ref.key, None) if self.loaded.get(lo.ref.key) is lo else None
-        lo.state = "gone"
+        lo.state = ModelState.GONE
         lo.expires_at = None
-        self.events.emit("unload", lo.name, f"unloaded {lo.name}: {reason}", rule=rule,
+        self.events.emit(EventKind.UNLOAD, lo.name, f"unloaded {lo.name}: {reason}", rule=rule,
                          freed=lo.charge.to_dict(), workers=workers)
         lo.gone.set()
         if self._closed:
@@ -1070,24 +1097,24 @@ class Scheduler:
                     self._worker_status[st.endpoint] = st
                     pending.remove(st.endpoint)
                     free = sum(d.free for d in st.devices)
-                    self.events.emit("recover", name, f"RPC worker {st.endpoint} answers again "
+                    self.events.emit(EventKind.RECOVER, name, f"RPC worker {st.endpoint} answers again "
                                      f"{(time.monotonic() - t0) * 1000:.0f} ms after {name} stopped "
                                      f"({format_bytes(free)} free)", worker=st.endpoint, free=free,
                                      waited=time.monotonic() - t0)
             if pending:
                 await asyncio.sleep(self.settings.recovery_poll)
         for ep in pending:
-            self.events.emit("recover", name, f"RPC worker {ep} did not answer within "
+            self.events.emit(EventKind.RECOVER, name, f"RPC worker {ep} did not answer within "
                              f"{self.settings.recovery_timeout:g}s after {name} stopped; it is left out of "
                              "placement until it does", worker=ep, free=None, waited=time.monotonic() - t0)
 
     async def _crashed(self, lo: Loaded) -> None:
-        if lo.state != "ready":
+        if lo.state != ModelState.READY:
             return
         code = lo.runner.returncode if lo.runner else None
         lost = await lo.runner.lost_workers() if lo.runner else []
         cause = f" because RPC worker {', '.join(lost)} went away" if lost else ""
-        self.events.emit("crash", lo.name, f"llama-server for {lo.name} stopped unexpectedly (exit code {code})"
+        self.events.emit(EventKind.CRASH, lo.name, f"llama-server for {lo.name} stopped unexpectedly (exit code {code})"
                          f"{cause}; the next request reloads it" + (" on the devices that are left" if lost else ""),
                          exit_code=code, lost_workers=lost,
                          last_lines=lo.runner.parser.last_error_lines(5) if lo.runner else [])
@@ -1099,7 +1126,7 @@ class Scheduler:
         if r is None:
             return
         await r._exited.wait()
-        if lo.state == "ready" and lo.refcount == 0:
+        if lo.state == ModelState.READY and lo.refcount == 0:
             await self._crashed(lo)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import ctypes
+import enum
 import json
 import os
 import secrets
@@ -150,6 +151,17 @@ def child_client() -> httpx.AsyncClient:
     )
 
 
+class RunnerState(enum.StrEnum):
+    """A runner's life: new -> starting -> ready -> stopping -> stopped, or failed."""
+
+    NEW = "new"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
 class _BadResponse(ValueError):
     """The child's answer is not the HTTP/1.1 the stream reader expects."""
 
@@ -223,7 +235,7 @@ class Runner:
         self.port: int | None = None
         self.api_key = ""
         self.argv: list[str] = []
-        self.state = "new"  # new -> starting -> ready -> stopping -> stopped | failed
+        self.state = RunnerState.NEW
         self.started_at: float | None = None
         self.ready_at: float | None = None
         self.returncode: int | None = None
@@ -271,12 +283,12 @@ class Runner:
 
     async def start(self) -> "Runner":
         """Start the child and wait until it answers ``/health``; raise :class:`LoadError` if not."""
-        if self.state != "new":
+        if self.state != RunnerState.NEW:
             raise EngineError(f"runner for {self.name} was already started ({self.state})")
         if not os.path.isfile(self.model_path):
-            self.state = "failed"
+            self.state = RunnerState.FAILED
             raise LoadError(f"model file {self.model_path} does not exist")
-        self.state = "starting"
+        self.state = RunnerState.STARTING
         for attempt in range(3):
             try:
                 await self._spawn()
@@ -290,9 +302,9 @@ class Runner:
                 continue
             except BaseException:
                 await self.stop()
-                self.state = "failed"
+                self.state = RunnerState.FAILED
                 raise
-        self.state = "failed"
+        self.state = RunnerState.FAILED
         raise LoadError(f"could not find a free port for {self.name} after 3 tries")
 
     async def _spawn(self) -> None:
@@ -365,7 +377,7 @@ class Runner:
                         oom=self.parser.oom)
                 if await self._health_ok():
                     self.ready_at = time.monotonic()
-                    self.state = "ready"
+                    self.state = RunnerState.READY
                     return
                 if time.monotonic() - self._last_output > deadline_gap:
                     raise LoadError(
@@ -431,15 +443,15 @@ class Runner:
             except asyncio.TimeoutError:
                 pass
         if not self.alive:
-            self.state = "failed" if self.state != "stopping" else self.state
+            self.state = RunnerState.FAILED if self.state != RunnerState.STOPPING else self.state
             if self.options.rpc:
                 await self.lost_workers()
             return self._crash_error()
         return EngineError(f"request to {self.name} failed: {exc!r}")
 
     def _check_ready(self) -> None:
-        if self.state != "ready" or not self.alive:
-            if self.proc is not None and not self.alive and self.state != "stopped":
+        if self.state != RunnerState.READY or not self.alive:
+            if self.proc is not None and not self.alive and self.state != RunnerState.STOPPED:
                 raise self._crash_error()
             raise EngineError(f"runner for {self.name} is not ready ({self.state})")
 
@@ -567,10 +579,10 @@ class Runner:
         """Stop gracefully (SIGTERM to its group), then forcefully (SIGKILL); always reap."""
         async with self._stop_lock:
             if self.proc is None:
-                self.state = "stopped" if self.state != "failed" else self.state
+                self.state = RunnerState.STOPPED if self.state != RunnerState.FAILED else self.state
                 return
-            if self.state not in ("failed",):
-                self.state = "stopping"
+            if self.state is not RunnerState.FAILED:
+                self.state = RunnerState.STOPPING
             if self._client is not None and self._owns_client:
                 await self._client.aclose()  # no keep-alive connection left for the child to wait on
             if self.proc.returncode is None:
@@ -580,8 +592,8 @@ class Runner:
                 except asyncio.TimeoutError:
                     self._signal(signal.SIGKILL)
             await self._reap()
-            if self.state != "failed":
-                self.state = "stopped"
+            if self.state != RunnerState.FAILED:
+                self.state = RunnerState.STOPPED
 
     async def _reap(self) -> None:
         if self.proc is None:
