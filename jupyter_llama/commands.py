@@ -246,6 +246,8 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
     p = add("synth", cmd_synth, "make a synthetic llama GGUF: register it as NAME, or write it to --output")
     p.add_argument("name", nargs="?")
     p.add_argument("--output", "-o", help="write the file here instead of registering it")
+    p.add_argument("--projector", action="store_true",
+                   help="also make a multimodal projector for it (a vision model; with --output, FILE-mmproj.gguf)")
     _shape_options(p)
 
     p = add("cp", cmd_cp, "copy a model to a new name (no bytes are copied)")
@@ -599,8 +601,12 @@ def cmd_create(args, fe: Frontend):
         raise CommandError(str(e), EXIT_USAGE) from None
     client = fe.client()
     digest = _call(fe, client.create_blob, path)
-    _call(fe, client.create, args.name, files={os.path.basename(path): digest})
-    fe.note(f"created {args.name} from {path} ({digest[:19]})")
+    files = {os.path.basename(path): digest}
+    proj = getattr(args, "projector", None)
+    if proj:
+        files[os.path.basename(proj)] = _call(fe, client.create_blob, proj)
+    _call(fe, client.create, args.name, files=files)
+    fe.note(f"created {args.name} from {path} ({digest[:19]})" + (f" with the projector {proj}" if proj else ""))
     return EXIT_OK
 
 
@@ -608,22 +614,28 @@ def cmd_synth(args, fe: Frontend):
     import os
     import tempfile
 
-    from .models.synth import SynthShape, write_synthetic
+    from .models.synth import SynthShape, write_projector, write_synthetic
 
     overrides = {k: getattr(args, k) for k in SHAPE_FIELDS if getattr(args, k) is not None}
     if not args.name and not args.output:
         raise CommandError("synth: give a NAME to register, or --output FILE to write", EXIT_USAGE)
+    def write(path: str) -> tuple[str, str | None]:
+        out = write_synthetic(path, shape)
+        proj = (write_projector(out.with_name(out.stem + "-mmproj.gguf"), shape.embd, seed=shape.seed)
+                if args.projector else None)
+        return str(out), (str(proj) if proj else None)
+
     try:
         shape = SynthShape(**overrides)
         if args.output:
-            path = write_synthetic(args.output, shape)
-            fe.note(f"wrote {path} ({path.stat().st_size:,} bytes)")
+            path, proj = write(args.output)
+            fe.note(f"wrote {path} ({os.path.getsize(path):,} bytes)" + (f" and {proj}" if proj else ""))
             if not args.name:
                 return EXIT_OK
-            return cmd_create(argparse.Namespace(name=args.name, from_file=str(path)), fe)
+            return cmd_create(argparse.Namespace(name=args.name, from_file=path, projector=proj), fe)
         with tempfile.TemporaryDirectory(prefix="jupyter-llama-synth-") as tmp:
-            path = write_synthetic(os.path.join(tmp, "synth.gguf"), shape)
-            return cmd_create(argparse.Namespace(name=args.name, from_file=str(path)), fe)
+            path, proj = write(os.path.join(tmp, "synth.gguf"))
+            return cmd_create(argparse.Namespace(name=args.name, from_file=path, projector=proj), fe)
     except ValueError as e:
         raise CommandError(f"synth: {e}", EXIT_USAGE) from None
 

@@ -539,7 +539,7 @@ class Scheduler:
     async def unload_file(self, path: str, reason: str) -> None:
         """Unload every model loaded from the file ``path`` (a model being deleted)."""
         for lo in self.live():
-            if lo.ref.key == path:
+            if lo.ref.path == path:
                 await self.unload(lo.name, reason=reason)
 
     async def find_loaded(self, name: str) -> Loaded | None:

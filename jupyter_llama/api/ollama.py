@@ -148,6 +148,10 @@ class ChatRequest:
         return not self.messages
 
     @property
+    def has_images(self) -> bool:
+        return any(isinstance(m.get("content"), list) for m in self.messages)
+
+    @property
     def unloads(self) -> bool:
         return self.is_load_only and self.keep_alive == 0
 
@@ -228,9 +232,13 @@ def _chat_message(i: int, m) -> dict:
         content = ""
     if not isinstance(content, str):
         raise BadRequest(f"messages[{i}].content must be a string")
-    if m.get("images"):
-        raise BadRequest(f"messages[{i}]: images are not supported yet (multimodal input)")
+    images = m.get("images") or []
+    if not isinstance(images, list) or not all(isinstance(x, str) and x for x in images):
+        raise BadRequest(f"messages[{i}].images must be a list of base64-encoded images")
     out: dict[str, Any] = {"role": role, "content": content}
+    if images:  # OpenAI content parts, which llama-server's chat route reads with the model's projector
+        out["content"] = [{"type": "text", "text": content}] + [
+            {"type": "image_url", "image_url": {"url": f"data:{_image_type(x, i)};base64,{x}"}} for x in images]
     calls = m.get("tool_calls")
     if calls:
         if not isinstance(calls, list):
@@ -254,6 +262,23 @@ def _chat_message(i: int, m) -> dict:
     if m.get("thinking"):
         out["reasoning_content"] = m["thinking"]
     return out
+
+
+_IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"),
+                (b"RIFF", "image/webp"), (b"BM", "image/bmp"))
+
+
+def _image_type(b64: str, i: int) -> str:
+    """The media type of a base64 image, from its first bytes (400 for text that is not base64)."""
+    import base64
+    import binascii
+
+    try:
+        head = base64.b64decode(b64[:64] + "=" * (-len(b64[:64]) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"messages[{i}].images: not base64 (give the image's bytes base64-encoded, "
+                         "without a data: prefix)") from None
+    return next((t for magic, t in _IMAGE_MAGIC if head.startswith(magic)), "image/jpeg")
 
 
 def parse_chat(body: dict) -> ChatRequest:

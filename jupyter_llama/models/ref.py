@@ -19,8 +19,11 @@ class ModelRef:
     digest: str | None = None
 
     @property
-    def key(self) -> str:  # runners are keyed by model file, as in Ollama
-        return self.path
+    def key(self) -> str:
+        """What a runner is for: the model file, as in Ollama, and its projector. Two names for
+        the same file share a runner; the same file with and without a projector does not (a
+        child started without ``--mmproj`` cannot read images)."""
+        return self.path if not self.mmproj else f"{self.path}+{self.mmproj}"
 
     @property
     def has_chat_template(self) -> bool:

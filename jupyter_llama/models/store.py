@@ -963,22 +963,28 @@ class ModelStore:
         finally:
             _unlink(tmp)
 
-    def synth(self, name: str | ModelName, shape=None, progress: Progress | None = None, **overrides) -> ModelEntry:
-        """Register a synthetic model (``models.synth``) of ``shape`` under ``name``."""
-        from .synth import SynthShape, write_synthetic
+    def synth(self, name: str | ModelName, shape=None, progress: Progress | None = None, *, projector: bool = False,
+              **overrides) -> ModelEntry:
+        """Register a synthetic model (``models.synth``) of ``shape`` under ``name``; with
+        ``projector``, a synthetic multimodal projector for it too (a vision model)."""
+        from .synth import SynthShape, write_projector, write_synthetic
 
         mname = self._name(name)
         s = shape if shape is not None else SynthShape()
         if overrides:
             s = dataclasses.replace(s, **overrides)
         self.ensure_dirs()
-        tmp = self.tmp_dir / f"synth-{os.getpid()}-{secrets.token_hex(6)}.gguf"
+        stem = self.tmp_dir / f"synth-{os.getpid()}-{secrets.token_hex(6)}"
+        tmp, proj = stem.with_suffix(".gguf"), stem.with_name(stem.name + "-mmproj.gguf")
         try:
             write_synthetic(tmp, s)
-            return self.create(mname, tmp, progress=progress, link="auto",
-                               source={"type": "synth", "shape": dataclasses.asdict(s)})
+            if projector:
+                write_projector(proj, s.embd, seed=s.seed)
+            return self.create(mname, tmp, projector=proj if projector else None, progress=progress, link="auto",
+                               source={"type": "synth", "shape": dataclasses.asdict(s), "projector": projector})
         finally:
             _unlink(tmp)
+            _unlink(proj)
 
     def copy(self, src: str | ModelName, dst: str | ModelName) -> ModelEntry:
         """Give model ``src`` a second name (no bytes copied); an existing ``dst`` is replaced."""

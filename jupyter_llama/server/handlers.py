@@ -349,6 +349,9 @@ class ChatHandler(LlamaHandler):
                 self.finish_json(oa.load_chunk(req.model, "load", chat=True, total_s=time.monotonic() - started,
                                                load_s=lease.load_duration))
                 return
+            if req.has_images and not lease.loaded.ref.mmproj:
+                raise BadRequest(f"{lease.loaded.name} has no multimodal projector, so it cannot read images; "
+                                 "use a vision model (one pulled with its mmproj file, or created with a projector)")
             params = dict(req.sampling)
             if req.tools:
                 params["tools"] = req.tools

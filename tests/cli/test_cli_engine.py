@@ -38,6 +38,19 @@ def test_synth_then_inspect(tmp_path):
     assert data["context_length"] == 1024 and any(t["type"] == "Q8_0" for t in data["tensors"])
 
 
+def test_synth_with_a_projector_writes_a_vision_pair(tmp_path):
+    from jupyter_llama.models.store import _projector_summary
+
+    out = tmp_path / "v.gguf"
+    r = cli("synth", "--output", str(out), "--embd", "96", "--heads", "6", "--projector")
+    assert r.returncode == 0, r.stderr
+    proj = tmp_path / "v-mmproj.gguf"
+    assert out.is_file() and proj.is_file() and str(proj) in r.stderr
+    summary = _projector_summary(str(proj))  # what the store checks before it registers a projector
+    assert summary["architecture"] == "clip" and summary["projector_type"] == "mlp"
+    assert summary["metadata"]["clip.vision.projection_dim"] == 96, "it projects into the text model's width"
+
+
 def test_synth_bad_shape_is_a_usage_error(tmp_path):
     r = cli("synth", "--output", str(tmp_path / "x.gguf"), "--heads", "5")
     assert r.returncode == 2 and "must divide" in r.stderr

@@ -371,3 +371,44 @@ async def test_log_of_a_loaded_model(http):
     for bad, says in (({"model": "tiny", "lines": "x"}, "whole number"), ({}, "?model=NAME")):
         r = await http.get("api/log", params=bad)
         assert r.status_code == 400 and says in r.json()["error"], r.text
+
+
+# ----------------------------------------------------------------------------- images
+
+
+def _png(width: int = 28, height: int = 28) -> str:
+    """A small solid-colour PNG, base64-encoded (as Ollama clients send images)."""
+    import base64
+    import struct
+    import zlib
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    rows = b"".join(b"\x00" + bytes([120, 80, 200]) * width for _ in range(height))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return base64.b64encode(png).decode()
+
+
+async def test_chat_with_an_image_on_a_vision_model(http, store):
+    from srvutil import TINY
+
+    # the same weights as "tiny" (so the same model file), plus a synthetic projector: a runner is
+    # for a file and its projector, so "tiny" below must not be served by vision's child
+    store.synth("vision", projector=True, **TINY)
+    msg = {"role": "user", "content": "What is in the picture?", "images": [_png()]}
+    r = await http.post("api/chat", json={"model": "vision", "messages": [msg], "stream": False,
+                                          "options": dict(OPTS, num_predict=4)})
+    body = r.json()
+    assert r.status_code == 200, r.text
+    assert body["done"] and body["eval_count"] == 4
+    assert body["prompt_eval_count"] > 4, "the image's embeddings count as prompt tokens"
+    show = (await http.post("api/show", json={"model": "vision"})).json()
+    assert "vision" in show.get("capabilities", []) or show.get("projector_info"), show.keys()
+
+    r = await http.post("api/chat", json={"model": "tiny", "messages": [msg], "stream": False, "options": OPTS})
+    assert r.status_code == 400 and "no multimodal projector" in r.json()["error"], r.text
+    r = await http.post("api/chat", json={"model": "vision", "stream": False, "options": OPTS,
+                                          "messages": [dict(msg, images=["not base64!"])]})
+    assert r.status_code == 400 and "not base64" in r.json()["error"], r.text
