@@ -231,7 +231,106 @@ def _check_line(line: str) -> dict | None:
 # ----------------------------------------------------------------------------- sync
 
 
-class LlamaClient:
+@dataclass(frozen=True)
+class _Call:
+    """One request, as every client sends it: the route, what goes in it, how to read the answer."""
+
+    method: str
+    path: str
+    body: Any = None
+    params: dict | None = None
+    stream: bool = False  # NDJSON lines, one dict each
+    pick: str | None = None  # the key of the answer to return
+
+
+class _Routes:
+    """Every route of the API, once. :class:`LlamaClient` and :class:`AsyncLlamaClient` only
+    carry the calls (``_do``): the same words, answers and errors, blocking or awaited."""
+
+    def _do(self, call: _Call):  # pragma: no cover - each client defines it
+        raise NotImplementedError
+
+    # -- Ollama API
+
+    def generate(self, model: str, prompt: str = "", *, stream: bool = True, options: dict | None = None,
+                 keep_alive=None, system: str | None = None, raw: bool | None = None, format=None):
+        """Chunks (``stream=True``: an iterator, ``async for`` on the async client) or the whole
+        answer (one dict; awaited on the async client)."""
+        return self._do(_Call("POST", "api/generate", _generate_body(model, prompt, stream, options, keep_alive,
+                                                                     system, raw, format), stream=stream))
+
+    def chat(self, model: str, messages: list[dict], *, stream: bool = True, options: dict | None = None,
+             keep_alive=None, tools: list | None = None, format=None):
+        return self._do(_Call("POST", "api/chat", _chat_body(model, messages, stream, options, keep_alive, tools,
+                                                             format), stream=stream))
+
+    def embed(self, model: str, input: str | list[str], *, options: dict | None = None, keep_alive=None):
+        return self._do(_Call("POST", "api/embed", _clean({"model": model, "input": input, "options": options,
+                                                           "keep_alive": keep_alive})))
+
+    def load(self, model: str, *, options: dict | None = None, keep_alive=None):
+        """Load without generating (Ollama's empty prompt)."""
+        return self.generate(model, "", stream=False, options=options, keep_alive=keep_alive)
+
+    def unload(self, model: str):
+        return self.generate(model, "", stream=False, keep_alive=0)
+
+    def ps(self):
+        return self._do(_Call("GET", "api/ps"))
+
+    def tags(self):
+        return self._do(_Call("GET", "api/tags"))
+
+    def show(self, model: str, verbose: bool = False):
+        return self._do(_Call("POST", "api/show", {"model": model, "verbose": verbose}))
+
+    def pull(self, source: str, name: str | None = None, *, stream: bool = True):
+        return self._do(_Call("POST", "api/pull", _clean({"model": source, "destination": name, "stream": stream}),
+                              stream=stream))
+
+    def copy(self, source: str, destination: str):
+        return self._do(_Call("POST", "api/copy", {"source": source, "destination": destination}))
+
+    def delete(self, model: str):
+        return self._do(_Call("DELETE", "api/delete", {"model": model}))
+
+    def create(self, model: str, *, files: dict[str, str] | None = None, from_: str | None = None,
+               stream: bool = False):
+        return self._do(_Call("POST", "api/create", _clean({"model": model, "files": files, "from": from_,
+                                                            "stream": stream}), stream=stream))
+
+    def version(self):
+        return self._do(_Call("GET", "api/version"))
+
+    # -- ours
+
+    def devices(self):
+        return self._do(_Call("GET", "api/devices"))
+
+    def estimate(self, model: str, options: dict | None = None):
+        return self._do(_Call("POST", "api/estimate", _clean({"model": model, "options": options})))
+
+    def log(self, model: str, lines: int = 200, match: str | None = None):
+        """A loaded model's llama-server log (its last ``lines`` lines, or those containing ``match``)."""
+        params = {"model": model, "lines": lines} | ({"match": match} if match else {})
+        return self._do(_Call("GET", "api/log", params=params))
+
+    def events(self, model: str | None = None, since: int = 0, limit: int | None = None, *, stream: bool = False):
+        """The event history (a list), or with ``stream=True`` an endless iterator of new events."""
+        params = _clean({"model": model, "since": since or None, "limit": limit, "stream": "1" if stream else None})
+        return self._do(_Call("GET", "api/events", params=params, stream=stream, pick=None if stream else "events"))
+
+
+def _unreachable(url: str, e: Exception) -> ServerNotFound:
+    return ServerNotFound(f"cannot reach the jupyter-llama server at {url}: {e}; {HOW_TO_START}")
+
+
+def _answer(r: httpx.Response, call: _Call):
+    data = r.json() if r.content else {}
+    return data[call.pick] if call.pick else data
+
+
+class LlamaClient(_Routes):
     """Synchronous client. ``LlamaClient()`` finds the server as the module docstring says."""
 
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: httpx.Timeout = TIMEOUT,
@@ -253,24 +352,21 @@ class LlamaClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- plumbing
+    def _do(self, call: _Call):
+        return self._stream(call) if call.stream else self._json(call)
 
-    def _send(self, method: str, path: str, body: Any = None, params: dict | None = None) -> httpx.Response:
+    def _json(self, call: _Call):
         try:
-            r = self._http.request(method, path, json=body, params=params)
+            r = self._http.request(call.method, call.path, json=call.body, params=call.params)
         except httpx.ConnectError as e:
-            raise ServerNotFound(f"cannot reach the jupyter-llama server at {self.url}: {e}; {HOW_TO_START}") from None
+            raise _unreachable(self.url, e) from None
         if r.status_code >= 400:
             raise _error(r.status_code, _message_of(r.content, r.status_code))
-        return r
+        return _answer(r, call)
 
-    def _json(self, method: str, path: str, body: Any = None, params: dict | None = None):
-        r = self._send(method, path, body, params)
-        return r.json() if r.content else {}
-
-    def _stream(self, method: str, path: str, body: Any = None, params: dict | None = None) -> Iterator[dict]:
+    def _stream(self, call: _Call) -> Iterator[dict]:
         try:
-            with self._http.stream(method, path, json=body, params=params) as r:
+            with self._http.stream(call.method, call.path, json=call.body, params=call.params) as r:
                 if r.status_code >= 400:
                     raise _error(r.status_code, _message_of(r.read(), r.status_code))
                 for line in r.iter_lines():
@@ -278,59 +374,12 @@ class LlamaClient:
                     if data is not None:
                         yield data
         except httpx.ConnectError as e:
-            raise ServerNotFound(f"cannot reach the jupyter-llama server at {self.url}: {e}; {HOW_TO_START}") from None
+            raise _unreachable(self.url, e) from None
 
-    def _maybe_stream(self, path: str, body: dict, stream: bool):
-        if stream:
-            return self._stream("POST", path, body)
-        return self._json("POST", path, body)
-
-    # -- Ollama API
-
-    def generate(self, model: str, prompt: str = "", *, stream: bool = True, options: dict | None = None,
-                 keep_alive=None, system: str | None = None, raw: bool | None = None, format=None):
-        """Chunks (``stream=True``, an iterator) or the whole answer (one dict)."""
-        return self._maybe_stream("api/generate", _generate_body(model, prompt, stream, options, keep_alive, system,
-                                                                 raw, format), stream)
-
-    def chat(self, model: str, messages: list[dict], *, stream: bool = True, options: dict | None = None,
-             keep_alive=None, tools: list | None = None, format=None):
-        return self._maybe_stream("api/chat", _chat_body(model, messages, stream, options, keep_alive, tools, format),
-                                  stream)
-
-    def embed(self, model: str, input: str | list[str], *, options: dict | None = None, keep_alive=None) -> dict:
-        return self._json("POST", "api/embed", _clean({"model": model, "input": input, "options": options,
-                                                       "keep_alive": keep_alive}))
-
-    def load(self, model: str, *, options: dict | None = None, keep_alive=None) -> dict:
-        """Load without generating (Ollama's empty prompt)."""
-        return self.generate(model, "", stream=False, options=options, keep_alive=keep_alive)
-
-    def unload(self, model: str) -> dict:
-        return self.generate(model, "", stream=False, keep_alive=0)
-
-    def ps(self) -> dict:
-        return self._json("GET", "api/ps")
-
-    def tags(self) -> dict:
-        return self._json("GET", "api/tags")
-
-    list = tags
-
-    def show(self, model: str, verbose: bool = False) -> dict:
-        return self._json("POST", "api/show", {"model": model, "verbose": verbose})
-
-    def pull(self, source: str, name: str | None = None, *, stream: bool = True):
-        return self._maybe_stream("api/pull", _clean({"model": source, "destination": name, "stream": stream}), stream)
-
-    def copy(self, source: str, destination: str) -> dict:
-        return self._json("POST", "api/copy", {"source": source, "destination": destination})
-
-    def delete(self, model: str) -> dict:
-        return self._json("DELETE", "api/delete", {"model": model})
+    list = _Routes.tags
 
     def create_blob(self, path: str | os.PathLike) -> str:
-        """Upload a file as a blob; returns its ``sha256:<hex>`` digest."""
+        """Upload a file as a blob (unless the server has it); returns its ``sha256:<hex>`` digest."""
         import hashlib
 
         h = hashlib.sha256()
@@ -339,51 +388,22 @@ class LlamaClient:
                 h.update(block)
         digest = f"sha256:{h.hexdigest()}"
         try:
-            r = self._http.head(f"api/blobs/{digest}")
-            if r.status_code == 200:
+            if self._http.head(f"api/blobs/{digest}").status_code == 200:
                 return digest
+            with open(path, "rb") as fh:
+                r = self._http.post(f"api/blobs/{digest}", content=fh)
         except httpx.ConnectError as e:
-            raise ServerNotFound(f"cannot reach the jupyter-llama server at {self.url}: {e}; {HOW_TO_START}") from None
-        with open(path, "rb") as fh:
-            r = self._http.post(f"api/blobs/{digest}", content=fh)
+            raise _unreachable(self.url, e) from None
         if r.status_code >= 400:
             raise _error(r.status_code, _message_of(r.content, r.status_code))
         return digest
-
-    def create(self, model: str, *, files: dict[str, str] | None = None, from_: str | None = None,
-               stream: bool = False):
-        return self._maybe_stream("api/create", _clean({"model": model, "files": files, "from": from_,
-                                                        "stream": stream}), stream)
-
-    def version(self) -> dict:
-        return self._json("GET", "api/version")
-
-    # -- ours
-
-    def devices(self) -> dict:
-        return self._json("GET", "api/devices")
-
-    def estimate(self, model: str, options: dict | None = None) -> dict:
-        return self._json("POST", "api/estimate", _clean({"model": model, "options": options}))
-
-    def log(self, model: str, lines: int = 200, match: str | None = None) -> dict:
-        """A loaded model's llama-server log (its last ``lines`` lines, or those containing ``match``)."""
-        params = {"model": model, "lines": lines} | ({"match": match} if match else {})
-        return self._json("GET", "api/log", params=params)
-
-    def events(self, model: str | None = None, since: int = 0, limit: int | None = None, *, stream: bool = False):
-        """The event history (a list), or with ``stream=True`` an endless iterator of new events."""
-        params = _clean({"model": model, "since": since or None, "limit": limit, "stream": "1" if stream else None})
-        if stream:
-            return self._stream("GET", "api/events", params=params)
-        return self._json("GET", "api/events", params=params)["events"]
 
 
 # ----------------------------------------------------------------------------- async
 
 
-class AsyncLlamaClient:
-    """The same API over ``httpx.AsyncClient``; streaming calls return async iterators."""
+class AsyncLlamaClient(_Routes):
+    """The same routes over ``httpx.AsyncClient``: ``await`` an answer, ``async for`` a stream."""
 
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: httpx.Timeout = TIMEOUT,
                  environ: Mapping[str, str] | None = None):
@@ -404,18 +424,21 @@ class AsyncLlamaClient:
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
-    async def _json(self, method: str, path: str, body: Any = None, params: dict | None = None):
+    def _do(self, call: _Call):
+        return self._stream(call) if call.stream else self._json(call)
+
+    async def _json(self, call: _Call):
         try:
-            r = await self._http.request(method, path, json=body, params=params)
+            r = await self._http.request(call.method, call.path, json=call.body, params=call.params)
         except httpx.ConnectError as e:
-            raise ServerNotFound(f"cannot reach the jupyter-llama server at {self.url}: {e}; {HOW_TO_START}") from None
+            raise _unreachable(self.url, e) from None
         if r.status_code >= 400:
             raise _error(r.status_code, _message_of(r.content, r.status_code))
-        return r.json() if r.content else {}
+        return _answer(r, call)
 
-    async def _stream(self, method: str, path: str, body: Any = None, params: dict | None = None) -> AsyncIterator[dict]:
+    async def _stream(self, call: _Call) -> AsyncIterator[dict]:
         try:
-            async with self._http.stream(method, path, json=body, params=params) as r:
+            async with self._http.stream(call.method, call.path, json=call.body, params=call.params) as r:
                 if r.status_code >= 400:
                     raise _error(r.status_code, _message_of(await r.aread(), r.status_code))
                 async for line in r.aiter_lines():
@@ -423,63 +446,4 @@ class AsyncLlamaClient:
                     if data is not None:
                         yield data
         except httpx.ConnectError as e:
-            raise ServerNotFound(f"cannot reach the jupyter-llama server at {self.url}: {e}; {HOW_TO_START}") from None
-
-    def generate(self, model: str, prompt: str = "", *, stream: bool = True, options: dict | None = None,
-                 keep_alive=None, system: str | None = None, raw: bool | None = None, format=None):
-        """``async for chunk in client.generate(...)`` when streaming, else ``await`` it."""
-        body = _generate_body(model, prompt, stream, options, keep_alive, system, raw, format)
-        return self._stream("POST", "api/generate", body) if stream else self._json("POST", "api/generate", body)
-
-    def chat(self, model: str, messages: list[dict], *, stream: bool = True, options: dict | None = None,
-             keep_alive=None, tools: list | None = None, format=None):
-        body = _chat_body(model, messages, stream, options, keep_alive, tools, format)
-        return self._stream("POST", "api/chat", body) if stream else self._json("POST", "api/chat", body)
-
-    async def embed(self, model: str, input: str | list[str], *, options: dict | None = None, keep_alive=None):
-        return await self._json("POST", "api/embed", _clean({"model": model, "input": input, "options": options,
-                                                             "keep_alive": keep_alive}))
-
-    async def load(self, model: str, *, options: dict | None = None, keep_alive=None) -> dict:
-        return await self.generate(model, "", stream=False, options=options, keep_alive=keep_alive)
-
-    async def unload(self, model: str) -> dict:
-        return await self.generate(model, "", stream=False, keep_alive=0)
-
-    async def ps(self) -> dict:
-        return await self._json("GET", "api/ps")
-
-    async def tags(self) -> dict:
-        return await self._json("GET", "api/tags")
-
-    async def show(self, model: str, verbose: bool = False) -> dict:
-        return await self._json("POST", "api/show", {"model": model, "verbose": verbose})
-
-    def pull(self, source: str, name: str | None = None, *, stream: bool = True):
-        body = _clean({"model": source, "destination": name, "stream": stream})
-        return self._stream("POST", "api/pull", body) if stream else self._json("POST", "api/pull", body)
-
-    async def copy(self, source: str, destination: str) -> dict:
-        return await self._json("POST", "api/copy", {"source": source, "destination": destination})
-
-    async def delete(self, model: str) -> dict:
-        return await self._json("DELETE", "api/delete", {"model": model})
-
-    async def version(self) -> dict:
-        return await self._json("GET", "api/version")
-
-    async def devices(self) -> dict:
-        return await self._json("GET", "api/devices")
-
-    async def estimate(self, model: str, options: dict | None = None) -> dict:
-        return await self._json("POST", "api/estimate", _clean({"model": model, "options": options}))
-
-    def events(self, model: str | None = None, since: int = 0, limit: int | None = None, *, stream: bool = False):
-        params = _clean({"model": model, "since": since or None, "limit": limit, "stream": "1" if stream else None})
-        if stream:
-            return self._stream("GET", "api/events", params=params)
-        return self._events_list(params)
-
-    async def _events_list(self, params: dict) -> list[dict]:
-        return (await self._json("GET", "api/events", params=params))["events"]
-
+            raise _unreachable(self.url, e) from None
