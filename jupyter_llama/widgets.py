@@ -34,13 +34,14 @@ loop (scripts, tests) they run synchronously.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime as _dt
 import functools
 import html
 import math
 import time
 import weakref
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 import ipywidgets as W
 
@@ -539,17 +540,32 @@ class _Actions:
     def _show_error(self, exc: BaseException) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def _dispatch(self, sync_fn: Callable[[], Any], async_fn: Callable[[], Any]):
-        """``async_fn()`` as a task when a loop runs here (and background is not False), else ``sync_fn()``.
-        Errors end up in the widget, never as a traceback."""
-        loop = _running_loop() if self.background is not False else None
+    def _dispatch(self, action: Callable[[AsyncLlamaClient], Awaitable[Any]], *, block: bool = False):
+        """Run ``action(async_client)``: each action is written once, as a coroutine.
+
+        On a running event loop (a Jupyter kernel) it becomes a task there, so the kernel keeps
+        answering while it runs; the task is returned. With no loop in this thread (a script,
+        IPython in a terminal) it runs to the end before this returns, and so it does when
+        ``block`` is set or ``background`` is False while a loop runs here (then on a helper
+        thread with its own loop). Errors end up in the widget, never as a traceback."""
+        async def with_client():
+            async with _async_client(self.client) as ac:
+                return await action(ac)
+
+        async def to_the_end():
+            result = await self._guard(with_client())
+            here = asyncio.get_running_loop()  # and what it started (a load re-estimates), before this loop closes
+            while mine := [t for t in self._tasks if t.get_loop() is here and not t.done()]:
+                await asyncio.wait(mine)
+            return result
+
+        loop = _running_loop()
         if loop is None:
-            try:
-                return sync_fn()
-            except Exception as e:  # noqa: BLE001 - shown in the widget
-                self._show_error(e)
-                return None
-        task = loop.create_task(self._guard(async_fn()))
+            return asyncio.run(to_the_end())
+        if block or self.background is False:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                return pool.submit(asyncio.run, to_the_end()).result()
+        task = loop.create_task(self._guard(with_client()))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -707,12 +723,10 @@ class ModelPicker(W.VBox, _Actions):
     @_safe
     def refresh_models(self):
         """Reload the model list (tags, and ps for which are loaded)."""
-        return self._dispatch(lambda: self._apply_models(self.client.tags(), self.client.ps()), self._arefresh_models)
+        async def act(ac):
+            self._apply_models(await ac.tags(), await ac.ps())
 
-    async def _arefresh_models(self):
-        async with _async_client(self.client) as ac:
-            tags, ps = await ac.tags(), await ac.ps()
-        self._apply_models(tags, ps)
+        return self._dispatch(act)
 
     def _apply_models(self, tags: dict, ps: dict, reestimate: bool = False) -> None:
         rows = model_rows(tags, ps)
@@ -755,16 +769,10 @@ class ModelPicker(W.VBox, _Actions):
         seq, opts = self._estimate_seq, self.options
         self.estimate_html.value = _status(f"estimating {name} …")
 
-        def sync():
-            self._apply_estimate(seq, self.client.estimate(name, opts), self.client.devices())
+        async def act(ac):
+            self._apply_estimate(seq, await ac.estimate(name, opts), await ac.devices())
 
-        async def run():
-            async with _async_client(self.client) as ac:
-                est = await ac.estimate(name, opts)
-                dev = await ac.devices()
-            self._apply_estimate(seq, est, dev)
-
-        return self._dispatch(sync, run)
+        return self._dispatch(act)
 
     def _apply_estimate(self, seq: int, estimate: dict, devices: dict) -> None:
         if seq != self._estimate_seq:  # a newer selection superseded this one
@@ -790,23 +798,14 @@ class ModelPicker(W.VBox, _Actions):
             secs = (res or {}).get("load_duration")
             self._set_status(f"{name} loaded" + (f" in {secs / 1e9:.2f}s" if secs else ""))
 
-        def sync():
+        async def act(ac):
             try:
-                done(self.client.load(name, options=opts, keep_alive=ka))
+                done(await ac.load(name, options=opts, keep_alive=ka))
             finally:
                 self.load_button.disabled = False
-            self._apply_models(self.client.tags(), self.client.ps(), reestimate=True)
+            self._apply_models(await ac.tags(), await ac.ps(), reestimate=True)
 
-        async def run():
-            try:
-                async with _async_client(self.client) as ac:
-                    done(await ac.load(name, options=opts, keep_alive=ka))
-                    tags, ps = await ac.tags(), await ac.ps()
-            finally:
-                self.load_button.disabled = False
-            self._apply_models(tags, ps, reestimate=True)
-
-        return self._dispatch(sync, run)
+        return self._dispatch(act)
 
     @_safe
     def unload(self):
@@ -816,19 +815,12 @@ class ModelPicker(W.VBox, _Actions):
             raise LlamaError("choose a model first")
         self._set_status(f"unloading {name} …")
 
-        def sync():
-            self.client.unload(name)
+        async def act(ac):
+            await ac.unload(name)
             self._set_status(f"{name} unloaded")
-            self._apply_models(self.client.tags(), self.client.ps(), reestimate=True)
+            self._apply_models(await ac.tags(), await ac.ps(), reestimate=True)
 
-        async def run():
-            async with _async_client(self.client) as ac:
-                await ac.unload(name)
-                self._set_status(f"{name} unloaded")
-                tags, ps = await ac.tags(), await ac.ps()
-            self._apply_models(tags, ps, reestimate=True)
-
-        return self._dispatch(sync, run)
+        return self._dispatch(act)
 
     # ------------------------------------------------------------------ run
 
@@ -888,29 +880,15 @@ class ModelPicker(W.VBox, _Actions):
         ka = self.keep_alive
         self._run_started(name)
 
-        def sync():
+        async def act(ac):
             try:
-                stream = self.client.generate(name, text, stream=True, options=opts, keep_alive=ka)
+                stream = ac.generate(name, text, stream=True, options=opts, keep_alive=ka)
                 try:
-                    for chunk in stream:
+                    async for chunk in stream:
                         self._on_chunk(chunk)
                 finally:
-                    stream.close()
-            finally:
-                self._run_ended()
-            self._refresh_loaded_quietly()
-
-        async def arun():
-            try:
-                async with _async_client(self.client) as ac:
-                    stream = ac.generate(name, text, stream=True, options=opts, keep_alive=ka)
-                    try:
-                        async for chunk in stream:
-                            self._on_chunk(chunk)
-                    finally:
-                        await stream.aclose()
-                    tags, ps = await ac.tags(), await ac.ps()
-                self._apply_models(tags, ps)
+                    await stream.aclose()
+                self._apply_models(await ac.tags(), await ac.ps())
             except asyncio.CancelledError:
                 self._render_answer()
                 self._set_status("stopped")
@@ -918,16 +896,10 @@ class ModelPicker(W.VBox, _Actions):
             finally:
                 self._run_ended()
 
-        task = self._dispatch(sync, arun)
+        task = self._dispatch(act)
         if isinstance(task, asyncio.Task):
             self._run_task = task
         return task
-
-    def _refresh_loaded_quietly(self) -> None:
-        try:
-            self._apply_models(self.client.tags(), self.client.ps())
-        except Exception as e:  # noqa: BLE001
-            self._show_error(e)
 
     def stop(self) -> None:
         """Stop a generation running in the background (closing the stream stops it on the server)."""
@@ -1019,17 +991,8 @@ class RunningPanel(W.VBox, _Actions):
         self.status_html.value = _status(error_text(exc), error=True)
 
     def refresh(self) -> None:
-        """One synchronous update (ps, devices, new events)."""
-        try:
-            ps, dev = self.client.ps(), self.client.devices()
-        except Exception as e:  # noqa: BLE001 - shown in the widget
-            self._show_error(e)
-            return
-        try:
-            evs = self.client.events(limit=self.max_events)
-        except LlamaError:  # the panel works without the decisions
-            evs = self._events
-        self._apply(ps, dev, evs, time.time())
+        """One update (ps, devices, new events), finished when this returns."""
+        self._dispatch(self.arefresh, block=True)
 
     async def arefresh(self, aclient: AsyncLlamaClient | None = None) -> None:
         """One update without blocking the event loop."""
@@ -1088,18 +1051,13 @@ class RunningPanel(W.VBox, _Actions):
             w.unload_button.disabled = True
         self.status_html.value = _status(f"unloading {name} …")
 
-        def sync():
-            self.client.unload(name)
-            self.refresh()
-
-        async def run():
-            async with _async_client(self.client) as ac:
-                await ac.unload(name)
-                if not self.running:
-                    await self.arefresh(ac)
+        async def act(ac):
+            await ac.unload(name)
+            if not self.running:
+                await self.arefresh(ac)
             self.poke()
 
-        return self._dispatch(sync, run)
+        return self._dispatch(act)
 
     # ------------------------------------------------------------------ live loop
 
