@@ -14,6 +14,7 @@ warning that says so.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import signal
@@ -84,6 +85,14 @@ def run_worker(engine: Engine, *, host: str = "127.0.0.1", port: int = rpc.DEFAU
             return proc.wait()
 
 
+def _limited(address_space: int, then=None) -> None:  # pragma: no cover - runs in the forked child
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+    if then is not None:
+        then()
+
+
 class LocalWorker:
     """A worker on 127.0.0.1 in the background, ready when the constructor returns.
 
@@ -92,7 +101,7 @@ class LocalWorker:
     """
 
     def __init__(self, engine: Engine, port: int = 0, *, threads: int | None = None, log_path: str | None = None,
-                 ready_timeout: float = 20.0):
+                 ready_timeout: float = 20.0, address_space: int | None = None):
         self.port = port or free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.id = rpc.device_id(self.endpoint)
@@ -102,6 +111,10 @@ class LocalWorker:
             argv = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]
         else:  # pragma: no cover - Debian always has setpriv
             preexec = _pdeathsig_preexec
+        if address_space is not None:
+            # A worker whose allocations beyond ``address_space`` bytes fail, as a full GPU's would
+            # (it reports the host's memory all the same): out-of-memory on a device, for tests.
+            preexec = functools.partial(_limited, address_space, preexec)
         self._log = open(log_path or os.devnull, "ab")
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=preexec)

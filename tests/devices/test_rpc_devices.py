@@ -240,6 +240,36 @@ async def test_out_of_memory_on_a_worker_with_an_automatic_context_steps_down(wo
     assert w.alive, "the worker survives a failed allocation"
 
 
+async def test_a_projector_a_worker_cannot_hold_is_retried_on_the_cpu(engine, make_scheduler, tmp_path):
+    """The projector goes to the first device (here a worker whose allocations beyond 80 MB fail,
+    as a full GPU's would); it runs out of memory there, and the load is retried once with
+    ``--no-mmproj-offload``: the projector on the CPU, the model loaded."""
+    import dataclasses
+
+    from jupyter_llama.models.synth import write_projector, write_synthetic
+    from jupyter_llama.scheduler import FileResolver
+
+    model = write_synthetic(tmp_path / "vision.gguf", layers=2, embd=64)
+    proj = write_projector(tmp_path / "vision-mmproj.gguf", text_embd=64, ff=200_000)  # about 100 MB of weights
+    files = FileResolver()
+
+    async def with_projector(name: str):
+        return dataclasses.replace(await files(name), mmproj=str(proj))
+
+    w = LocalWorker(engine, address_space=80 * 1000 * 1000)
+    try:
+        sched = make_scheduler([w])
+        sched.resolver = with_projector
+        lo = await sched.load(str(model), LoadOptions(num_ctx=512, num_parallel=1))
+        retries = [e for e in sched.events.history if e.kind == "oom_retry"]
+        assert len(retries) == 1 and "projector on the CPU" in retries[0].message, [
+            e.message for e in sched.events.history]
+        assert lo.options.mmproj_offload is False and "--no-mmproj-offload" in lo.runner.argv
+        assert lo.runner.alive
+    finally:
+        w.stop()
+
+
 async def test_a_paused_worker_is_left_out_of_placement(workers, make_scheduler, model):
     a, b = workers(2)
     sched = make_scheduler([a, b], worker_timeout=0.5)
