@@ -343,7 +343,7 @@ class LlamaExtension(ExtensionApp):
             self._activity_pc.stop()
             self._activity_pc = None
         if self.scheduler is not None:
-            self.log.info("jupyter-llama: stopping %d model runner(s)", len(self.scheduler.loaded))
+            self.log.info("jupyter-llama: stopping %d model runner(s)", len(self.scheduler.live()))
             await self.scheduler.shutdown()
         if self._started and os.environ.get(URL_ENV) == self.url:
             if self._previous_url_env is None:
