@@ -135,6 +135,9 @@ class Frontend:
 LOAD_OPTIONS = ("num_ctx", "num_gpu", "num_parallel", "num_batch", "num_thread", "cache_type_k", "cache_type_v",
                 "flash_attn")
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "seed", "num_predict")
+# An answer in a cell or a terminal ends here unless asked for more: a small model that never
+# says "stop" would otherwise write until its context is full.
+DEFAULT_NUM_PREDICT = 256
 
 
 def _model_options(p: argparse.ArgumentParser, sampling: bool = True) -> None:
@@ -155,7 +158,9 @@ def _model_options(p: argparse.ArgumentParser, sampling: bool = True) -> None:
         s.add_argument("--top-k", type=int)
         s.add_argument("--top-p", type=float)
         s.add_argument("--seed", type=int)
-        s.add_argument("--num-predict", type=int, help="most tokens to generate")
+        s.add_argument("--num-predict", type=int, default=DEFAULT_NUM_PREDICT,
+                       help=f"most tokens to generate (default {DEFAULT_NUM_PREDICT}; -1: until the model stops "
+                            "or the context is full)")
         s.add_argument("--stop", action="append", help="stop sequence (repeatable)")
         s.add_argument("--format", choices=("json",), help="constrain the answer to JSON")
         s.add_argument("--raw", action="store_true", help="plain text, no Markdown rendering (and no chat template)")

@@ -18,6 +18,21 @@ from traitlets import Float, Unicode, observe
 from .commands import CommandError, Frontend, RunResult, _HelpShown, build_parser, cmd_chat, cmd_run, execute
 
 
+
+def _hard_breaks(text: str) -> str:
+    """Markdown that keeps every line break of ``text`` (two trailing spaces), except inside
+    fenced code blocks."""
+    lines = text.split("\n")
+    out, fenced = [], False
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            out.append(line)
+        else:
+            last = i == len(lines) - 1
+            out.append(line if fenced or last or not line.strip() else line + "  ")
+    return "\n".join(out)
+
 class NotebookFrontend(Frontend):
     """Shows results in the running cell: streamed Markdown, tables as text, widgets, figures."""
 
@@ -41,7 +56,9 @@ class NotebookFrontend(Frontend):
         def render(text: str) -> dict:
             # A mimebundle, not IPython's Markdown(): that would read a chunk such as "/" or
             # "notes.md" as a file name to load.
-            return {"text/plain": text} if raw else {"text/markdown": text, "text/plain": text}
+            # Markdown joins single line breaks into one paragraph; a model's line breaks are
+            # meant, so each becomes a hard break (outside code fences, where they already hold).
+            return {"text/plain": text} if raw else {"text/markdown": _hard_breaks(text), "text/plain": text}
 
         parts: list[str] = []
         handle = None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
 from .load_options import LoadOptions
-from .memory.report import ACTUAL, COMPONENTS, GiB, MemoryReport, MiB, SOURCES
+from .memory.report import ACTUAL, COMPONENTS, SOURCES, GiB, MemoryReport, MiB, format_pct
 
 # Okabe-Ito: distinguishable with deuteranopia, protanopia and tritanopia.
 COMPONENT_COLOURS = {
@@ -102,7 +102,7 @@ def plot_memory(reports: Mapping[str, MemoryReport], *, title: str | None = None
             label = f"{bottom:.1f}" if bottom < 100 else f"{bottom:.0f}"
             if src != ACTUAL and actual is not None and actual.total(device=dev):
                 err = (rep.total(device=dev) - actual.total(device=dev)) / actual.total(device=dev) * 100
-                label += f"\n{err:+.0f}%"
+                label += "\n" + format_pct(err)
             ax.annotate(label, (x, bottom), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
                         fontsize=8)
             xticks.append(x)

@@ -38,7 +38,7 @@ from .engine.runner import EngineError, LoadError, Runner
 from .memory import devices as devmod
 from .memory import rpc
 from .memory.estimate import estimate_coarse, estimate_detailed, estimate_layer_counts, fit_layers
-from .memory.report import ACTUAL, COARSE, DETAILED, HOST, MemoryReport, MiB, format_bytes, is_gpu
+from .memory.report import ACTUAL, COARSE, DETAILED, HOST, MemoryReport, MiB, format_bytes, format_pct, is_gpu
 from .models.gguf_info import GGUFError, read_gguf_info
 from .models.ref import ModelRef
 
@@ -1146,7 +1146,7 @@ def _loaded_message(lo: Loaded, actual: MemoryReport | None) -> str:
         err = (pred - actual.total()) / actual.total() * 100 if actual.total() else 0.0
         msg += (f": llama.cpp allocated {format_bytes(actual.total())} "
                 f"({', '.join(f'{d} {format_bytes(n)}' for d, n in actual.by_device().items())}); "
-                f"{lo.fit_source} predicted {format_bytes(pred)} ({err:+.0f}%)")
+                f"{lo.fit_source} predicted {format_bytes(pred)} ({format_pct(err)})")
         if actual.layers_total:
             msg += f"; {actual.layers_offloaded}/{actual.layers_total} layers on devices"
     return msg

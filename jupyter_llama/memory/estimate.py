@@ -24,8 +24,11 @@ from typing import Sequence
 from ..load_options import LoadOptions
 from ..models.gguf_info import GGUFInfo
 from .computegraph import CPU_ALIGNMENT, GPU_ALIGNMENT, GraphPlan, LayerShape, compute_buffer_bytes
-from .report import (ACTUAL, COARSE, COMPONENTS, COMPUTE, DETAILED, HOST, KV, LLAMA_CPP, OTHER, OUTPUT,
+from .report import (ACTUAL, format_pct, COARSE, COMPONENTS, COMPUTE, DETAILED, HOST, KV, LLAMA_CPP, OTHER, OUTPUT,
                      SOURCES, WEIGHTS, GiB, MemoryReport, MiB, render_table)
+
+# llama.cpp's --fit never shrinks an automatic context below this (common/fit.cpp).
+FIT_MIN_CTX = 4096
 
 
 def _scalar(v) -> int:
@@ -618,10 +621,10 @@ def _estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str],
             rep.add(main, COMPUTE, max(lb.get(il, 0) for il in host_layers))
     rep.add(HOST, OUTPUT, output_bytes(info, plan))
 
-    if options.num_ctx is None:
+    if options.num_ctx is None and plan.n_ctx_requested > FIT_MIN_CTX:
         rep.warnings.append(f"automatic context: this estimate assumes the training context ({plan.n_ctx_requested}); "
-                            "llama.cpp's --fit shrinks it (to no less than 4096) when that would not fit in free "
-                            "GPU memory or in total host memory")
+                            f"llama.cpp's --fit shrinks it (to no less than {FIT_MIN_CTX}) when that would not fit "
+                            "in free GPU memory or in total host memory")
 
     if info.architecture not in VERIFIED_ARCHS:
         rep.warnings.append(f"compute buffer for {info.architecture!r} assumes llama's graph "
@@ -691,7 +694,7 @@ async def with_projection_async(reports: dict[str, MemoryReport], engine, model_
 def _pct(pred: int, actual: int) -> str:
     if actual == 0:
         return "" if pred == 0 else "n/a"
-    return f"{(pred - actual) / actual * 100:+.1f}%"
+    return format_pct((pred - actual) / actual * 100, 1)
 
 
 def format_estimates(reports: dict[str, MemoryReport], actual: MemoryReport | None = None) -> str:

@@ -69,6 +69,14 @@ def is_gpu(device: str) -> bool:
     return device != HOST
 
 
+def format_pct(value: float, decimals: int = 0) -> str:
+    """A signed percentage, with no "-0%" or "+0%" when it rounds to nothing."""
+    text = f"{value:+.{decimals}f}"
+    if float(text) == 0:
+        return f"{0:.{decimals}f}%"
+    return text + "%"
+
+
 def format_bytes(n: float) -> str:
     """Human-readable size: 1536 -> '1.5 KiB', 3 * GiB -> '3.00 GiB'."""
     n = float(n)

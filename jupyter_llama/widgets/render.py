@@ -6,7 +6,7 @@ import html
 from typing import Any, Iterable, Mapping
 
 
-from ..memory.report import COARSE, DETAILED, format_bytes
+from ..memory.report import COARSE, DETAILED, format_bytes, format_pct
 
 
 # colours (colour-blind safe pairs from the Tableau palette)
@@ -94,7 +94,7 @@ def render_panel_row(row: Mapping) -> str:
         words = [f"actual {_fmt(a)}" if a is not None else "actual: not yet known"]
         words += [f"{src} {_fmt(v)}" for src, v in preds.items()]
         if d.get("error_pct") is not None:
-            words.append(f"prediction error {d['error_pct']:+.0f}%")
+            words.append(f"prediction error {format_pct(d['error_pct'])}")
         if d.get("share_pct") is not None:
             words.append(f"{d['share_pct']:.1f}% of the {d['capacity_kind']} {_fmt(d['capacity'])}")
         bars.append(

@@ -59,7 +59,8 @@ def test_run_streams_into_one_display_and_returns_a_result(shell, registered, ca
     assert len(ids) == 1 and None not in ids, "one display, updated in place"
     updates = [p for p in pub.published if p["update"]]
     assert len(updates) >= 2, f"it streams: {len(updates)} updates"
-    assert pub.published[-1]["data"]["text/markdown"] == r.text
+    assert pub.published[-1]["data"]["text/plain"] == r.text
+    assert pub.published[-1]["data"]["text/markdown"].replace("  \n", "\n") == r.text
     assert "60 tokens" in capsys.readouterr().out
 
 
@@ -170,3 +171,19 @@ def test_text_that_looks_like_a_path_is_shown_as_text(shell):
     pub.published.clear()
     assert fe.stream(iter(["/", "etc", "/passwd"]), raw=False) == "/etc/passwd"
     assert pub.published[-1]["data"]["text/markdown"] == "/etc/passwd"
+
+
+def test_markdown_keeps_the_models_line_breaks():
+    from jupyter_llama.magics import _hard_breaks
+
+    assert _hard_breaks("one\ntwo\n\nthree") == "one  \ntwo  \n\nthree"
+    assert _hard_breaks("text\n```\ncode\nmore\n```\nend") == "text  \n```\ncode\nmore\n```\nend"
+    assert _hard_breaks("/etc/passwd") == "/etc/passwd"
+
+
+def test_run_stops_at_the_default_length_unless_asked(shell, registered):
+    from jupyter_llama.commands import DEFAULT_NUM_PREDICT, build_parser
+
+    r = shell.run_line_magic("llama", f"run {registered} 'Once upon a time'")
+    assert r.tokens <= DEFAULT_NUM_PREDICT
+    assert f"default {DEFAULT_NUM_PREDICT}" in build_parser()._llama_sub.choices["run"].format_help()

@@ -347,7 +347,7 @@ def test_format_estimates_side_by_side_with_errors():
     header = lines[1].split()
     assert header[:5] == ["device", "component", "coarse", "detailed", "actual"]
     total = next(ln for ln in lines if ln.startswith("all"))
-    assert "12.00" in total and "13.00" in total and "+0.0%" in total  # coarse 12 vs 12 actual
+    assert "12.00" in total and "13.00" in total and "  0.0%" in total  # coarse 12 vs 12 actual
     compute = next(ln for ln in lines if " compute " in ln)
     assert "+50.0%" in compute and "-100.0%" in compute
     assert "note (detailed): something to know" in text
