@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
 from .load_options import LoadOptions
-from .memory.report import ACTUAL, COMPONENTS, SOURCES, GiB, MemoryReport, MiB, format_pct
+from .memory.report import ACTUAL, COMPONENTS, SOURCES, GiB, MemoryReport, MiB, format_bytes, format_pct
 
 # Okabe-Ito: distinguishable with deuteranopia, protanopia and tritanopia.
 COMPONENT_COLOURS = {
@@ -69,6 +69,10 @@ def _ordered_sources(reports: Mapping[str, MemoryReport]) -> list[str]:
     return known + [s for s in reports if s not in known]
 
 
+# A bar this many times the tallest of the others is drawn cut, so the others stay readable.
+OFF_SCALE = 4
+
+
 def plot_memory(reports: Mapping[str, MemoryReport], *, title: str | None = None, model: str | None = None,
                 options: LoadOptions | None = None, engine: str | None = None, figsize=(8, 4.5)):
     """Stacked bars: one group per device, one bar per source, stacks per component.
@@ -82,7 +86,17 @@ def plot_memory(reports: Mapping[str, MemoryReport], *, title: str | None = None
     sources = _ordered_sources(reports)
     devices = sorted({d for r in reports.values() for d in r.devices} or {"cpu"}, key=lambda d: (d != "cpu", d))
     comps = [c for c in COMPONENTS if any(r.total(component=c) for r in reports.values())]
-    scale, unit = unit_for(max(r.total(device=d) for r in reports.values() for d in devices))
+    totals = {(src, d): reports[src].total(device=d) for src in sources for d in devices}
+    # One estimate far above the rest (the coarse estimate's 2 GiB batch surcharge on a small
+    # model) would squash every other bar to nothing: the axis then fits the others, and
+    # those bars are cut at the top, marked, and labelled with their real value.
+    ceiling = None
+    if len(sources) > 1:
+        top_src = max(sources, key=lambda src: max(totals[(src, d)] for d in devices))
+        rest = max((v for (src, _), v in totals.items() if src != top_src), default=0)
+        if rest > 0 and max(totals[(top_src, d)] for d in devices) > OFF_SCALE * rest:
+            ceiling = rest * 1.3
+    scale, unit = unit_for(ceiling if ceiling is not None else max(totals.values()))
     actual = reports.get(ACTUAL)
 
     fig = _figure(figsize)
@@ -93,13 +107,21 @@ def plot_memory(reports: Mapping[str, MemoryReport], *, title: str | None = None
         for si, src in enumerate(sources):
             rep = reports[src]
             x = di + (si - (len(sources) - 1) / 2) * width
-            bottom = 0.0
+            bottom, cut = 0.0, False
+            top = ceiling / scale if ceiling is not None else None
             for c in comps:
                 v = rep.get(dev, c) / scale
+                if top is not None and bottom + v > top:
+                    v, cut = max(0.0, top - bottom), True
                 ax.bar(x, v, width * 0.92, bottom=bottom, color=COMPONENT_COLOURS[c],
                        edgecolor="white", linewidth=0.5, label=COMPONENT_LABELS[c] if (di, si) == (0, 0) else None)
                 bottom += v
-            label = f"{bottom:.1f}" if bottom < 100 else f"{bottom:.0f}"
+            value = totals[(src, dev)] / scale
+            label = f"{value:.1f}" if value < 100 else f"{value:.0f}"
+            if cut:  # a zig-zag across the top: the bar goes on beyond the axis
+                ax.plot([x - width * 0.46, x - width * 0.15, x + width * 0.15, x + width * 0.46],
+                        [top * 0.97, top * 0.99, top * 0.95, top * 0.97], color="white", linewidth=2.5)
+                label = f"{format_bytes(totals[(src, dev)])}\n(off scale)"
             if src != ACTUAL and actual is not None and actual.total(device=dev):
                 err = (rep.total(device=dev) - actual.total(device=dev)) / actual.total(device=dev) * 100
                 label += "\n" + format_pct(err)
@@ -110,6 +132,11 @@ def plot_memory(reports: Mapping[str, MemoryReport], *, title: str | None = None
     ax.set_xticks(xticks, xlabels, fontsize=8)
     ax.set_ylabel(f"memory ({unit})")
     ax.margins(y=0.18)
+    if ceiling is not None:
+        ax.set_ylim(0, ceiling / scale * 1.25)
+        ax.text(1.01, 0.0, f"cut bars go beyond the axis;\ntheir real size is printed\nabove them ({top_src} is more\n"
+                f"than {OFF_SCALE}x the others)", transform=ax.transAxes, fontsize=7, va="bottom", ha="left",
+                color="#555")
     # The legend sits right of the axes, where no bar or label can be under it.
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False, borderaxespad=0)
     ax.spines[["top", "right"]].set_visible(False)
