@@ -412,7 +412,9 @@ def stats_from_timings(timings: dict | None, total_s: float, load_s: float) -> d
         "load_duration": int(load_s * 1e9),
     }
     if "prompt_n" in t:
-        out["prompt_eval_count"] = int(t.get("prompt_n") or 0)
+        # the whole prompt, as Ollama counts it: llama-server's prompt_n leaves out the tokens
+        # it found in its prompt cache (the same request twice reported 10, then 1)
+        out["prompt_eval_count"] = int(t.get("prompt_n") or 0) + int(t.get("cache_n") or 0)
         out["prompt_eval_duration"] = int(float(t.get("prompt_ms") or 0) * 1e6)
     if "predicted_n" in t:
         out["eval_count"] = int(t.get("predicted_n") or 0)
@@ -624,6 +626,26 @@ def _modelfile(show: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def capabilities_of(show: dict, arch: str) -> list[str]:
+    """What the model can do, read from the model itself, in Ollama's words: ``completion``,
+    ``embedding`` (it pools), ``tools`` and ``thinking`` (its chat template handles them),
+    ``insert`` (fill-in-the-middle tokens), ``vision`` (a projector)."""
+    meta = show.get("model_info") or {}
+    template = str(show.get("template") or meta.get("tokenizer.chat_template") or "")
+    caps = ["completion"]
+    if meta.get(f"{arch}.pooling_type") not in (None, 0, "none"):
+        caps.append("embedding")
+    if "tools" in template:
+        caps.append("tools")
+    if any(k in template for k in ("<think>", "enable_thinking", "reasoning_content")):
+        caps.append("thinking")
+    if any(meta.get(k) is not None for k in ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id")):
+        caps.append("insert")
+    if show.get("projector_info"):
+        caps.append("vision")
+    return caps
+
+
 def show_body(show: dict, verbose: bool = False) -> dict:
     """``/api/show`` from ``ModelStore.show(name)``'s dict."""
     info = show.get("info") or {}
@@ -637,9 +659,7 @@ def show_body(show: dict, verbose: bool = False) -> dict:
             model_info.setdefault(f"{arch}.{key}", info[key])
     if not verbose:
         model_info.pop("tokenizer.chat_template", None)
-    capabilities = ["completion"]
-    if show.get("projector_info"):
-        capabilities.append("vision")
+    capabilities = capabilities_of(show, arch)
     return {
         "license": str((show.get("model_info") or {}).get("general.license", "") or ""),
         "modelfile": _modelfile(show),

@@ -17,6 +17,8 @@ Pure functions; the only errors raised are :class:`~jupyter_llama.scheduler.BadR
 
 from __future__ import annotations
 
+import logging
+
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,6 +152,10 @@ def _load_value(name: str, value):
     return int(value)
 
 
+log = logging.getLogger("jupyter_llama")
+_REPORTED: set[str] = set()  # unknown option names already logged once
+
+
 def split_options(options: dict | None) -> SplitOptions:
     """Split an Ollama ``options`` object; BadRequest naming any unknown or ill-typed option."""
     out = SplitOptions()
@@ -159,9 +165,14 @@ def split_options(options: dict | None) -> SplitOptions:
         raise BadRequest(f"options must be a JSON object, got {type(options).__name__}")
     unknown = sorted(k for k in options if k not in LOAD_OPTIONS and k not in SAMPLING_OPTIONS
                      and k not in IGNORED_OPTIONS)
-    if unknown:
-        raise BadRequest(f"unknown option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
+    for name in unknown:  # Ollama ignores what it does not know (old clients send num_gqa, ...)
+        out.ignored.append(name)
+        if name not in _REPORTED:
+            _REPORTED.add(name)
+            log.info("jupyter-llama: ignoring the unknown option %r (it is not one of Ollama's)", name)
     for name, value in options.items():
+        if name in unknown:
+            continue
         if name in IGNORED_OPTIONS:
             out.ignored.append(name)
         elif name in LOAD_OPTIONS:

@@ -82,8 +82,10 @@ async def test_ollama_client(llama_url, token, make_model):
         await run(c.generate, model="nope", prompt="x")
     assert e.value.status_code == 404 and "not found, try pulling it first" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
-        await run(c.generate, model="tiny", prompt="x", options={"temprature": 1})
-    assert e.value.status_code == 400 and "temprature" in e.value.error
+        await run(c.generate, model="tiny", prompt="x", options={"num_ctx": "big"})
+    assert e.value.status_code == 400 and "num_ctx" in e.value.error
+    # an option Ollama does not know is ignored (old clients still send num_gqa)
+    assert (await run(c.generate, model="tiny", prompt="x", options={"num_gqa": 8, "num_predict": 2})).eval_count == 2
     c.close()
 
 

@@ -28,9 +28,15 @@ def test_options_split_into_load_and_sampling():
     assert split_options(None).load_options() == LoadOptions()
 
 
+def test_unknown_options_are_ignored_as_ollama_ignores_them(caplog):
+    with caplog.at_level("INFO", logger="jupyter_llama"):
+        s = split_options({"num_gqa": 8, "temperature": 0.5, "num_gqa_again": 1})
+        split_options({"num_gqa": 8})
+    assert s.sampling == {"temperature": 0.5} and set(s.ignored) == {"num_gqa", "num_gqa_again"}
+    assert sum("'num_gqa'" in r.getMessage() for r in caplog.records) <= 1, "logged once per name"
+
+
 @pytest.mark.parametrize("options, words", [
-    ({"temprature": 1}, "unknown option: temprature"),
-    ({"a": 1, "b": 2}, "unknown options: a, b"),
     ({"num_ctx": "big"}, "num_ctx"),
     ({"num_ctx": 8}, "num_ctx"),
     ({"top_k": 1.5}, "top_k"),
@@ -199,3 +205,13 @@ def test_client_discovery(tmp_path, monkeypatch):
     assert find_server(environ={"JUPYTER_LLAMA_URL": "http://127.0.0.1:9999/llama/"}).token is None
     with pytest.raises(ServerNotFound, match="jupyter-llama serve"):
         find_server(environ={})
+
+
+def test_capabilities_come_from_the_model():
+    from jupyter_llama.api.ollama import capabilities_of
+
+    assert capabilities_of({}, "llama") == ["completion"]
+    tmpl = "{% if tools %}...{% endif %}{% if enable_thinking %}<think>{% endif %}"
+    meta = {"tokenizer.chat_template": tmpl, "tokenizer.ggml.fim_pre_token_id": 7, "bert.pooling_type": 1}
+    assert capabilities_of({"model_info": meta, "projector_info": {"projector_type": "mlp"}}, "bert") == [
+        "completion", "embedding", "tools", "thinking", "insert", "vision"]
