@@ -201,13 +201,31 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         self.finish(json.dumps(self.error_payload(status, message)))
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
-        """Errors raised before our code runs (403 unauthenticated, 404 origin) in our format."""
+        """Errors raised before our code runs (authentication, XSRF, 404 origin) in our format.
+
+        A request that carries no credentials Jupyter accepts (no valid token, no login
+        cookie) is answered 401 with a sentence saying how to authenticate, as API clients
+        (Ollama's, OpenAI's) expect; Jupyter answers it 403, and for a POST without a token
+        it speaks of a missing '_xsrf' argument. 403 stays for a logged-in browser that
+        failed the XSRF check or a user who is not authorised."""
         message = responses.get(status_code, "error")
         exc_info = kwargs.get("exc_info")
         if exc_info and exc_info[1] is not None:
             message = error_status(exc_info[1])[1] if isinstance(exc_info[1], web.HTTPError) else message
+        if status_code == 403 and not self._authenticated():
+            status_code = 401
+            self.set_status(401)
+            self.set_header("WWW-Authenticate", 'Bearer realm="jupyter-llama"')
+            message = ("not authenticated: send the Jupyter server's token as 'Authorization: Bearer TOKEN' "
+                       "(or 'token TOKEN'); kernels started by the server find it in JUPYTER_LLAMA_TOKEN")
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(self.error_payload(status_code, message)))
+
+    def _authenticated(self) -> bool:
+        try:
+            return self.current_user is not None
+        except Exception:  # noqa: BLE001 - no user could be made for this request
+            return False
 
     # ------------------------------------------------------------------ streaming
 
