@@ -257,6 +257,7 @@ class LlamaExtension(ExtensionApp):
     _started = False
     _activity_pc: PeriodicCallback | None = None
     _previous_url_env: str | None = None
+    _exported: dict[str, str] = {}
     _scheduler_lock: asyncio.Lock | None = None
     _engine_checked_at = 0.0
 
@@ -319,9 +320,20 @@ class LlamaExtension(ExtensionApp):
         return url_path_join(self.serverapp.connection_url, "llama/")
 
     def export_url(self) -> None:
+        """Export where this API is for the kernels the server starts (they inherit its
+        environment): ``JUPYTER_LLAMA_URL`` always; and, unless the user set them, the
+        variables Ollama's and OpenAI's clients read, so ``ollama.chat(...)``,
+        ``openai.OpenAI()``, langchain and ``%%ai`` work in a cell with no configuration."""
         self._previous_url_env = os.environ.get(URL_ENV)
         os.environ[URL_ENV] = self.url
-        self.log.info("jupyter-llama API at %s (exported as %s for kernels)", self.url, URL_ENV)
+        token = getattr(getattr(self.serverapp, "identity_provider", None), "token", "") or ""
+        defaults = {"OLLAMA_HOST": self.url.rstrip("/"), "OPENAI_BASE_URL": url_path_join(self.url, "v1")}
+        if token:
+            defaults |= {"JUPYTER_LLAMA_TOKEN": token, "OLLAMA_API_KEY": token, "OPENAI_API_KEY": token}
+        self._exported = {k: v for k, v in defaults.items() if not os.environ.get(k)}
+        os.environ.update(self._exported)
+        self.log.info("jupyter-llama API at %s (exported for kernels as %s%s)", self.url, URL_ENV,
+                      "".join(f", {k}" for k in self._exported))
 
     async def get_scheduler(self) -> Scheduler:
         """The scheduler; when no engine was found at start-up, look again (it may be built since)."""
@@ -350,6 +362,10 @@ class LlamaExtension(ExtensionApp):
                 os.environ.pop(URL_ENV, None)
             else:
                 os.environ[URL_ENV] = self._previous_url_env
+        for k, v in self._exported.items():  # what we set, if nobody changed it since
+            if os.environ.get(k) == v:
+                os.environ.pop(k, None)
+        self._exported = {}
         self._started = False
 
     # ------------------------------------------------------------------ activity

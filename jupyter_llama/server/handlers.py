@@ -217,7 +217,8 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             self.set_status(401)
             self.set_header("WWW-Authenticate", 'Bearer realm="jupyter-llama"')
             message = ("not authenticated: send the Jupyter server's token as 'Authorization: Bearer TOKEN' "
-                       "(or 'token TOKEN'); kernels started by the server find it in JUPYTER_LLAMA_TOKEN")
+                       "(or 'token TOKEN'); kernels started by the server have it in JUPYTER_LLAMA_TOKEN, "
+                       "OLLAMA_API_KEY and OPENAI_API_KEY")
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(self.error_payload(status_code, message)))
 

@@ -176,3 +176,34 @@ async def test_our_client(llama_url, server_root, token, ext, monkeypatch, jp_ru
     with pytest.raises(ServerNotFound) as e:
         find_server()
     assert "jupyter-llama serve" in str(e.value) and "JupyterLab" in str(e.value)
+
+
+async def test_clients_work_unconfigured_with_what_the_server_exports(http, ext, token, monkeypatch):
+    """A kernel the server starts inherits its environment: the variables Ollama's and OpenAI's
+    clients read point at this server, so both work with no arguments in a cell."""
+    await http.get("api/version")  # the extension has started and exported its variables
+    assert os.environ["OLLAMA_HOST"] == ext.url.rstrip("/") and os.environ["OPENAI_API_KEY"] == token
+    assert os.environ["OPENAI_BASE_URL"].endswith("/llama/v1") and os.environ["JUPYTER_LLAMA_TOKEN"] == token
+    opts = dict(OPTS, num_predict=2)
+    r = await run(ollama.Client().generate, model="tiny", prompt="Once", raw=True, options=opts)
+    assert r.eval_count == 2
+    r = await run(openai.OpenAI(max_retries=0).completions.create, model="tiny", prompt="Once", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def test_a_users_own_client_settings_are_left_alone(monkeypatch):
+    from types import SimpleNamespace
+
+    from jupyter_llama.server.app import LlamaExtension
+
+    monkeypatch.setenv("OPENAI_BASE_URL", "https://api.openai.com/v1")
+    for k in ("OLLAMA_HOST", "OPENAI_API_KEY", "OLLAMA_API_KEY", "JUPYTER_LLAMA_TOKEN", "JUPYTER_LLAMA_URL"):
+        monkeypatch.delenv(k, raising=False)
+    ext = LlamaExtension()
+    ext.serverapp = SimpleNamespace(connection_url="http://127.0.0.1:9/", identity_provider=SimpleNamespace(token="t"))
+    ext.export_url()
+    assert os.environ["OPENAI_BASE_URL"] == "https://api.openai.com/v1", "set by the user: kept"
+    assert os.environ["OLLAMA_HOST"] == "http://127.0.0.1:9/llama" and os.environ["OPENAI_API_KEY"] == "t"
+    ext._started = True
+    asyncio.run(ext.stop_extension())
+    assert "OLLAMA_HOST" not in os.environ and os.environ["OPENAI_BASE_URL"] == "https://api.openai.com/v1"
