@@ -677,6 +677,12 @@ class Scheduler:
             options = options.replace(num_parallel=self.settings.num_parallel)
         if ref is not None and ref.mmproj and options.mmproj is None:
             options = options.replace(mmproj=ref.mmproj)
+        if ref is not None and options.embedding and options.num_ubatch is None:
+            # An embedding takes its whole input in one micro-batch (llama-server refuses an
+            # input longer than -ub: "increase the physical batch size"), so an embedding load
+            # gets a batch as large as a request's context, as Ollama gives it.
+            ctx = options.num_ctx or ref.info.context_length
+            options = options.replace(num_ubatch=ctx, num_batch=max(ctx, options.num_batch or 0))
         return options
 
     async def _retire_for_reload(self, lo: Loaded, options: LoadOptions) -> None:

@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator
 import httpx
 
 from ..memory.report import MemoryReport
+from ..errors import BadRequest
 from ..load_options import LoadOptions
 from .launch import build_argv
 from .logparse import LogParser
@@ -543,7 +544,13 @@ class Runner:
         does not (pooling ``none``); pooling and normalising are the API's business."""
         if not inputs:
             return [], 0
-        res = await self.post("/embedding", {"content": inputs})
+        try:
+            res = await self.post("/embedding", {"content": inputs})
+        except RequestError as e:
+            if "too large to process" not in str(e):
+                raise
+            raise BadRequest(f"an input to embed is longer than the context of {self.name} ({e}); split it, "
+                             "or load the model with a larger num_ctx") from None
         items = sorted(res if isinstance(res, list) else [res], key=lambda it: it.get("index", 0))
         vectors = [it.get("embedding") or [] for it in items]
         if vectors and vectors[0] and isinstance(vectors[0][0], list):  # per-token vectors: one per prompt token

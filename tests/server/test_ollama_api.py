@@ -175,6 +175,16 @@ async def test_embed(http):
     assert len(legacy["embedding"]) == 64
     ps = (await http.get("api/ps")).json()["models"]
     assert ps[0]["options"]["embedding"] is True
+    # an input longer than llama-server's default micro-batch (512) embeds: the embedding load
+    # gets a batch as large as its context (RAG chunks of ~1000 tokens answered 500 before)
+    long_text = " ".join(["the quick brown fox jumps over the lazy dog"] * 30)  # ~1300 tokens here
+    r = await http.post("api/embed", json={"model": "tiny", "input": long_text,
+                                           "options": dict(OPTS, num_ctx=2048)})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_eval_count"] > 512 and len(r.json()["embeddings"][0]) == 64
+    r = await http.post("api/embed", json={"model": "tiny", "input": long_text * 4,
+                                           "options": dict(OPTS, num_ctx=2048)})
+    assert r.status_code == 400 and "longer than the context" in r.json()["error"], r.text
 
 
 # ----------------------------------------------------------------------------- errors
