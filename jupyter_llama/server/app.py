@@ -123,30 +123,31 @@ class _FromEnv:
         def default_value_repr(self) -> str:
             return f"${config.ENV_PREFIX}{self.env_name}, else {self.fallback!r}"
 
-    class _Unicode(_Mixin, Unicode):
+    # Named as the traits they extend, which is what --help-all prints for them.
+    class Unicode(_Mixin, Unicode):
         pass
 
-    class _Int(_Mixin, Int):
+    class Int(_Mixin, Int):
         pass
 
-    class _Bool(_Mixin, Bool):
+    class Bool(_Mixin, Bool):
         pass
 
     @classmethod
     def text(cls, env: str, fallback: str, **kw):
-        return cls._Unicode(env, fallback, lambda v, what: str(v), **kw)
+        return cls.Unicode(env, fallback, lambda v, what: str(v), **kw)
 
     @classmethod
     def integer(cls, env: str, fallback: int, **kw):
-        return cls._Int(env, fallback, config.parse_int, **kw)
+        return cls.Int(env, fallback, config.parse_int, **kw)
 
     @classmethod
     def boolean(cls, env: str, fallback: bool, **kw):
-        return cls._Bool(env, fallback, config.parse_bool, **kw)
+        return cls.Bool(env, fallback, config.parse_bool, **kw)
 
     @classmethod
     def size(cls, env: str, fallback: str, **kw):
-        return cls._Int(env, fallback, config.parse_size, **kw)
+        return cls.Int(env, fallback, config.parse_size, **kw)
 
 
 class LlamaExtension(ExtensionApp):
