@@ -122,6 +122,7 @@ class GenerateRequest:
     keep_alive: float | None = None
     options: LoadOptions = field(default_factory=LoadOptions)
     sampling: dict = field(default_factory=dict)  # llama-server /completion fields
+    truncate: bool = True  # a prompt longer than the context keeps its end (Ollama's default)
 
     @property
     def is_load_only(self) -> bool:
@@ -214,6 +215,7 @@ def parse_generate(body: dict) -> GenerateRequest:
         keep_alive=parse_keep_alive(body.get("keep_alive")),
         options=split.load_options(),
         sampling=_sampling_from(body, split),
+        truncate=_bool(body, "truncate", True),
     )
 
 

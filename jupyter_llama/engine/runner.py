@@ -538,6 +538,26 @@ class Runner:
         res = await self.post("/apply-template", {"messages": messages})
         return res.get("prompt", prompt)
 
+    async def fit_to_context(self, prompt: str, reserve: int, truncate: bool = True) -> str | list[int]:
+        """``prompt`` as it fits a request's context with ``reserve`` tokens left to generate
+        in: unchanged when it fits, else (as Ollama does) its first token and its end, as
+        token ids; with ``truncate`` False, a 400 that says how long it is. A prompt with
+        fewer bytes than the context has room for is not even tokenised."""
+        n_ctx = self.parser.n_ctx_seq or self.parser.n_ctx or self.options.num_ctx
+        if not n_ctx:
+            return prompt
+        room = max(1, n_ctx - max(0, min(reserve, n_ctx // 2)))
+        if len(prompt.encode()) < room:  # a token is at least one byte
+            return prompt
+        tokens = (await self.post("/tokenize", {"content": prompt, "add_special": True})).get("tokens") or []
+        if len(tokens) < room:
+            return prompt
+        if not truncate:
+            raise BadRequest(f"the prompt is {len(tokens)} tokens, longer than the context of {self.name} "
+                             f"({n_ctx} tokens, {n_ctx - room} of them kept to generate in); shorten it, load the "
+                             "model with a larger num_ctx, or allow truncate")
+        return tokens[:1] + tokens[len(tokens) - (room - 1):]
+
     async def embed(self, inputs: list[str]) -> tuple[list, int]:
         """``/embedding`` for ``inputs``, in input order, and the number of prompt tokens they
         took. Each item is one vector when the model pools, or one vector per token when it
@@ -563,8 +583,9 @@ class Runner:
                 break
         return vectors, tokens
 
-    def completion(self, prompt: str, **params) -> AsyncIterator[dict]:
-        """Stream llama-server's native ``/completion`` chunks (``content``, ``stop``, ``timings``)."""
+    def completion(self, prompt: str | list[int], **params) -> AsyncIterator[dict]:
+        """Stream llama-server's native ``/completion`` chunks (``content``, ``stop``, ``timings``); the
+        prompt is text, or token ids (a prompt cut to the context)."""
         return self.stream_sse("/completion", {"prompt": prompt, **params})
 
     def chat(self, messages: list[dict], **params) -> AsyncIterator[dict]:

@@ -335,6 +335,8 @@ class GenerateHandler(LlamaHandler):
                 return
             prompt = await lease.runner.prompt(req.prompt, req.system, raw=req.raw,
                                                templated=lease.loaded.ref.has_chat_template)
+            n = req.sampling.get("n_predict")
+            prompt = await lease.runner.fit_to_context(prompt, reserve=n if n and n > 0 else 256, truncate=req.truncate)
             tr = oa.GenerateTranslator(req.model, started, lease.load_duration)
             await self.relay(lease.runner.completion(prompt, **req.sampling), tr.feed, req.stream, tr.combined)
         finally:

@@ -436,3 +436,17 @@ async def test_prompt_tokens_count_the_whole_prompt_cached_or_not(http):
     first = (await http.post("api/generate", json=body)).json()
     second = (await http.post("api/generate", json=body)).json()  # llama-server finds it in its cache
     assert first["prompt_eval_count"] == second["prompt_eval_count"] > 5, (first, second)
+
+
+async def test_a_prompt_longer_than_the_context_keeps_its_end(http):
+    long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)  # ~1700 tokens here
+    opts = dict(OPTS, num_ctx=512, num_predict=8)
+    r = await http.post("api/generate", json=gen(prompt=long_prompt, stream=False, options=opts))
+    body = r.json()
+    assert r.status_code == 200, r.text
+    assert body["eval_count"] == 8 and 256 <= body["prompt_eval_count"] < 512, body  # cut to fit, room kept
+    r = await http.post("api/generate", json=gen(prompt=long_prompt, stream=False, options=opts, truncate=False))
+    assert r.status_code == 400 and "longer than the context" in r.json()["error"], r.text
+    short = (await http.post("api/generate", json=gen(prompt="Once upon a time", stream=False,
+                                                      options=opts, truncate=False))).json()
+    assert short["eval_count"] == 8, "a prompt that fits is sent as it is"
