@@ -558,14 +558,29 @@ class Runner:
                              "model with a larger num_ctx, or allow truncate")
         return tokens[:1] + tokens[len(tokens) - (room - 1):]
 
-    async def embed(self, inputs: list[str]) -> tuple[list, int]:
+    async def embed(self, inputs: list[str], truncate: bool = True) -> tuple[list, int]:
         """``/embedding`` for ``inputs``, in input order, and the number of prompt tokens they
         took. Each item is one vector when the model pools, or one vector per token when it
-        does not (pooling ``none``); pooling and normalising are the API's business."""
+        does not (pooling ``none``); pooling and normalising are the API's business. An input
+        longer than the context keeps its beginning (Ollama's ``truncate``), or with
+        ``truncate`` False is a 400."""
         if not inputs:
             return [], 0
+        n_ctx = self.parser.n_ctx_seq or self.parser.n_ctx or self.options.num_ctx
+        content: list = list(inputs)
+        if n_ctx:
+            for i, text in enumerate(inputs):
+                if len(text.encode()) < n_ctx:  # a token is at least one byte: it fits
+                    continue
+                tokens = (await self.post("/tokenize", {"content": text, "add_special": True})).get("tokens") or []
+                if len(tokens) > n_ctx:
+                    if not truncate:
+                        raise BadRequest(f"input {i} is {len(tokens)} tokens, longer than the context of {self.name} "
+                                         f"({n_ctx}); split it, load the model with a larger num_ctx, or allow "
+                                         "truncate")
+                    content[i] = tokens[:n_ctx]
         try:
-            res = await self.post("/embedding", {"content": inputs})
+            res = await self.post("/embedding", {"content": content})
         except RequestError as e:
             if "too large to process" not in str(e):
                 raise
@@ -576,9 +591,12 @@ class Runner:
         if vectors and vectors[0] and isinstance(vectors[0][0], list):  # per-token vectors: one per prompt token
             return vectors, sum(len(v) for v in vectors)
         tokens = 0
-        for text in inputs:
+        for item in content:  # what was embedded: the text, or its tokens when it was cut
+            if isinstance(item, list):
+                tokens += len(item)
+                continue
             try:
-                tokens += len((await self.post("/tokenize", {"content": text})).get("tokens", []))
+                tokens += len((await self.post("/tokenize", {"content": item})).get("tokens", []))
             except EngineError:
                 break
         return vectors, tokens

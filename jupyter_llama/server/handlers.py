@@ -398,7 +398,7 @@ class EmbedHandler(LlamaHandler):
         started = time.monotonic()
         lease = await self.acquire(req.model, req.options, req.keep_alive)
         try:
-            raw, tokens = await lease.runner.embed(req.inputs)
+            raw, tokens = await lease.runner.embed(req.inputs, truncate=req.truncate)
         finally:
             lease.release()
         vectors = await asyncio.to_thread(lambda: [oa.mean_pool_normalize(v) for v in raw])

@@ -182,7 +182,11 @@ async def test_embed(http):
                                            "options": dict(OPTS, num_ctx=2048)})
     assert r.status_code == 200, r.text
     assert r.json()["prompt_eval_count"] > 512 and len(r.json()["embeddings"][0]) == 64
+    # longer than the context: its beginning is embedded (Ollama's truncate), or with truncate false a 400
     r = await http.post("api/embed", json={"model": "tiny", "input": long_text * 4,
+                                           "options": dict(OPTS, num_ctx=2048)})
+    assert r.status_code == 200 and 512 < r.json()["prompt_eval_count"] <= 2048, r.text
+    r = await http.post("api/embed", json={"model": "tiny", "input": long_text * 4, "truncate": False,
                                            "options": dict(OPTS, num_ctx=2048)})
     assert r.status_code == 400 and "longer than the context" in r.json()["error"], r.text
 
