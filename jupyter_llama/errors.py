@@ -46,5 +46,13 @@ class LoadFailed(SchedulerError):
     status = 500
 
 
+class NoSuchRoute(SchedulerError):
+    status = 404
+
+
+class NotSupported(SchedulerError):
+    status = 501
+
+
 class BadRequest(SchedulerError):
     status = 400

@@ -53,7 +53,7 @@ from ..config import ConfigError
 from ..load_options import LoadOptionsError
 from ..engine.runner import EngineError, RequestError, RunnerCrashed
 from ..models.gguf_info import GGUFError
-from ..errors import NotLoaded
+from ..errors import NoSuchRoute, NotLoaded, NotSupported
 from ..models.names import same_model
 from ..models.pull import pull_stream
 from ..scheduler import BadRequest, ModelNotFound, SchedulerError
@@ -762,6 +762,42 @@ class RootHandler(LlamaHandler):
         self.finish(set_content_type="text/plain; charset=utf-8")
 
 
+class PushHandler(LlamaHandler):
+    """``POST api/push``: Ollama's registry upload, which a local manager does not do."""
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def post(self):
+        raise NotSupported("pushing a model to a registry is not supported by jupyter-llama; its models are GGUF "
+                           "files in the store (`jupyter-llama show NAME` says where), to copy or upload as you like")
+
+
+class UnknownRouteHandler(LlamaHandler):
+    """Any other path under ``/llama/``: a JSON 404 that names the path, not Jupyter's HTML page."""
+
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def prepare_route(self, path: str):
+        raise NoSuchRoute(f"no route {self.request.method} /llama/{path} in jupyter-llama; GET /llama/api/version "
+                          "answers, and the README lists the routes (Ollama's /api/..., OpenAI's /v1/...)")
+
+    async def get(self, path: str):
+        await self.prepare_route(path)
+
+    async def post(self, path: str):
+        await self.prepare_route(path)
+
+    async def delete(self, path: str):
+        await self.prepare_route(path)
+
+    async def put(self, path: str):
+        await self.prepare_route(path)
+
+
 class DevicesHandler(LlamaHandler):
     _track_activity = False
 
@@ -916,4 +952,6 @@ def default_handlers() -> list[tuple]:
         (p + r"/v1/models", OpenAIModelsHandler),
         (p + r"/v1/models/(?P<model>.+)", OpenAIModelsHandler),
         (p + r"/v1/(?P<route>chat/completions|completions|embeddings)", OpenAIHandler),
+        (p + r"/api/push", PushHandler),
+        (p + r"/(?P<path>.+)", UnknownRouteHandler),  # last: anything else is a JSON 404
     ]

@@ -454,3 +454,11 @@ async def test_a_prompt_longer_than_the_context_keeps_its_end(http):
     short = (await http.post("api/generate", json=gen(prompt="Once upon a time", stream=False,
                                                       options=opts, truncate=False))).json()
     assert short["eval_count"] == 8, "a prompt that fits is sent as it is"
+
+
+async def test_push_and_unknown_routes_answer_json(http):
+    r = await http.post("api/push", json={"model": "tiny"})
+    assert r.status_code == 501 and "not supported" in r.json()["error"], r.text
+    for method, path in (("GET", "api/nothing"), ("POST", "v1/responses-not-yet"), ("DELETE", "api/x/y")):
+        r = await http.request(method, path)
+        assert r.status_code == 404 and f"/llama/{path}" in r.json()["error"], (method, path, r.text)
