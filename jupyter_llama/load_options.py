@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+AUTO_SLOTS = 4  # what llama-server's automatic -np gives
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 FLASH_ATTN = ("auto", "on", "off")
 
@@ -82,6 +83,11 @@ class LoadOptions:
             object.__setattr__(self, "flash_attn", fa)
         if self.num_ctx is not None and self.num_ctx < 16:
             raise LoadOptionsError(f"num_ctx {self.num_ctx} is too small; use at least 16 tokens")
+        slots = self.num_parallel or AUTO_SLOTS
+        if self.num_batch is not None and self.num_batch < max(2, slots):
+            # measured: llama-server aborts at start (GGML_ASSERT n_outputs_max) below this
+            raise LoadOptionsError(f"num_batch {self.num_batch} is too small for {slots} request slot(s): llama-server "
+                                   f"needs at least {max(2, slots)} (its default is 2048)")
         if self.fit_target_mib is not None:
             object.__setattr__(self, "fit_target_mib", tuple(int(x) for x in self.fit_target_mib))
         if self.rpc is not None:

@@ -215,3 +215,9 @@ def test_capabilities_come_from_the_model():
     meta = {"tokenizer.chat_template": tmpl, "tokenizer.ggml.fim_pre_token_id": 7, "bert.pooling_type": 1}
     assert capabilities_of({"model_info": meta, "projector_info": {"projector_type": "mlp"}}, "bert") == [
         "completion", "embedding", "tools", "thinking", "insert", "vision"]
+
+
+def test_a_batch_llama_server_would_abort_on_is_a_400():
+    with pytest.raises(BadRequest, match="num_batch 1 is too small for 4 request slot"):
+        split_options({"num_batch": 1}).load_options()
+    assert split_options({"num_batch": 2, "num_parallel": 2}).load_options().num_batch == 2
