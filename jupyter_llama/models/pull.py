@@ -603,6 +603,14 @@ class Puller:
         self.store = store
         self.src = parse_source(source, endpoint)
         self.name = derive_name(self.src, name)  # refuses a bad name before any network
+        if name is None and self.src.kind == "url":
+            # A name made from the file name must not replace a model that came from elsewhere.
+            existing = store._find(self.name)
+            came_from = (existing.source or {}).get("url") if existing is not None else None
+            if existing is not None and came_from != self.src.url:
+                raise PullError(f"a model named {self.name.display} already exists (from "
+                                f"{came_from or (existing.source or {}).get('type') or 'elsewhere'}); pull this URL "
+                                f"under another name (`pull URL --name NAME`), or delete {self.name.display} first")
         self.emit = emit or (lambda d: None)
         self.retries = max(0, int(retries))
         self.backoff = backoff

@@ -494,3 +494,17 @@ def test_a_pulled_model_can_be_removed(repo, tmp_path):
     pull_mod.pull(f"hf.co/{REPO}", store=store)
     asyncio.run(store.remove(f"hf.co/{REPO}"))
     assert os.listdir(store.blobs_dir) == [] and store.list() == []
+
+
+def test_a_url_pull_does_not_replace_a_model_of_the_same_name_from_elsewhere(hf, ggufs, tmp_path):
+    store = ModelStore(tmp_path / "store")
+    hf.add_file("tiny-model.gguf", ggufs["b"])
+    store.create("tiny-model", ggufs["a"])  # registered from a local file, under the name the URL would make
+    with pytest.raises(PullError, match=r"a model named tiny-model:latest already exists .*--name"):
+        pull_mod.pull(hf.file_url("tiny-model.gguf"), store=store)
+    assert store.resolve_sync("tiny-model").path.endswith(sha256(ggufs["a"])), "untouched"
+    assert pull_mod.pull(hf.file_url("tiny-model.gguf"), name="tiny-remote", store=store).display == "tiny-remote:latest"
+    store.remove_sync("tiny-model")
+    pull_mod.pull(hf.file_url("tiny-model.gguf"), store=store)
+    assert pull_mod.pull(hf.file_url("tiny-model.gguf"), store=store).display == "tiny-model:latest", \
+        "the same URL again under the name it made: an update"
