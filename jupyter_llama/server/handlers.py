@@ -578,9 +578,16 @@ class BlobHandler(LlamaHandler):
         return normalize_digest(digest)
 
     async def prepare(self):
-        await super().prepare()  # authentication first: nothing is accepted from strangers
+        await super().prepare()
         if self.request.method != "POST":
             return
+        # The body streams in before post() (and its @web.authenticated) would run, so who is
+        # sending is checked here, before a byte is accepted: nothing from strangers touches
+        # the disk (a made-up _xsrf cookie and header pass the XSRF check, not this).
+        if not self._authenticated():
+            raise web.HTTPError(403)  # answered as a 401 with a sentence (write_error)
+        if not self.authorizer.is_authorized(self, self.current_user, "write", AUTH_RESOURCE):
+            raise web.HTTPError(403, "not allowed to upload blobs")
         try:
             hexd = self._digest()
             limit = self.ext.max_upload_size

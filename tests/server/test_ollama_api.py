@@ -462,3 +462,22 @@ async def test_push_and_unknown_routes_answer_json(http):
     for method, path in (("GET", "api/nothing"), ("POST", "v1/responses-not-yet"), ("DELETE", "api/x/y")):
         r = await http.request(method, path)
         assert r.status_code == 404 and f"/llama/{path}" in r.json()["error"], (method, path, r.text)
+
+
+async def test_nothing_from_strangers_touches_the_disk(llama_url, ext):
+    """An upload with no token, but a made-up _xsrf cookie and header (which pass Jupyter's XSRF
+    check), is refused before its body is accepted: nothing lands in the store."""
+    store = ext.store
+    before = sorted(p.name for p in store.root.rglob("*"))
+    body = b"x" * (4 << 20)
+    async with httpx.AsyncClient(base_url=llama_url + "/", trust_env=False) as c:
+        try:
+            r = await c.post("api/blobs/sha256:" + "ab" * 32, content=body,
+                             headers={"X-XSRFToken": "made-up", "Cookie": "_xsrf=made-up"})
+            assert r.status_code == 401, r.text
+        except httpx.TransportError:
+            pass  # refused while the body was still coming: the server closed the connection on it
+        r = await c.post("api/blobs/sha256:" + "ab" * 32, content=b"small",
+                         headers={"X-XSRFToken": "made-up", "Cookie": "_xsrf=made-up"})
+        assert r.status_code == 401 and "Authorization: Bearer TOKEN" in r.json()["error"], r.text
+    assert sorted(p.name for p in store.root.rglob("*")) == before, "no file was written"
