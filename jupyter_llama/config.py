@@ -55,13 +55,23 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _DURATION_SCALE = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+# Longer than this is forever: a timer past it would overflow the clocks that show it
+# (``expires_at``), and a century of keep-alive is not a different wish from "keep it".
+FOREVER_AFTER = 100 * 365 * 86400.0
+
+
 def parse_duration(value, what: str = "keep_alive") -> float:
     """Seconds from an Ollama-style duration.
 
     Numbers are seconds; strings are Go-style durations (``"10m"``, ``"1h30m"``, ``"250ms"``)
     or a bare number of seconds (``"300"``, ``"-1"``). Negative means forever (returned as
-    ``math.inf``); zero means at once.
+    ``math.inf``), and so does anything past :data:`FOREVER_AFTER`; zero means at once.
     """
+    seconds = _parse_duration(value, what)
+    return math.inf if seconds > FOREVER_AFTER else seconds
+
+
+def _parse_duration(value, what: str) -> float:
     if isinstance(value, bool) or value is None:
         raise ConfigError(f"{what}: expected a number of seconds or a duration like '5m', got {value!r}")
     if isinstance(value, (int, float)):

@@ -65,3 +65,8 @@ def test_one_parser_for_every_setting_whatever_its_source(monkeypatch):
     monkeypatch.delenv("JUPYTER_LLAMA_LOAD_TIMEOUT")
     ext = LlamaExtension(keep_alive="2m")  # configuration wins over the environment
     assert ext.keep_alive == "2m" and ext.scheduler_settings("/x").keep_alive == 120
+
+
+def test_a_keep_alive_past_a_century_is_forever():
+    assert parse_duration(1e18) == math.inf and parse_duration("9999999999999999999999h") == math.inf
+    assert parse_duration("5m") == 300 and parse_duration(-1) == math.inf

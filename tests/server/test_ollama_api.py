@@ -481,3 +481,11 @@ async def test_nothing_from_strangers_touches_the_disk(llama_url, ext):
                          headers={"X-XSRFToken": "made-up", "Cookie": "_xsrf=made-up"})
         assert r.status_code == 401 and "Authorization: Bearer TOKEN" in r.json()["error"], r.text
     assert sorted(p.name for p in store.root.rglob("*")) == before, "no file was written"
+
+
+async def test_a_huge_keep_alive_is_forever_and_ps_still_answers(http):
+    r = await http.post("api/generate", json=gen(stream=False, keep_alive=1e18))
+    assert r.status_code == 200, r.text
+    ps = await http.get("api/ps")
+    assert ps.status_code == 200 and ps.json()["models"][0]["expires_at"].startswith(("2", "3")), ps.text
+    await http.post("api/generate", json={"model": "tiny", "keep_alive": 0})
