@@ -373,6 +373,9 @@ def _as_int_or_list(v: Any) -> int | list[int] | None:
     return None
 
 
+LLAMA_MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
+
+
 def read_gguf_info(path: os.PathLike | str) -> GGUFInfo:
     """Read a GGUF file's metadata and tensor table. Raises GGUFError."""
     p = str(path)
@@ -456,6 +459,13 @@ def read_gguf_info(path: os.PathLike | str) -> GGUFInfo:
     block_count = require_int("block_count")
     embedding_length = require_int("embedding_length")
     context_length = require_int("context_length")
+    # Files llama.cpp can never load are refused here, before anything is sized from them (a
+    # block_count of 1e7 once held the scheduler for minutes while per-layer lists were built).
+    if not 0 < block_count <= LLAMA_MAX_LAYERS:
+        raise GGUFError(p, f"{arch}.block_count is {block_count}; llama.cpp loads 1 to {LLAMA_MAX_LAYERS} layers")
+    for key, v in (("embedding_length", embedding_length), ("context_length", context_length)):
+        if v <= 0:
+            raise GGUFError(p, f"{arch}.{key} is {v}; a model needs more than 0")
 
     head_count = _as_int_or_list(get("attention.head_count"))
     if head_count is None:

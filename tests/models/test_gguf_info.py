@@ -352,3 +352,27 @@ def test_real_model_when_present(stories_model):
     assert info.file_type is None and info.quantization == "F32"
     assert info.parameter_count == sum(t.n_elements for t in info.tensors)
     assert info.head_dim_k() == 8
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("block_count", 10_000_000, "llama.cpp loads 1 to 512 layers"),
+    ("block_count", 0, "llama.cpp loads 1 to 512 layers"),
+    ("embedding_length", 0, "a model needs more than 0"),
+    ("context_length", 0, "a model needs more than 0"),
+])
+def test_files_llama_cpp_can_never_load_are_refused(tmp_path, field, value, says):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "bad.gguf"
+    w = GGUFWriter(str(path), "llama")
+    fields = {"block_count": 2, "embedding_length": 64, "context_length": 256, "attention.head_count": 4}
+    fields[field] = value
+    for k, v in fields.items():
+        w.add_uint32(f"llama.{k}", v)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match=says):
+        read_gguf_info(path)
