@@ -83,6 +83,15 @@ class LoadOptions:
             object.__setattr__(self, "flash_attn", fa)
         if self.num_ctx is not None and self.num_ctx < 16:
             raise LoadOptionsError(f"num_ctx {self.num_ctx} is too small; use at least 16 tokens")
+        for name, most, why in (("num_ctx", 1 << 27, "128M tokens, far beyond any model's training context"),
+                                ("num_parallel", 512, "512 slots"), ("num_thread", 1024, "1024 threads"),
+                                ("num_batch", 1 << 20, "1M tokens"), ("num_ubatch", 1 << 20, "1M tokens")):
+            v = getattr(self, name)
+            if v is not None and v > most:
+                raise LoadOptionsError(f"{name} {v} is more than llama-server can be given here (at most {why})")
+        if self.num_ctx is not None and self.num_ctx * (self.num_parallel or 1) >= 1 << 31:
+            raise LoadOptionsError(f"num_ctx {self.num_ctx} x num_parallel {self.num_parallel} is more context than "
+                                   "llama-server can hold (under 2^31 cells)")
         slots = self.num_parallel or AUTO_SLOTS
         if self.num_batch is not None and self.num_batch < max(2, slots):
             # measured: llama-server aborts at start (GGML_ASSERT n_outputs_max) below this

@@ -38,6 +38,10 @@ def test_unknown_options_are_ignored_as_ollama_ignores_them(caplog):
 
 @pytest.mark.parametrize("options, words", [
     ({"num_ctx": "big"}, "num_ctx"),
+    ({"num_ctx": 1 << 31}, "num_ctx 2147483648 is more than"),
+    ({"num_batch": 10**12}, "num_batch"),
+    ({"num_parallel": 10**6}, "num_parallel"),
+    ({"num_thread": 10**6}, "num_thread"),
     ({"num_ctx": 8}, "num_ctx"),
     ({"top_k": 1.5}, "top_k"),
     ({"temperature": "hot"}, "temperature"),
