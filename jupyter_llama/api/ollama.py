@@ -76,12 +76,34 @@ def parse_body(raw: bytes | str | None) -> dict:
     if raw is None or (isinstance(raw, (bytes, str)) and not raw.strip()):
         raise BadRequest("missing request body: expected a JSON object")
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"malformed JSON in request body: {e}") from None
+    except RecursionError:
+        raise BadRequest(f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
     if not isinstance(data, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(data).__name__}")
+    _check_depth(data)
     return data
+
+
+MAX_JSON_DEPTH = 64  # far more than any request needs; deeper would recurse in every later step
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
+def _check_depth(data: Any) -> None:
+    todo = [(data, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
+        if isinstance(value, dict):
+            todo.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            todo.extend((v, depth + 1) for v in value)
 
 
 def model_name(body: dict, key: str = "model") -> str:

@@ -225,3 +225,15 @@ def test_a_batch_llama_server_would_abort_on_is_a_400():
     with pytest.raises(BadRequest, match="num_batch 1 is too small for 4 request slot"):
         split_options({"num_batch": 1}).load_options()
     assert split_options({"num_batch": 2, "num_parallel": 2}).load_options().num_batch == 2
+
+
+def test_bodies_nested_too_deeply_or_with_nan_are_400():
+    from jupyter_llama.api.ollama import parse_body
+
+    for raw in ('{"a": ' + "[" * 100 + "]" * 100 + "}", '{"a": ' + "[" * 5000 + "]" * 5000 + "}"):
+        with pytest.raises(BadRequest, match="nested too deeply"):
+            parse_body(raw)
+    for raw in ('{"options": {"temperature": NaN}}', '{"format": {"x": Infinity}}'):
+        with pytest.raises(BadRequest, match="no NaN or Infinity"):
+            parse_body(raw)
+    assert parse_body('{"a": [[1]]}') == {"a": [[1]]}
