@@ -73,8 +73,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     url = app.connection_url.rstrip("/") + "/llama"
     token = app.identity_provider.token
     app.log.info("jupyter-llama %s serving %s", __version__, url)
+    # A token made for this run is shown, so that a person can use it; one given to us
+    # (--token, JUPYTER_TOKEN) is the user's secret and stays out of the log.
+    shown = token if getattr(app.identity_provider, "token_generated", False) else "<your token>"
     app.log.info("  Ollama clients: OLLAMA_HOST=%s with header 'Authorization: token %s'", url,
-                 token if token else "")
+                 shown if token else "")
     app.log.info("  OpenAI clients: base_url=%s/v1 api_key=<the token>", url)
     try:
         app.start()

@@ -77,7 +77,7 @@ def _wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
-def test_no_child_outlives_the_server(serve, sig):
+def test_no_child_outlives_the_server(serve, sig, tmp_path):
     proc, url, token = serve()
     h = {"Authorization": f"token {token}"}
     with httpx.Client(base_url=url, headers=h, trust_env=False, timeout=60) as c:
@@ -90,3 +90,6 @@ def test_no_child_outlives_the_server(serve, sig):
     assert proc.wait(30) is not None
     assert _wait_gone([pid]) == [], f"llama-server {pid} outlived the server ({sig.name})"
     assert llama_children(proc.pid) == []
+    log = (tmp_path / "serve.log").read_text(errors="replace")
+    assert "Authorization: token <your token>" in log
+    assert token not in log, "a token given to serve (--token) is the user's secret: never logged"
