@@ -92,25 +92,11 @@ async def accuracy(engine, model: str, a: LocalWorker, b: LocalWorker) -> bool:
 
 
 async def lean_stream(port: int, body: dict) -> int:
-    """Tokens of one streamed /completion, read the way our runner reads its child (the same
-    client code on both sides, so neither pays for a heavier HTTP stack)."""
-    from jupyter_llama.engine.runner import _body_pieces, _read_head
+    """Tokens of one streamed /completion, read with the runner's own reader (the same client
+    code on both sides, so neither pays for a heavier HTTP stack)."""
+    from jupyter_llama.engine.runner import sse_events
 
-    payload = json.dumps(dict(body, stream=True)).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write((f"POST /completion HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-                      f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode() + payload)
-        _, chunked, length = await _read_head(reader)
-        n, pending = 0, b""
-        async for piece in _body_pieces(reader, chunked, length):
-            pending += piece
-            *lines, pending = pending.split(b"\n")
-            n += sum(1 for ln in lines if ln.startswith(b"data: ") and b'"content":"' in ln
-                     and b'"content":""' not in ln)
-        return n
-    finally:
-        writer.close()
+    return sum([1 async for ev in sse_events(port, "/completion", body) if ev.get("content")])
 
 
 async def bare_run(engine, model: str, argv_tail: list[str]) -> tuple[float, float]:

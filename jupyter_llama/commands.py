@@ -699,11 +699,7 @@ def cmd_estimate(args, fe: Frontend):
     fe.out(format_estimates(reports, actual))
     fit = data.get("fit")
     if fit:  # the scheduler's own verdict, the one a load would act on
-        words = {"fits": "fits", "evict": "fits after evicting " + ", ".join(fit.get("evict") or []),
-                 "first": "may not fit, but nothing else is loaded, so it gets to try",
-                 "over_budget": "does not fit: over the budget",
-                 "refuse": "does not fit, and evicting would not make room"}.get(fit["verdict"], fit["verdict"])
-        fe.out(f"\nfit ({fit['estimator']}): {words}\n  {fit['text']}")
+        fe.out(f"\nfit ({fit['estimator']}): {fit['verdict_words']}\n  {fit['text']}")
     elif data.get("actual") is None and data.get("loaded"):
         fe.out(f"\n{data['loaded']['name']} is loaded with other options: no actual figures for these")
     return EXIT_OK

@@ -380,7 +380,8 @@ class FitPlan:
     """
 
     model: str
-    estimator: str
+    fit_source: str  # the prediction that decides (the configured estimator, else coarse)
+    estimator: str  # what it is called with its margin: "detailed+10%"
     devices: dict[str, dict]
     cap: int
     others: int
@@ -401,12 +402,21 @@ class FitPlan:
     def over_cap(self) -> bool:
         return self.others >= self.cap
 
+    @property
+    def verdict_words(self) -> str:
+        """The verdict as every front end says it."""
+        return {"fits": "fits", "evict": "fits after evicting " + ", ".join(self.evict),
+                "first": "may not fit, but nothing else is loaded, so it gets to try",
+                "over_budget": "does not fit: over the budget",
+                "refuse": "does not fit, and evicting would not make room"}[self.verdict]
+
     def words(self, only: Iterable[str] | None = None) -> str:
         keep = set(only) if only is not None else None
         return _fit_words({d: n for d, n in self.devices.items() if keep is None or d in keep}, self.estimator)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "estimator": self.estimator, "verdict": self.verdict, "fits": self.fits,
+                "verdict_words": self.verdict_words,
                 "devices": self.devices, "cap": self.cap, "loaded": self.others, "over_cap": self.over_cap,
                 "evict": list(self.evict), "workers": list(self.workers), "text": self.words()}
 
@@ -919,7 +929,8 @@ class Scheduler:
             return out
 
         devices = numbers(used)
-        plan = FitPlan(ref.name, need.source, devices, cap, len(others), "fits", workers=list(placed.rpc or ()))
+        plan = FitPlan(ref.name, fit_source, need.source, devices, cap, len(others), "fits",
+                       workers=list(placed.rpc or ()))
         if not plan.short and not plan.over_cap:
             return plan
         if not others:
@@ -941,7 +952,8 @@ class Scheduler:
         return plan
 
     def _eviction_order(self, ref: ModelRef) -> list[Loaded]:
-        """The order :meth:`_choose_victim` would pick victims in, if nothing changed meanwhile."""
+        """Who an eviction for ``ref`` takes, in order: shortest keep_alive first (ties by model
+        path), idle before busy; pinned ones last, and only with ``evict_pinned``."""
         candidates = [lo for lo in self.loaded.values() if lo.state == ModelState.READY and lo.ref.key != ref.key]
         unpinned = sorted((lo for lo in candidates if not lo.pinned), key=lambda lo: (lo.keep_alive, lo.ref.path))
         pinned = sorted((lo for lo in candidates if lo.pinned), key=lambda lo: lo.ref.path)
@@ -958,8 +970,8 @@ class Scheduler:
             inv = await self.inventory()
             used = self.usage()
             placed, preds = await asyncio.to_thread(self.plan, ref, options, inv, used)
-            fit_source = self.settings.fit_estimator if self.settings.fit_estimator in preds else COARSE
             plan = self.fit(ref, placed, preds, inv, used)
+            fit_source = plan.fit_source
             numbers = {d: {k: n[k] for k in ("need", "available", "in_use", "budget")} for d, n in plan.devices.items()}
             if plan.fits:
                 self.events.emit(EventKind.FIT, ref.name, "fits: " + plan.words(), fits=True, estimator=plan.estimator,
@@ -1012,20 +1024,17 @@ class Scheduler:
         raise PinnedInTheWay(msg)
 
     def _choose_victim(self, ref: ModelRef, reason: str) -> tuple[Loaded, str]:
-        """Shortest keep_alive first (ties by model path), idle before busy; pinned last of all."""
-        candidates = [lo for lo in self.loaded.values() if lo.state == ModelState.READY and lo.ref.key != ref.key]
-        unpinned = sorted((lo for lo in candidates if not lo.pinned), key=lambda lo: (lo.keep_alive, lo.ref.path))
-        pinned = sorted((lo for lo in candidates if lo.pinned), key=lambda lo: lo.ref.path)
-        for group, label in ((unpinned, ""), (pinned if self.settings.evict_pinned else [], "pinned, ")):
-            if not group:
-                continue
-            idle = [lo for lo in group if lo.refcount == 0]
-            if idle:
-                lo = idle[0]
+        """The first of :meth:`_eviction_order`, with the rule that chose it in words."""
+        order = self._eviction_order(ref)
+        if order:
+            lo = order[0]
+            label = "pinned, " if lo.pinned else ""
+            if lo.refcount == 0:
                 return lo, f"{label}idle, shortest keep_alive ({format_duration(lo.keep_alive)})"
-            lo = group[0]
             return lo, f"{label}shortest keep_alive ({format_duration(lo.keep_alive)}); busy, so it unloads " \
                        f"when its {lo.refcount} request(s) finish"
+        pinned = sorted((lo for lo in self.loaded.values() if lo.state == ModelState.READY and lo.pinned
+                         and lo.ref.key != ref.key), key=lambda lo: lo.ref.path)
         if pinned:
             names = ", ".join(lo.name for lo in pinned)
             msg = (f"cannot load {ref.name}: {reason}, and only pinned models ({names}) could make room. "

@@ -59,6 +59,7 @@ __all__ = [
     "show_body",
     "embed_body",
     "mean_pool_normalize",
+    "unit_vectors",
 ]
 
 # The Ollama release whose API this server follows (REFERENCE.md is measured against it).
@@ -718,6 +719,11 @@ def mean_pool_normalize(vectors) -> list[float]:
     if norm > 0:
         arr = arr / norm
     return arr.tolist()
+
+
+def unit_vectors(raw: list) -> list[list[float]]:
+    """One unit vector per input from ``/embedding``'s items (see :func:`mean_pool_normalize`)."""
+    return [mean_pool_normalize(v) for v in raw]
 
 
 def embed_body(model: str, embeddings: list[list[float]], total_s: float, load_s: float, prompt_tokens: int,

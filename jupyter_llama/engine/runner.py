@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import ctypes
 import enum
 import json
@@ -214,6 +215,43 @@ async def _body_pieces(reader: asyncio.StreamReader, chunked: bool, length: int 
 
 async def _read_body(reader: asyncio.StreamReader, chunked: bool, length: int | None) -> bytes:
     return b"".join([piece async for piece in _body_pieces(reader, chunked, length)])
+
+
+async def sse_events(port: int, path: str, payload: dict, api_key: str = "") -> AsyncIterator[dict]:
+    """POST ``payload`` (with ``stream: true``) to a llama-server on 127.0.0.1:``port`` and yield
+    each server-sent event's JSON object, over a plain asyncio stream (see
+    :meth:`Runner.stream_sse` for why). An error answer or error event is a RequestError;
+    transport failures propagate as they are. Closing the iterator closes the connection."""
+    body = json.dumps(dict(payload, stream=True)).encode()
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}Content-Type: application/json\r\n"
+            f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5.0)
+    try:
+        writer.write(head.encode() + body)
+        status, chunked, length = await _read_head(reader)
+        if status >= 400:
+            text = (await _read_body(reader, chunked, length)).decode("utf-8", "replace")
+            raise RequestError(status, _error_text(text, status))
+        pending = b""
+        async for piece in _body_pieces(reader, chunked, length):
+            pending += piece
+            *lines, pending = pending.split(b"\n")
+            for raw in lines:
+                line = raw.rstrip(b"\r")
+                if not line.startswith(b"data:"):
+                    if line.startswith(b"error:"):
+                        raise RequestError(500, _error_text(line[6:].strip().decode("utf-8", "replace"), 500))
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                event = json.loads(data)
+                if isinstance(event, dict) and "error" in event and len(event) == 1:
+                    raise RequestError(500, _error_text(data.decode("utf-8", "replace"), 500))
+                yield event
+    finally:
+        writer.close()
 
 
 class Runner:
@@ -489,40 +527,12 @@ class Runner:
         uses every core).
         """
         self._check_ready()
-        body = json.dumps(dict(payload, stream=True)).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
-                f"Authorization: Bearer {self.api_key}\r\nContent-Type: application/json\r\n"
-                f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
-        writer = None
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.port), 5.0)
-            writer.write(head.encode() + body)
-            status, chunked, length = await _read_head(reader)
-            if status >= 400:
-                text = (await _read_body(reader, chunked, length)).decode("utf-8", "replace")
-                raise RequestError(status, _error_text(text, status))
-            pending = b""
-            async for piece in _body_pieces(reader, chunked, length):
-                pending += piece
-                *lines, pending = pending.split(b"\n")
-                for raw in lines:
-                    line = raw.rstrip(b"\r")
-                    if not line.startswith(b"data:"):
-                        if line.startswith(b"error:"):
-                            raise RequestError(500, _error_text(line[6:].strip().decode("utf-8", "replace"), 500))
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        return
-                    event = json.loads(data)
-                    if isinstance(event, dict) and "error" in event and len(event) == 1:
-                        raise RequestError(500, _error_text(data.decode("utf-8", "replace"), 500))
+        try:  # closing this iterator closes the child's connection at once, not at garbage collection
+            async with contextlib.aclosing(sse_events(self.port, path, payload, self.api_key)) as events:
+                async for event in events:
                     yield event
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, _BadResponse) as e:
             raise await self._after_transport_error(e) from None
-        finally:
-            if writer is not None:
-                writer.close()
 
     # ------------------------------------------------------------------ the child's protocol
 
@@ -538,25 +548,34 @@ class Runner:
         res = await self.post("/apply-template", {"messages": messages})
         return res.get("prompt", prompt)
 
+    def _request_ctx(self) -> int | None:
+        """The context one request may use (from the log once the child has said it)."""
+        return self.parser.n_ctx_seq or self.parser.n_ctx or self.options.num_ctx
+
+    async def _tokens_over(self, text: str, most: int) -> list[int] | None:
+        """``text``'s tokens if there are more than ``most``, else None; text of no more than
+        ``most`` bytes is not even tokenised (a token is at least one byte)."""
+        if len(text.encode()) <= most:
+            return None
+        tokens = (await self.post("/tokenize", {"content": text, "add_special": True})).get("tokens") or []
+        return tokens if len(tokens) > most else None
+
     async def fit_to_context(self, prompt: str, reserve: int, truncate: bool = True) -> str | list[int]:
         """``prompt`` as it fits a request's context with ``reserve`` tokens left to generate
         in: unchanged when it fits, else (as Ollama does) its first token and its end, as
-        token ids; with ``truncate`` False, a 400 that says how long it is. A prompt with
-        fewer bytes than the context has room for is not even tokenised."""
-        n_ctx = self.parser.n_ctx_seq or self.parser.n_ctx or self.options.num_ctx
+        token ids; with ``truncate`` False, a 400 that says how long it is."""
+        n_ctx = self._request_ctx()
         if not n_ctx:
             return prompt
-        room = max(1, n_ctx - max(0, min(reserve, n_ctx // 2)))
-        if len(prompt.encode()) < room:  # a token is at least one byte
-            return prompt
-        tokens = (await self.post("/tokenize", {"content": prompt, "add_special": True})).get("tokens") or []
-        if len(tokens) < room:
+        most = max(1, n_ctx - max(0, min(reserve, n_ctx // 2))) - 1
+        tokens = await self._tokens_over(prompt, most)
+        if tokens is None:
             return prompt
         if not truncate:
             raise BadRequest(f"the prompt is {len(tokens)} tokens, longer than the context of {self.name} "
-                             f"({n_ctx} tokens, {n_ctx - room} of them kept to generate in); shorten it, load the "
-                             "model with a larger num_ctx, or allow truncate")
-        return tokens[:1] + tokens[len(tokens) - (room - 1):]
+                             f"({n_ctx} tokens, {n_ctx - most - 1} of them kept to generate in); shorten it, load "
+                             "the model with a larger num_ctx, or allow truncate")
+        return tokens[:1] + tokens[len(tokens) - (most - 1):] if most > 1 else tokens[:most]
 
     async def embed(self, inputs: list[str], truncate: bool = True) -> tuple[list, int]:
         """``/embedding`` for ``inputs``, in input order, and the number of prompt tokens they
@@ -566,26 +585,23 @@ class Runner:
         ``truncate`` False is a 400."""
         if not inputs:
             return [], 0
-        n_ctx = self.parser.n_ctx_seq or self.parser.n_ctx or self.options.num_ctx
+        n_ctx = self._request_ctx()
         content: list = list(inputs)
-        if n_ctx:
-            for i, text in enumerate(inputs):
-                if len(text.encode()) < n_ctx:  # a token is at least one byte: it fits
-                    continue
-                tokens = (await self.post("/tokenize", {"content": text, "add_special": True})).get("tokens") or []
-                if len(tokens) > n_ctx:
-                    if not truncate:
-                        raise BadRequest(f"input {i} is {len(tokens)} tokens, longer than the context of {self.name} "
-                                         f"({n_ctx}); split it, load the model with a larger num_ctx, or allow "
-                                         "truncate")
-                    content[i] = tokens[:n_ctx]
+        for i, text in enumerate(inputs if n_ctx else ()):
+            tokens = await self._tokens_over(text, n_ctx)
+            if tokens is None:
+                continue
+            if not truncate:
+                raise BadRequest(f"input {i} is {len(tokens)} tokens, longer than the context of {self.name} "
+                                 f"({n_ctx}); split it, load the model with a larger num_ctx, or allow truncate")
+            content[i] = tokens[:n_ctx]
         try:
             res = await self.post("/embedding", {"content": content})
         except RequestError as e:
             if "too large to process" not in str(e):
                 raise
-            raise BadRequest(f"an input to embed is longer than the context of {self.name} ({e}); split it, "
-                             "or load the model with a larger num_ctx") from None
+            raise BadRequest(f"an input to embed is longer than the micro-batch of {self.name} ({e}); split it, "
+                             "or load the model with a larger num_ubatch (or leave it unset)") from None
         items = sorted(res if isinstance(res, list) else [res], key=lambda it: it.get("index", 0))
         vectors = [it.get("embedding") or [] for it in items]
         if vectors and vectors[0] and isinstance(vectors[0][0], list):  # per-token vectors: one per prompt token

@@ -401,7 +401,7 @@ class EmbedHandler(LlamaHandler):
             raw, tokens = await lease.runner.embed(req.inputs, truncate=req.truncate)
         finally:
             lease.release()
-        vectors = await asyncio.to_thread(lambda: [oa.mean_pool_normalize(v) for v in raw])
+        vectors = await asyncio.to_thread(oa.unit_vectors, raw)
         if req.legacy:
             self.finish_json({"embedding": vectors[0] if vectors else []})
             return
@@ -714,7 +714,7 @@ async def _openai_embeddings(lease, req: oai.OpenAIRequest) -> dict:
     """OpenAI embeddings for a model that does not pool: the child's per-token vectors, pooled here."""
     inputs = oai.embedding_inputs(req.body)
     raw, tokens = await lease.runner.embed(inputs)
-    vectors = await asyncio.to_thread(lambda: [oa.mean_pool_normalize(v) for v in raw])
+    vectors = await asyncio.to_thread(oa.unit_vectors, raw)
     return oai.embeddings_body(req.model, vectors, tokens)
 
 

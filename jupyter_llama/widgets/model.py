@@ -182,7 +182,8 @@ def fit_summary(estimate: Mapping, devices: Mapping | None = None) -> dict:
     warnings = [w for rep in ests.values() for w in (rep.get("warnings") or [])]
     loaded = estimate.get("loaded") or {}
     summary = {"model": estimate.get("model"), "fits": fit.get("fits") if fit else None,
-               "verdict": fit.get("verdict"), "estimator": source or "none", "n_ctx": n_ctx,
+               "verdict": fit.get("verdict"), "verdict_words": fit.get("verdict_words"),
+               "estimator": source or "none", "n_ctx": n_ctx,
                "layers": f"{lo}/{lt}" if lo is not None and lt else None, "evict": list(fit.get("evict") or []),
                "already_loaded": loaded.get("name"), "devices": rows, "warnings": warnings,
                "totals": {src: sum(v.values()) for src, v in per.items()}}
@@ -209,10 +210,8 @@ def _fit_words(s: dict) -> str:
         where = r["device"] if r["known"] else f"{r['device']} (not on this machine)"
         parts.append(f"{where} needs {format_bytes(r['need'])} ({s['estimator']}) of "
                      f"{format_bytes(r['available'] or 0)} available{budget}")
-    verdict = {"fits": "Fits", "evict": "Fits after evicting " + ", ".join(s["evict"]),
-               "first": "May not fit, but nothing else is loaded: it gets to try",
-               "over_budget": "Does not fit (over the budget)",
-               "refuse": "Does not fit, and evicting would not make room"}.get(s["verdict"], s["verdict"])
+    words = s.get("verdict_words") or s["verdict"]  # the scheduler's words for its verdict
+    verdict = words[:1].upper() + words[1:]
     tail = f"{verdict}: " + "; ".join(parts) + "." if parts else f"{verdict}."
     if s.get("already_loaded"):
         tail += f" ({s['already_loaded']} is loaded now.)"

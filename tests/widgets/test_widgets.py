@@ -118,8 +118,9 @@ def _fit(verdict, estimator="detailed+10%", evict=(), **devices):
     """A fit plan as /api/estimate returns it (the scheduler computes it; the widget renders it)."""
     devs = {d: dict(need=n[0], available=n[1], in_use=n[2] if len(n) > 2 else 0, budget=n[3] if len(n) > 3 else None,
                     checked=True, fits=n[0] <= n[1]) for d, n in devices.items()}
-    return {"estimator": estimator, "verdict": verdict, "fits": verdict == "fits", "devices": devs,
-            "evict": list(evict)}
+    from jupyter_llama.scheduler import FitPlan
+
+    return FitPlan("m", "detailed", estimator, devs, cap=3, others=1, verdict=verdict, evict=list(evict)).to_dict()
 
 
 def test_fit_summary_renders_the_schedulers_plan():
