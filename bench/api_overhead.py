@@ -1,256 +1,384 @@
-"""What the Jupyter server adds on top of talking to the llama-server child directly.
+"""What the manager costs a client's stream, against the bare child and llama-server's router.
 
-Side by side in one run, alternating, on the same child, same prompts and sampling:
+Three servers of the same model file, side by side in one run:
 
-* generation through the Jupyter server (NDJSON ``<base>/llama/api/generate``, with the
-  Jupyter token) against requests straight to the child's ``/completion`` (SSE, with the
-  child's own API key, which only this process can see: the ServerApp runs in-process so
-  the bench can read the runner's URL and key from the scheduler);
-* for 1 and for 8 concurrent streams (the child has 8 slots, so both cases use the same
-  child): decode tokens/s per stream (tokens after the first / time after the first), the
-  aggregate tokens/s (all tokens / wall time), and time to first token.
+* **ours**: a ``jupyter-llama serve`` (its own process, as users run it) with the model
+  loaded under fixed options; streamed through ``/llama/api/generate`` (NDJSON) and
+  ``/llama/v1/chat/completions`` (SSE);
+* **bare**: a llama-server started by hand with exactly our child's command line (read back
+  from ``GET /llama/api/log``), streamed through its ``/completion`` and
+  ``/v1/chat/completions``;
+* **router**: llama-server's own router mode (``--models-dir`` over the same files, the same
+  flags, ``--models-max 1``), through the same two routes with the ``model`` field.
 
-Goals: tokens/s ratio (server / direct) >= 0.95; added time to first token <= 10 ms median.
+The client is this process, with one lean HTTP/1.1 reader for all three (it parses every
+line's JSON, as any client must, and counts the lines that carry text). What it times is
+what a user receives: from sending the request to the first text (time to first token) and
+to the last byte (the stream's wall time). Rounds alternate the order of the sides.
 
-The measuring client runs in a separate process (so its own work does not share the
-server's interpreter); the server and the child run in this one and its child.
+* tokens/s = all tokens / all wall time, for 1 stream and for 8 concurrent streams (the
+  child has 8 slots); goals: ours >= 0.97 x bare and >= the router's ratio;
+* added time to first token (median, against bare); goals: <= the router's + 2 ms (1
+  stream), <= 10 ms (8 streams);
+* model swap with room for one model (A loaded, B requested, a one-token answer): ours
+  against stopping the bare child A and starting B by hand (SIGTERM, wait, spawn, poll
+  ``/health`` every 5 ms, one token); goal <= 1.10; the router's swap is shown beside it;
+* with ``--workers`` (the default) all of it again with the model on two RPC workers
+  (ggml-rpc-server on loopback, the same two for every side).
 
-Usage: ``.venv/bin/python bench/api_overhead.py [--rounds N] [--n-predict N] [--model FILE.gguf]``
+Usage: ``.venv/bin/python bench/api_overhead.py [--rounds N] [--n-predict N] [--no-workers]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from jupyter_llama.engine.runner import free_port
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from jupyter_llama.client import LlamaClient  # noqa: E402
+from jupyter_llama.embedded import EmbeddedManager  # noqa: E402
+from jupyter_llama.engine.binary import find_engine  # noqa: E402
+from jupyter_llama.engine.http1 import post_lines  # noqa: E402
+from jupyter_llama.engine.runner import free_port  # noqa: E402
+from jupyter_llama.engine.worker import LocalWorker  # noqa: E402
+from jupyter_llama.models.synth import SynthShape, write_synthetic  # noqa: E402
+
+# 24 MB f16, 4 blocks 512 wide: a token every ~1 ms on one core, where the relay shows most
+SHAPE = SynthShape(layers=4, embd=512, heads=8, kv_heads=8, ctx=2048, type="f16")
 PROMPTS = ["Once upon a time", "The quick brown fox", "In a small village", "Write a poem about"]
-SAMPLING = {"temperature": 0, "ignore_eos": True}
+SIDES = ("ours", "bare", "router")
+ROUTES = ("ollama", "openai")
 
 
-# ============================================================================ client (subprocess)
+# ============================================================================ one stream
 
 
-async def _direct(client, child_url: str, key: str, prompt: str, n: int) -> tuple[float, float, int]:
-    """(time to first token, seconds after it, tokens) straight from the child."""
+@dataclass
+class Server:
+    """Where one side listens and how its routes are called."""
+
+    name: str
+    port: int
+    headers: dict[str, str] = field(default_factory=dict)
+    prefix: str = ""  # ours: /llama
+    model_field: str | None = None  # ours and the router route by the body's model
+    relay_pid: int | None = None  # the process between the client and the child (none for bare)
+
+    def request(self, route: str, prompt: str, n: int) -> tuple[str, dict]:
+        """(path, body) for a streamed greedy generation of ``n`` tokens."""
+        if route == "ollama" and self.name == "ours":
+            return self.prefix + "/api/generate", {
+                "model": self.model_field, "prompt": prompt, "raw": True, "stream": True,
+                "options": {"num_predict": n, "temperature": 0, "ignore_eos": True}}
+        if route == "ollama":
+            body = {"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True, "stream": True}
+            path = "/completion"
+        else:
+            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            path = self.prefix + "/v1/chat/completions"
+        if self.model_field:
+            body["model"] = self.model_field
+        return path, body
+
+
+def _text(route: str, server: str, line: bytes) -> bool:
+    """Whether a line of the answer carries generated text."""
+    if route == "ollama" and server == "ours":
+        return bool(line) and bool(json.loads(line).get("response"))
+    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+        return False
+    ev = json.loads(line[6:])
+    if route == "ollama":
+        return bool(ev.get("content"))
+    choices = ev.get("choices") or [{}]
+    return bool((choices[0].get("delta") or {}).get("content"))
+
+
+async def stream(server: Server, route: str, prompt: str, n: int) -> tuple[float, float, int]:
+    """(seconds to the first text, seconds to the end, text chunks) of one streamed request."""
+    path, body = server.request(route, prompt, n)
     t0 = time.perf_counter()
     first, count = None, 0
-    body = {"prompt": prompt, "n_predict": n, "stream": True, **SAMPLING}
-    async with client.stream("POST", child_url + "/completion", json=body,
-                             headers={"Authorization": f"Bearer {key}"}) as r:
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("content"):
-                count += 1
-                if first is None:
-                    first = time.perf_counter()
+    async for line in post_lines(server.port, path, json.dumps(body).encode(), server.headers):
+        if _text(route, server.name, line):
+            count += 1
+            if first is None:
+                first = time.perf_counter()
     end = time.perf_counter()
-    return first - t0, end - first, count
+    return (first or end) - t0, end - t0, count
 
 
-async def _server(client, api: str, token: str, model: str, prompt: str, n: int) -> tuple[float, float, int]:
-    """The same through the Jupyter server's Ollama API."""
-    t0 = time.perf_counter()
-    first, count = None, 0
-    body = {"model": model, "prompt": prompt, "raw": True, "options": {"num_predict": n, **SAMPLING}}
-    async with client.stream("POST", api + "api/generate", json=body,
-                             headers={"Authorization": f"token {token}"}) as r:
-        assert r.status_code == 200, (await r.aread())
-        async for line in r.aiter_lines():
-            if not line:
-                continue
-            chunk = json.loads(line)
-            if chunk.get("response"):
-                count += 1
-                if first is None:
-                    first = time.perf_counter()
-    end = time.perf_counter()
-    return first - t0, end - first, count
-
-
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int | None) -> float:
     """User + system CPU time of a process so far (from /proc; 10 ms resolution)."""
+    if pid is None:
+        return 0.0
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def client_main(cfg: dict) -> dict:
-    import httpx
-
+async def streams_phase(servers: dict[str, Server], rounds: int, n: int, counts=(1, 8)) -> dict:
+    """Per route and stream count, per side: tokens/s (all tokens / all wall), median TTFT, and
+    the CPU the relaying process (ours: the manager; the router) spent per token."""
     out: dict = {}
-    server_pid = cfg["server_pid"]
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(trust_env=False, timeout=None, limits=limits) as client:
-        # warm both paths (connections, prompt cache)
-        await _direct(client, cfg["child"], cfg["key"], PROMPTS[0], 8)
-        await _server(client, cfg["api"], cfg["token"], cfg["model"], PROMPTS[0], 8)
-        for streams in cfg["streams"]:
-            rows = {"direct": [], "server": []}
-            walls = {"direct": [], "server": []}
-            server_cpu = 0.0
-            for i in range(cfg["rounds"]):
-                order = ("direct", "server") if i % 2 == 0 else ("server", "direct")
+    for route in ROUTES:
+        for srv in servers.values():  # warm every path (connections, prompt cache, the router's child)
+            await stream(srv, route, PROMPTS[0], 8)
+        for k in counts:
+            acc = {s: {"tokens": 0, "wall": 0.0, "ttft": [], "cpu": 0.0} for s in servers}
+            for i in range(rounds):
+                order = list(servers)[i % 3:] + list(servers)[:i % 3]
+                if i % 2:
+                    order.reverse()
                 for side in order:
-                    prompts = [PROMPTS[(i + k) % len(PROMPTS)] for k in range(streams)]
-                    t0 = time.perf_counter()
-                    if side == "direct":
-                        res = await asyncio.gather(*(_direct(client, cfg["child"], cfg["key"], p, cfg["n"])
-                                                     for p in prompts))
-                    else:
-                        c0 = _cpu_seconds(server_pid)
-                        res = await asyncio.gather(*(_server(client, cfg["api"], cfg["token"], cfg["model"], p,
-                                                             cfg["n"]) for p in prompts))
-                        server_cpu += _cpu_seconds(server_pid) - c0
-                    wall = time.perf_counter() - t0
-                    rows[side] += res
-                    walls[side].append(sum(r[2] for r in res) / wall)
-            out[str(streams)] = {
-                side: {
-                    "ttft_ms": statistics.median(r[0] for r in rows[side]) * 1000,
-                    "decode_tps": statistics.median((r[2] - 1) / r[1] for r in rows[side] if r[1] > 0),
-                    "aggregate_tps": statistics.median(walls[side]),
-                    "tokens": statistics.median(r[2] for r in rows[side]),
-                } for side in rows
-            }
-            out[str(streams)]["server_cpu_us_per_token"] = server_cpu / sum(r[2] for r in rows["server"]) * 1e6
-        # what one request costs the server before any token: many 1-token requests
-        c0 = _cpu_seconds(server_pid)
-        n_req = 40
-        for i in range(n_req):
-            await _server(client, cfg["api"], cfg["token"], cfg["model"], PROMPTS[i % len(PROMPTS)], 1)
-        out["server_cpu_ms_per_request"] = (_cpu_seconds(server_pid) - c0) / n_req * 1000
+                    prompts = [PROMPTS[(i + j) % len(PROMPTS)] for j in range(k)]
+                    c0, t0 = cpu_seconds(servers[side].relay_pid), time.perf_counter()
+                    res = await asyncio.gather(*(stream(servers[side], route, p, n) for p in prompts))
+                    acc[side]["wall"] += time.perf_counter() - t0
+                    acc[side]["cpu"] += cpu_seconds(servers[side].relay_pid) - c0
+                    acc[side]["tokens"] += sum(r[2] for r in res)
+                    acc[side]["ttft"] += [r[0] for r in res]
+            out[(route, k)] = {s: {"tps": a["tokens"] / a["wall"], "ttft_ms": statistics.median(a["ttft"]) * 1000,
+                                   "tokens": a["tokens"], "cpu_us": a["cpu"] / a["tokens"] * 1e6}
+                               for s, a in acc.items()}
     return out
 
 
-# ============================================================================ server (this process)
+# ============================================================================ processes
 
 
+class Procs:
+    """Every process this bench starts, stopped by its own PID at the end."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    @staticmethod
+    def stop(p: subprocess.Popen) -> None:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def stop_all(self) -> None:
+        for p in reversed(self.procs):
+            self.stop(p)
 
 
-def _print_table(results: dict, meta: dict) -> bool:
-    print(f"engine: {meta['engine']}")
-    print(f"model: {meta['model_desc']}; child: -np {meta['slots']} -t {meta['threads']}; "
-          f"n_predict={meta['n']}; rounds={meta['rounds']}")
-    print()
-    head = (f"{'streams':>7}  {'measure':<30}{'server':>11}{'direct':>11}{'result':>16}{'goal':>12}")
+async def wait_health(port: int, proc: subprocess.Popen, every: float = 0.005, timeout: float = 60) -> None:
+    """Poll /health until it answers 200 (what a hand-written launcher does)."""
+    deadline = time.monotonic() + timeout
+    req = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode()
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited ({proc.returncode}) before answering /health")
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(req)
+            status = await reader.readline()
+            writer.close()
+            if status.split()[1:2] == [b"200"]:
+                return
+        except (OSError, IndexError):
+            pass
+        await asyncio.sleep(every)
+    raise RuntimeError(f"llama-server on port {port} did not become healthy in {timeout:g}s")
+
+
+def bare_argv(argv: list[str], port: int) -> list[str]:
+    """Our child's command line with another port."""
+    out = list(argv)
+    out[out.index("--port") + 1] = str(port)
+    return out
+
+
+def router_argv(argv: list[str], models_dir: Path, port: int) -> list[str]:
+    """Router mode with our child's flags (its children inherit them) but no model of its own."""
+    drop = {"--model", "--port", "--host", "--alias"}
+    flags = [x for i, x in enumerate(argv[1:], 1) if x not in drop and argv[i - 1] not in drop]
+    return [argv[0], "--models-dir", str(models_dir), "--models-max", "1", "--host", "127.0.0.1",
+            "--port", str(port), *flags]
+
+
+# ============================================================================ swaps
+
+
+async def one_token(server: Server, model: str | None) -> None:
+    body = {"prompt": "Hi", "n_predict": 1, "stream": True}
+    if model:
+        body["model"] = model
+    async for _ in post_lines(server.port, "/completion", json.dumps(body).encode(), server.headers):
+        pass
+
+
+async def swap_phase(mgr_port: int, headers: dict, load_opts: dict, argvs: dict[str, list[str]],
+                     router: Server, procs: Procs, tmp: Path, rounds: int) -> dict:
+    """Seconds per swap (median) for ours, bare stop-and-start, and the router; A and B alternate."""
+    ours, bare, routed = [], [], []
+    target = ["b", "a"]
+    for i in range(rounds):
+        name = target[i % 2]
+        body = {"model": name, "prompt": "Hi", "raw": True, "stream": False, "keep_alive": "10m",
+                "options": dict(load_opts, num_predict=1)}
+        t0 = time.perf_counter()
+        async for _ in post_lines(mgr_port, "/llama/api/generate", json.dumps(body).encode(), headers):
+            pass
+        ours.append(time.perf_counter() - t0)
+    # bare: the A child is running; stop it and start B, and back
+    port = free_port()
+    current = procs.start(bare_argv(argvs["a"], port), tmp / "swap.log")
+    await wait_health(port, current)
+    for i in range(rounds):
+        name = target[i % 2]
+        t0 = time.perf_counter()
+        current.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(current.wait)  # a blocking waitpid: Popen.wait(timeout) polls in 50 ms steps
+        current = procs.start(bare_argv(argvs[name], port), tmp / "swap.log")
+        await wait_health(port, current)
+        await one_token(Server("bare", port), None)
+        bare.append(time.perf_counter() - t0)
+    Procs.stop(current)
+    await one_token(router, "a")
+    for i in range(rounds):
+        t0 = time.perf_counter()
+        await one_token(router, target[i % 2])
+        routed.append(time.perf_counter() - t0)
+    return {"ours": statistics.median(ours), "bare": statistics.median(bare), "router": statistics.median(routed)}
+
+
+# ============================================================================ one setup
+
+
+async def measure(engine, tmp: Path, args, workers: tuple[LocalWorker, LocalWorker] | None) -> dict:
+    """All three phases for one placement (the host's CPU, or two RPC workers)."""
+    models = tmp / "files"
+    models.mkdir(exist_ok=True)
+    for name, seed in (("a", 1), ("b", 2)):
+        if not (models / f"{name}.gguf").exists():
+            write_synthetic(models / f"{name}.gguf", SynthShape(**{**SHAPE.__dict__, "seed": seed}))
+    env = {"JUPYTER_LLAMA_MODELS": str(tmp / ("store-w" if workers else "store")), "JUPYTER_LLAMA_SERVER": engine.path,
+           "JUPYTER_LLAMA_MAX_LOADED_MODELS": "1"}
+    if workers:
+        env["JUPYTER_LLAMA_RPC_WORKERS"] = ",".join(w.endpoint for w in workers)
+    procs = Procs()
+    mgr = EmbeddedManager(log_path=str(tmp / "serve.log"), env=env).start()
+    try:
+        c = LlamaClient(mgr.url, mgr.token)
+        for name in ("a", "b"):
+            c.create(name, files={f"{name}.gguf": c.create_blob(models / f"{name}.gguf")})
+        headers = c.server.headers()
+        load_opts = {"num_ctx": args.ctx, "num_parallel": args.slots, "num_thread": args.threads}
+        argvs = {}
+        for name in ("b", "a"):  # a stays loaded
+            c.generate(name, "", options=load_opts, keep_alive="10m", stream=False)
+            argvs[name] = c.log(name, lines=0)["argv"]
+        ours = Server("ours", mgr.port, headers, prefix="/llama", model_field="a", relay_pid=mgr.proc.pid)
+        bport = free_port()
+        bare_proc = procs.start(bare_argv(argvs["a"], bport), tmp / "bare.log")
+        await wait_health(bport, bare_proc)
+        bare = Server("bare", bport)
+        rport = free_port()
+        router_proc = procs.start(router_argv(argvs["a"], models, rport), tmp / "router.log")
+        await wait_health(rport, router_proc)
+        router = Server("router", rport, model_field="a", relay_pid=router_proc.pid)
+        servers = {"ours": ours, "bare": bare, "router": router}
+        res = await streams_phase(servers, args.rounds, args.n_predict)
+        Procs.stop(bare_proc)
+        res["swap"] = await swap_phase(mgr.port, headers, load_opts, argvs, router, procs, tmp, args.swap_rounds)
+        res["argv"] = argvs["a"]
+        return res
+    finally:
+        procs.stop_all()
+        mgr.stop()
+
+
+# ============================================================================ report
+
+
+def report(title: str, res: dict) -> bool:
+    ok = True
+    print(f"\n## {title}")
+    argv = res["argv"]
+    print("child: " + " ".join(Path(argv[0]).name if i == 0 else x for i, x in enumerate(argv)
+                               if not x.startswith("/") or i == 0))
+    head = f"{'route':<7}{'streams':>8}  {'measure':<26}{'ours':>9}{'bare':>9}{'router':>9}  {'result':<34}"
     print(head)
     print("-" * len(head))
-    ok = True
-    per_request = results.pop("server_cpu_ms_per_request", None)
-    for streams, r in results.items():
-        s, d = r["server"], r["direct"]
-        ratio = s["decode_tps"] / d["decode_tps"]
-        agg = s["aggregate_tps"] / d["aggregate_tps"]
-        added = s["ttft_ms"] - d["ttft_ms"]
-        ok &= ratio >= 0.95 and added <= 10
-        print(f"{streams:>7}  {'decode tokens/s per stream':<30}{s['decode_tps']:>11.1f}{d['decode_tps']:>11.1f}"
-              f"{f'ratio {ratio:.3f}':>16}{'>= 0.95':>12}")
-        print(f"{'':>7}  {'aggregate tokens/s':<30}{s['aggregate_tps']:>11.1f}{d['aggregate_tps']:>11.1f}"
-              f"{f'ratio {agg:.3f}':>16}{'':>12}")
-        print(f"{'':>7}  {'time to first token ms':<30}{s['ttft_ms']:>11.2f}{d['ttft_ms']:>11.2f}"
-              f"{f'{added:+.2f} ms':>16}{'<= 10 ms':>12}")
-        print(f"{'':>7}  {'server CPU per token':<30}{r['server_cpu_us_per_token']:>9.0f}us")
-    if per_request is not None:
-        print(f"{'':>7}  {'server CPU per request':<30}{per_request:>9.2f}ms  (1-token requests, sequential)")
-    print()
-    print("all goals met" if ok else "some goals missed (see above)")
+    for (route, k), r in ((key, v) for key, v in res.items() if isinstance(key, tuple)):
+        o, b, t = r["ours"], r["bare"], r["router"]
+        ratio, rratio = o["tps"] / b["tps"], t["tps"] / b["tps"]
+        good = ratio >= 0.97 and ratio >= rratio
+        ok &= good
+        print(f"{route:<7}{k:>8}  {'tokens/s':<26}{o['tps']:>9.0f}{b['tps']:>9.0f}{t['tps']:>9.0f}  "
+              f"ours/bare {ratio:.3f}, router/bare {rratio:.3f} {'ok' if good else 'MISSED'}")
+        added, radded = o["ttft_ms"] - b["ttft_ms"], t["ttft_ms"] - b["ttft_ms"]
+        limit = radded + 2 if k == 1 else 10
+        good = added <= limit
+        ok &= good
+        print(f"{'':<7}{'':>8}  {'time to first token ms':<26}{o['ttft_ms']:>9.2f}{b['ttft_ms']:>9.2f}"
+              f"{t['ttft_ms']:>9.2f}  ours {added:+.2f}, router {radded:+.2f} (goal <= {limit:+.2f}) "
+              f"{'ok' if good else 'MISSED'}")
+        print(f"{'':<7}{'':>8}  {'relay CPU per token us':<26}{o['cpu_us']:>9.0f}{'':>9}{t['cpu_us']:>9.0f}")
+    s = res["swap"]
+    ratio = s["ours"] / s["bare"]
+    good = ratio <= 1.10
+    ok &= good
+    print(f"{'swap':<7}{'':>8}  {'A loaded, B requested ms':<26}{s['ours'] * 1000:>9.0f}{s['bare'] * 1000:>9.0f}"
+          f"{s['router'] * 1000:>9.0f}  ours/bare {ratio:.2f} (goal <= 1.10), router/bare "
+          f"{s['router'] / s['bare']:.2f} {'ok' if good else 'MISSED'}")
     return ok
 
 
-def server_main(args) -> int:
-    from jupyter_server.serverapp import ServerApp
-
-    from jupyter_llama.engine.binary import find_engine
-    from jupyter_llama.models.store import ModelStore
-    from jupyter_llama.models.synth import SynthShape, write_synthetic
-
+async def main_async(args) -> int:
     engine = find_engine()
-    tmp = tempfile.TemporaryDirectory()
-    root = Path(tmp.name)
-    store = ModelStore(root / "models")
-    if args.model:
-        store.create("bench", args.model)
-        desc = Path(args.model).name
-    else:
-        shape = SynthShape(layers=6, embd=384, heads=6, kv_heads=2, seed=3)
-        path = write_synthetic(root / "bench.gguf", shape)
-        store.create("bench", path)
-        desc = f"synthetic llama 6x384 ({path.stat().st_size / 2**20:.1f} MiB)"
-    os.environ.update(JUPYTER_LLAMA_MODELS=str(root / "models"), JUPYTER_CONFIG_DIR=str(root / "config"),
-                      JUPYTER_DATA_DIR=str(root / "data"), JUPYTER_RUNTIME_DIR=str(root / "runtime"))
-    port, token = free_port(), "bench-token"
-    app = ServerApp.instance(jpserver_extensions={"jupyter_llama": True})
-    app.initialize(argv=[f"--ServerApp.port={port}", "--ServerApp.ip=127.0.0.1", "--ServerApp.open_browser=False",
-                         f"--IdentityProvider.token={token}", "--ServerApp.allow_root=True",
-                         "--ServerApp.log_level=WARN", "--ServerApp.base_url=/bench/",
-                         f"--LlamaExtension.server_binary={engine.path}"],
-                   find_extensions=False)
-    ext = app.extension_manager.extension_points["jupyter_llama"].app
-    api = f"http://127.0.0.1:{port}/bench/llama/"
-    load_opts = {"num_ctx": args.ctx, "num_parallel": args.slots, "num_thread": args.threads}
-    state: dict = {"rc": 1}
-
-    async def run() -> None:
-        import httpx
-
-        try:
-            async with httpx.AsyncClient(trust_env=False, timeout=None) as c:
-                r = await c.post(api + "api/generate", json={"model": "bench", "options": load_opts,
-                                                             "keep_alive": -1},
-                                 headers={"Authorization": f"token {token}"})
-                assert r.status_code == 200, r.text
-            lo = next(iter(ext.scheduler.loaded.values()))
-            cfg = {"api": api, "token": token, "model": "bench", "child": lo.runner.url, "key": lo.runner.api_key,
-                   "streams": args.streams, "rounds": args.rounds, "n": args.n_predict, "server_pid": os.getpid()}
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, __file__, "--client", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-            out, _ = await proc.communicate(json.dumps(cfg).encode())
-            if proc.returncode != 0:
-                print("client failed", file=sys.stderr)
-                return
-            results = json.loads(out)
-            meta = {"engine": f"{engine.path} ({engine.version})", "model_desc": desc, "slots": args.slots,
-                    "threads": args.threads, "n": args.n_predict, "rounds": args.rounds}
-            _print_table(results, meta)
-            state["rc"] = 0
-        finally:
-            app.stop()
-
-    app.io_loop.add_callback(run)
-    try:
-        app.start()
-    finally:
-        tmp.cleanup()
-    return state["rc"]
+    print(f"engine: {engine.path} ({engine.version}); {os.cpu_count()} CPUs; model: synthetic llama "
+          f"{SHAPE.layers}x{SHAPE.embd} f16; {args.rounds} rounds of {args.n_predict} tokens per side, "
+          f"{args.swap_rounds} swaps")
+    ok = True
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        ok &= report("on the host's CPU", await measure(engine, tmp, args, None))
+        if args.workers:
+            with contextlib.ExitStack() as stack:
+                pair = tuple(stack.enter_context(LocalWorker(engine, threads=args.threads)) for _ in range(2))
+                ok &= report(f"on two RPC workers ({pair[0].endpoint}, {pair[1].endpoint})",
+                             await measure(engine, tmp, args, pair))
+    print("\nall goals met" if ok else "\nsome goals missed (see above)")
+    return 0 if ok else 1
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--n-predict", type=int, default=128)
-    ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    ap.add_argument("--n-predict", type=int, default=64)
+    ap.add_argument("--swap-rounds", type=int, default=8)
     ap.add_argument("--slots", type=int, default=8, help="the child's -np")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="the child's -t")
     ap.add_argument("--ctx", type=int, default=512, help="context per request (num_ctx)")
-    ap.add_argument("--model", help="a GGUF file to use instead of the synthetic one")
-    ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.client:
-        cfg = json.loads(sys.stdin.read())
-        print(json.dumps(asyncio.run(client_main(cfg))))
-        return 0
-    return server_main(args)
+    ap.add_argument("--no-workers", dest="workers", action="store_false", help="skip the RPC-worker part")
+    return asyncio.run(main_async(ap.parse_args()))
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ async def accuracy(engine, model: str, a: LocalWorker, b: LocalWorker) -> bool:
 async def lean_stream(port: int, body: dict) -> int:
     """Tokens of one streamed /completion, read with the runner's own reader (the same client
     code on both sides, so neither pays for a heavier HTTP stack)."""
-    from jupyter_llama.engine.runner import sse_events
+    from jupyter_llama.engine.http1 import sse_events
 
     return sum([1 async for ev in sse_events(port, "/completion", body) if ev.get("content")])
 

@@ -56,3 +56,15 @@ class NotSupported(SchedulerError):
 
 class BadRequest(SchedulerError):
     status = 400
+
+
+class EngineError(RuntimeError):
+    """Something went wrong with a llama-server child; the message is for the user."""
+
+
+class RequestError(EngineError):
+    """The child answered a request with an HTTP error; ``status`` is its status code."""
+
+    def __init__(self, status: int, message: str):
+        self.status = status
+        super().__init__(message)

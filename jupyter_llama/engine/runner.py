@@ -19,7 +19,6 @@ import atexit
 import contextlib
 import ctypes
 import enum
-import json
 import os
 import secrets
 import shutil
@@ -28,13 +27,15 @@ import socket
 import time
 import weakref
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 import httpx
 
 from ..memory.report import MemoryReport
-from ..errors import BadRequest
+from ..errors import BadRequest, EngineError, RequestError
 from ..load_options import LoadOptions
+from . import http1
+from .http1 import BadResponse, error_text as _error_text, sse_events
 from .launch import build_argv
 from .logparse import LogParser
 
@@ -43,10 +44,6 @@ CRASH_MESSAGE = ("model runner has unexpectedly stopped, this may be due to reso
 
 HEALTH_POLL_S = 0.02  # fast polls while starting; the log's "listening" line usually wins
 HEALTH_TIMEOUT_S = 0.5
-
-
-class EngineError(RuntimeError):
-    """Something went wrong with a llama-server child; the message is for the user."""
 
 
 class LoadError(EngineError):
@@ -63,14 +60,6 @@ class LoadError(EngineError):
 
 class RunnerCrashed(EngineError):
     """The child died while serving a request."""
-
-
-class RequestError(EngineError):
-    """The child answered a request with an HTTP error; ``status`` is its status code."""
-
-    def __init__(self, status: int, message: str):
-        self.status = status
-        super().__init__(message)
 
 
 _LIVE: "weakref.WeakSet[Runner]" = weakref.WeakSet()
@@ -164,94 +153,8 @@ class RunnerState(enum.StrEnum):
     FAILED = "failed"
 
 
-class _BadResponse(ValueError):
-    """The child's answer is not the HTTP/1.1 the stream reader expects."""
-
-
-async def _read_head(reader: asyncio.StreamReader) -> tuple[int, bool, int | None]:
-    """(status, chunked, content length) of an HTTP/1.1 response; the headers are consumed."""
-    status_line = await reader.readline()
-    parts = status_line.split(None, 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
-        raise _BadResponse(f"not an HTTP response: {status_line[:80]!r}")
-    chunked, length = False, None
-    while True:
-        line = await reader.readline()
-        if line in (b"\r\n", b"\n", b""):
-            break
-        name, _, value = line.partition(b":")
-        name = name.strip().lower()
-        if name == b"transfer-encoding" and b"chunked" in value.lower():
-            chunked = True
-        elif name == b"content-length" and value.strip().isdigit():
-            length = int(value.strip())
-    return int(parts[1]), chunked, length
-
-
-async def _body_pieces(reader: asyncio.StreamReader, chunked: bool, length: int | None) -> AsyncIterator[bytes]:
-    """The body as it arrives: chunk by chunk, or read by read up to the length or the end."""
-    if chunked:
-        while True:
-            size_line = await reader.readline()
-            if not size_line:
-                raise asyncio.IncompleteReadError(b"", None)
-            try:
-                n = int(size_line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise _BadResponse(f"bad chunk size line {size_line[:40]!r}") from None
-            if n == 0:
-                return
-            data = await reader.readexactly(n + 2)  # the chunk and its CRLF
-            yield data[:-2]
-    left = length
-    while left is None or left > 0:
-        data = await reader.read(65536 if left is None else min(left, 65536))
-        if not data:
-            return
-        if left is not None:
-            left -= len(data)
-        yield data
-
-
-async def _read_body(reader: asyncio.StreamReader, chunked: bool, length: int | None) -> bytes:
-    return b"".join([piece async for piece in _body_pieces(reader, chunked, length)])
-
-
-async def sse_events(port: int, path: str, payload: dict, api_key: str = "") -> AsyncIterator[dict]:
-    """POST ``payload`` (with ``stream: true``) to a llama-server on 127.0.0.1:``port`` and yield
-    each server-sent event's JSON object, over a plain asyncio stream (see
-    :meth:`Runner.stream_sse` for why). An error answer or error event is a RequestError;
-    transport failures propagate as they are. Closing the iterator closes the connection."""
-    body = json.dumps(dict(payload, stream=True)).encode()
-    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}Content-Type: application/json\r\n"
-            f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5.0)
-    try:
-        writer.write(head.encode() + body)
-        status, chunked, length = await _read_head(reader)
-        if status >= 400:
-            text = (await _read_body(reader, chunked, length)).decode("utf-8", "replace")
-            raise RequestError(status, _error_text(text, status))
-        pending = b""
-        async for piece in _body_pieces(reader, chunked, length):
-            pending += piece
-            *lines, pending = pending.split(b"\n")
-            for raw in lines:
-                line = raw.rstrip(b"\r")
-                if not line.startswith(b"data:"):
-                    if line.startswith(b"error:"):
-                        raise RequestError(500, _error_text(line[6:].strip().decode("utf-8", "replace"), 500))
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return
-                event = json.loads(data)
-                if isinstance(event, dict) and "error" in event and len(event) == 1:
-                    raise RequestError(500, _error_text(data.decode("utf-8", "replace"), 500))
-                yield event
-    finally:
-        writer.close()
+# how a child's connection fails when the child does (it crashed, was killed, hung up)
+_TRANSPORT_ERRORS = (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, BadResponse)
 
 
 class Runner:
@@ -370,17 +273,22 @@ class Runner:
     async def _read_log(self) -> None:
         assert self.proc and self.proc.stdout
         stream = self.proc.stdout
+        partial = b""
         try:
             while True:
-                try:
-                    raw = await stream.readline()
-                except ValueError:  # a line longer than the limit: take what is there
-                    raw = await stream.read(1 << 20)
-                if not raw:
+                # what has arrived, in one read: a request makes the child log ~20 lines at once
+                data = await stream.read(1 << 16)
+                if not data:
+                    if partial:
+                        self.parser.feed(partial.decode("utf-8", "replace"))
                     break
                 self._last_output = time.monotonic()
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")
-                self.parser.feed(line)
+                *lines, partial = (partial + data).split(b"\n")
+                if len(partial) > 1 << 20:  # a line past 1 MiB: take it as it is
+                    lines.append(partial)
+                    partial = b""
+                for raw in lines:
+                    self.parser.feed(raw.decode("utf-8", "replace"))
                 if self.parser.ready and not self._ready_line.is_set():
                     self._ready_line.set()
         finally:
@@ -515,7 +423,7 @@ class Runner:
             raise RequestError(r.status_code, _error_text(r.text, r.status_code))
         return r.json()
 
-    async def stream_sse(self, path: str, payload: dict) -> AsyncIterator[dict]:
+    def stream_sse(self, path: str, payload: dict) -> AsyncIterator[dict]:
         """POST with ``stream: true``; yield each server-sent event's JSON object.
 
         Closing the iterator (or cancelling its consumer) closes the connection, which
@@ -526,12 +434,26 @@ class Runner:
         together (bench/api_overhead.py; the CPU it takes is taken from the child, which
         uses every core).
         """
+        return self._guarded(sse_events(self.port, path, payload, self.api_key))
+
+    async def _guarded(self, events: AsyncIterator) -> AsyncIterator:
         self._check_ready()
         try:  # closing this iterator closes the child's connection at once, not at garbage collection
-            async with contextlib.aclosing(sse_events(self.port, path, payload, self.api_key)) as events:
-                async for event in events:
+            async with contextlib.aclosing(events) as evs:
+                async for event in evs:
                     yield event
-        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, _BadResponse) as e:
+        except _TRANSPORT_ERRORS as e:
+            raise await self._after_transport_error(e) from None
+
+    async def relay_sse(self, path: str, payload: dict, on_data) -> None:
+        """POST with ``stream: true``; each batch of events' data (JSON bytes, as the child
+        wrote them) goes to ``on_data`` from the event loop's read callback, with no task
+        switch per token (see :mod:`.http1`; a pending future it returns pauses reading).
+        Returns when the stream ends; cancelling it closes the child's connection."""
+        self._check_ready()
+        try:
+            await http1.relay_sse(self.port, path, payload, self.api_key, on_data)
+        except _TRANSPORT_ERRORS as e:
             raise await self._after_transport_error(e) from None
 
     # ------------------------------------------------------------------ the child's protocol
@@ -626,6 +548,14 @@ class Runner:
         """Stream OpenAI-style ``/v1/chat/completions`` chunks."""
         return self.stream_sse("/v1/chat/completions", {"messages": messages, **params})
 
+    def relay_completion(self, prompt: str | list[int], on_data, **params) -> Awaitable[None]:
+        """:meth:`completion` through :meth:`relay_sse`: its events' JSON to ``on_data``."""
+        return self.relay_sse("/completion", {"prompt": prompt, **params}, on_data)
+
+    def relay_chat(self, messages: list[dict], on_data, **params) -> Awaitable[None]:
+        """:meth:`chat` through :meth:`relay_sse`."""
+        return self.relay_sse("/v1/chat/completions", {"messages": messages, **params}, on_data)
+
     async def complete_text(self, prompt: str, **params) -> tuple[str, dict]:
         """Convenience: the whole completion text and the final chunk's timings."""
         parts, timings = [], {}
@@ -698,14 +628,3 @@ class Runner:
 
 class _PortTaken(Exception):
     """The port we picked was taken before the child bound it; try another."""
-
-
-def _error_text(body: str, status: int) -> str:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return body.strip()[:500] or f"HTTP {status}"
-    err = data.get("error", data) if isinstance(data, dict) else data
-    if isinstance(err, dict):
-        return str(err.get("message") or err)
-    return str(err)

@@ -37,13 +37,13 @@ import math
 import queue
 import time
 from http.client import responses
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
-from tornado.iostream import StreamClosedError
+from tornado.iostream import IOStream, StreamClosedError
 
 from .._version import __version__
 from ..api import ollama as oa
@@ -277,6 +277,78 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             self._gone = True
             raise ClientGone() from None
 
+    def stream_writer(self):
+        """A function that sends bytes on the open stream at once and may be called from any
+        callback (the child relay calls it from the read of each token). It returns None
+        when the bytes went out, or a future while the client's socket is full (the caller
+        waits for it before reading on); it raises ClientGone, or fails the future with it,
+        once the client has left.
+
+        The first call goes through RequestHandler.flush, which sends the headers. After
+        it, on a plain (not TLS) chunked HTTP/1.1 stream with no output transforms, each
+        call frames its chunk and sends it on the socket itself whenever Tornado has nothing
+        of its own waiting to be written (so the order of bytes is kept): a token then costs
+        one send, where Tornado's write path costs a Future, a done-callback and an extra
+        turn of the event loop per write (bench/api_overhead.py). Anything the socket does
+        not take goes to Tornado's write buffer, and the caller waits for it.
+        """
+        conn = self.request.connection
+        stream = getattr(conn, "stream", None)
+
+        def sent(fut):
+            if fut.done():
+                if fut.exception() is not None:
+                    self._gone = True
+                    raise ClientGone()
+                return None
+            waiting = asyncio.get_running_loop().create_future()
+
+            def settle(f) -> None:
+                if waiting.done():
+                    return
+                if f.cancelled() or f.exception() is not None:
+                    self._gone = True
+                    waiting.set_exception(ClientGone())
+                else:
+                    waiting.set_result(None)
+
+            fut.add_done_callback(settle)
+            return waiting
+
+        def write(data: bytes):
+            if self._gone:
+                raise ClientGone()
+            if direct[0] is None and self._headers_written:
+                # decided once the headers are out: Tornado chose chunking (HTTP/1.1, no length)
+                direct[0] = (not self._transforms and type(stream) is IOStream
+                             and getattr(conn, "_chunking_output", False) is True)
+            if not direct[0]:
+                if self._headers_written and not self._transforms:
+                    return sent(conn.write(data))
+                self.write(data)
+                return sent(self.flush())
+            if not data:
+                return None
+            if stream.closed():
+                self._gone = True
+                raise ClientGone()
+            framed = b"%x\r\n%b\r\n" % (len(data), data)
+            if not stream.writing():
+                try:
+                    n = stream.socket.send(framed)
+                except BlockingIOError:
+                    n = 0
+                except OSError:
+                    self._gone = True
+                    raise ClientGone() from None
+                if n == len(framed):
+                    return None
+                framed = framed[n:]
+            return sent(stream.write(framed))
+
+        direct: list[bool | None] = [None]
+        return write
+
     def end_stream(self, content_type: str):
         return self.finish(set_content_type=content_type)
 
@@ -294,18 +366,25 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             raise ClientGone()
         return lease
 
-    async def relay(self, events: AsyncIterator[dict], translate, stream: bool, combined) -> None:
-        """Feed child events through ``translate`` (event -> chunks); NDJSON or one object."""
-        async with closing(events) as evs:
-            if not stream:
-                async for ev in evs:
-                    translate(ev)
-                self.finish_json(combined())
-                return
-            self.start_stream(NDJSON)
-            async for ev in evs:
-                for chunk in translate(ev):
-                    await self.send(ndjson(chunk))
+    async def relay(self, start, translate, stream: bool, combined) -> None:
+        """Run ``start(on_data)`` (a runner's relay of a child's stream) with each event fed
+        through ``translate`` (event -> chunks), sent on as NDJSON, or gathered into one object."""
+        if not stream:
+            def gather(batch: list[bytes]) -> None:
+                for data in batch:
+                    translate(json.loads(data))
+
+            await start(gather)
+            self.finish_json(combined())
+            return
+        self.start_stream(NDJSON)
+        write = self.stream_writer()
+
+        def send_on(batch: list[bytes]):
+            out = b"".join([ndjson(chunk) for data in batch for chunk in translate(json.loads(data))])
+            return write(out) if out else None
+
+        await start(send_on)
         self.end_stream(NDJSON)
 
 
@@ -338,7 +417,8 @@ class GenerateHandler(LlamaHandler):
             n = req.sampling.get("n_predict")
             prompt = await lease.runner.fit_to_context(prompt, reserve=n if n and n > 0 else 256, truncate=req.truncate)
             tr = oa.GenerateTranslator(req.model, started, lease.load_duration)
-            await self.relay(lease.runner.completion(prompt, **req.sampling), tr.feed, req.stream, tr.combined)
+            await self.relay(lambda on_data: lease.runner.relay_completion(prompt, on_data, **req.sampling),
+                             tr.feed, req.stream, tr.combined)
         finally:
             lease.release()
 
@@ -377,7 +457,8 @@ class ChatHandler(LlamaHandler):
             if req.tools:
                 params["tools"] = req.tools
             tr = oa.ChatTranslator(req.model, started, lease.load_duration)
-            await self.relay(lease.runner.chat(req.messages, **params), tr.feed, req.stream, tr.combined)
+            await self.relay(lambda on_data: lease.runner.relay_chat(req.messages, on_data, **params),
+                             tr.feed, req.stream, tr.combined)
         finally:
             lease.release()
 
@@ -701,9 +782,11 @@ class OpenAIHandler(LlamaHandler):
                 self.finish_json(res)
                 return
             self.start_stream(SSE)
-            async with closing(lease.runner.stream_sse(req.endpoint, req.body)) as events:
-                async for ev in events:
-                    await self.send(oai.sse(ev))
+            # The child speaks this wire format already (and names the model by our alias for
+            # it): its events go on as it wrote them, framed, never parsed.
+            write = self.stream_writer()
+            await lease.runner.relay_sse(req.endpoint, req.body,
+                                         lambda batch: write(b"".join([b"data: " + d + b"\n\n" for d in batch])))
             await self.send(oai.SSE_DONE)
             self.end_stream(SSE)
         finally:

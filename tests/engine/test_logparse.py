@@ -372,3 +372,17 @@ def test_readme_names_every_log():
     assert sorted(ALL) == logs
     for name in logs:
         assert f"`{name}`" in readme, name
+
+
+def test_markers_are_lower_case_and_found_in_any_case():
+    """The error markers are matched against the lowered line (one case-sensitive search a
+    line): each must be lower case, and a line in any case must still be caught."""
+    from jupyter_llama.engine import logparse as lp
+
+    for marker in (*lp.RECOVERABLE_MARKERS, *lp.OOM_MARKERS, *lp.ERROR_MARKERS):
+        assert marker == marker.lower(), marker
+    p = lp.LogParser()
+    p.feed("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 512.00 MiB on device 0: CUDAMALLOC FAILED")
+    p.feed("llama_init_from_model: Failed To Create Context")
+    assert len(p.oom_lines) == 1 and "CUDAMALLOC" in p.oom_lines[0]
+    assert any("Failed To Create Context" in e for e in p.errors)

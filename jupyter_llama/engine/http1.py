@@ -1,0 +1,356 @@
+"""Streamed answers from a llama-server child, read in the event loop's own callbacks.
+
+Every token a user receives crosses this code, so it is built for the cost per token: an
+:class:`asyncio.Protocol` parses the child's HTTP/1.1 answer (chunked or not) and its
+server-sent events as bytes arrive, and hands each batch of complete lines to a callback
+*synchronously*, inside the read callback. A relay that writes them on from there (the
+server's handlers do) costs one read and one write per token and no task switch, no
+generator chain, no httpx; under load, every event that came in one read goes out in one
+write. A callback that returns a pending future (the client is slower than the child)
+pauses reading from the child until it resolves, so nothing piles up.
+
+On top of the same parser: :func:`post_lines` (an async iterator of lines, what the bench
+uses as its client), :func:`sse_data` and :func:`sse_events` (events as bytes or objects,
+for callers that want an iterator). Closing or cancelling any of them closes the
+connection, which makes llama-server stop generating for the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+from typing import AsyncIterator, Awaitable, Callable
+
+from ..errors import RequestError
+
+__all__ = ["BadResponse", "post", "post_lines", "relay_sse", "sse_data", "sse_events", "error_text"]
+
+CONNECT_TIMEOUT_S = 5.0
+
+# what a line callback gets (complete lines, without line ends) and may return
+LineSink = Callable[[list[bytes]], "Awaitable | None"]
+
+
+class BadResponse(ValueError):
+    """The answer is not the HTTP/1.1 this reader expects."""
+
+
+def error_text(body: str, status: int) -> str:
+    """The message in a llama-server error body (its JSON ``error.message``, else the text)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.strip()[:500] or f"HTTP {status}"
+    err = data.get("error", data) if isinstance(data, dict) else data
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    return str(err)
+
+
+def request_bytes(host: str, port: int, path: str, body: bytes, headers: dict[str, str] | None) -> bytes:
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n{extra}"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+class _LineProtocol(asyncio.Protocol):
+    """One POST; its answer's body, split into lines, goes to ``sink`` as it arrives.
+
+    ``done`` resolves when the body has ended (None), or fails: RequestError for a status of
+    400 or more (with the body's message), BadResponse, ConnectionError when the connection
+    ends before the body does, or whatever the sink raised.
+    """
+
+    def __init__(self, request: bytes, sink: LineSink):
+        self.request = request
+        self.sink = sink
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.Transport | None = None
+        self._buf = b""  # bytes not yet parsed (head, chunk framing)
+        self._pending = b""  # body bytes after the last line end
+        self._status = 0
+        self._chunked = False
+        self._left: int | None = None  # body bytes still to come (content length), or of this chunk
+        self._chunk_crlf = False  # a chunk's data has ended; its CRLF is next
+        self._in_head = True
+        self._error_body: list[bytes] | None = None
+        self._paused = False
+
+    # ------------------------------------------------------------------ asyncio callbacks
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        if self.done.done():
+            return
+        try:
+            body = self._parse(data)
+            if body is None:
+                return
+            if self._error_body is not None:
+                self._error_body.append(body)
+            elif body:
+                self._lines(body)
+            if self._ended():
+                self._finish()
+        except BaseException as e:  # noqa: BLE001 - the sink's or the parser's failure ends the request
+            self._fail(e)
+
+    def connection_lost(self, exc) -> None:
+        if self.done.done():
+            return
+        if not self._in_head and not self._chunked and self._left is None:
+            self._finish()  # a body delimited by the end of the connection
+        else:
+            self._fail(exc or ConnectionResetError("the connection closed before the answer ended"))
+
+    def pause_writing(self) -> None:  # our request is small; nothing to do
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ parsing
+
+    def _parse(self, data: bytes) -> bytes | None:
+        """Body bytes in ``data`` (b"" for none yet), after the head and chunk framing."""
+        buf = self._buf + data if self._buf else data
+        self._buf = b""
+        if self._in_head:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > 65536:
+                    raise BadResponse("answer head longer than 64 KiB")
+                self._buf = buf
+                return b""
+            self._head(buf[:end])
+            buf = buf[end + 4:]
+        if not self._chunked:
+            if self._left is not None:
+                buf = buf[:self._left]
+                self._left -= len(buf)
+            return buf
+        out = []
+        while buf:
+            if self._chunk_crlf:  # the CRLF after a chunk's data
+                if len(buf) < 2:
+                    self._buf = buf
+                    break
+                buf = buf[2:]
+                self._chunk_crlf = False
+                self._left = None
+            elif self._left == 0:  # after the last chunk: trailers, ignored
+                break
+            elif self._left is not None:  # inside a chunk
+                piece = buf[:self._left]
+                out.append(piece)
+                self._left -= len(piece)
+                buf = buf[len(piece):]
+                if self._left == 0:
+                    self._chunk_crlf = True
+            else:  # a chunk-size line
+                eol = buf.find(b"\r\n")
+                if eol < 0:
+                    self._buf = buf
+                    break
+                try:
+                    size = int(buf[:eol].split(b";", 1)[0].strip(), 16)
+                except ValueError:
+                    raise BadResponse(f"bad chunk size line {buf[:eol][:40]!r}") from None
+                buf = buf[eol + 2:]
+                self._left = size  # 0: the last chunk
+        return b"".join(out)
+
+    def _head(self, head: bytes) -> None:
+        self._in_head = False
+        status_line, *lines = head.split(b"\r\n")
+        parts = status_line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+            raise BadResponse(f"not an HTTP response: {status_line[:80]!r}")
+        self._status = int(parts[1])
+        for line in lines:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"transfer-encoding" and b"chunked" in value.lower():
+                self._chunked = True
+            elif name == b"content-length" and value.strip().isdigit() and not self._chunked:
+                self._left = int(value.strip())
+        if self._status >= 400:
+            self._error_body = []
+
+    def _ended(self) -> bool:
+        """The body is complete: all of its content length, or the last chunk, has arrived
+        (``_left`` is 0 only then: a chunk that ends sets ``_chunk_crlf`` and its CRLF, None)."""
+        return not self._in_head and self._left == 0 and not self._chunk_crlf
+
+    def _lines(self, body: bytes) -> None:
+        if b"\n" not in body:
+            self._pending += body
+            return
+        lines = (self._pending + body).split(b"\n") if self._pending else body.split(b"\n")
+        self._pending = lines.pop()
+        waiting = self.sink([ln[:-1] if ln.endswith(b"\r") else ln for ln in lines])
+        if waiting is not None and not waiting.done():
+            self.transport.pause_reading()  # the sink's reader is behind: wait for it
+            self._paused = True
+            waiting.add_done_callback(self._resume)
+
+    def _resume(self, waiting) -> None:
+        if self.done.done():
+            return
+        if not waiting.cancelled() and waiting.exception() is not None:
+            self._fail(waiting.exception())
+            return
+        self._paused = False
+        self.transport.resume_reading()
+
+    def _finish(self) -> None:
+        if self._error_body is not None:
+            text = b"".join(self._error_body).decode("utf-8", "replace")
+            self._fail(RequestError(self._status, error_text(text, self._status)))
+            return
+        try:
+            if self._pending:
+                self.sink([self._pending])
+                self._pending = b""
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+            return
+        self.done.set_result(None)
+        self.transport.close()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+
+async def post(port: int, path: str, body: bytes, headers: dict[str, str] | None, sink: LineSink,
+               host: str = "127.0.0.1") -> None:
+    """POST ``body`` (JSON) to ``host:port`` and feed the answer's lines to ``sink`` (from the
+    event loop's read callback) until the body ends. An answer of 400 or more is a
+    RequestError carrying its text. Cancelling this closes the connection."""
+    loop = asyncio.get_running_loop()
+    proto = _LineProtocol(request_bytes(host, port, path, body, headers), sink)
+    transport, _ = await asyncio.wait_for(loop.create_connection(lambda: proto, host, port), CONNECT_TIMEOUT_S)
+    try:
+        await proto.done
+    finally:
+        if not proto.done.done():  # cancelled: leave at once (the child stops generating)
+            transport.abort()
+            proto.done.cancel()
+        elif not proto.done.cancelled() and proto.done.exception() is not None:
+            transport.abort()
+
+
+def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"]) -> LineSink:
+    """A line sink that passes on the data of each server-sent event (JSON bytes, untouched)
+    and raises RequestError for an error event; ``[DONE]`` and other lines are dropped."""
+
+    def sink(lines: list[bytes]):
+        data = []
+        for line in lines:
+            if line.startswith(b"data: "):
+                d = line[6:]
+            elif line.startswith(b"data:"):
+                d = line[5:].strip()
+            elif line.startswith(b"error:"):
+                raise RequestError(500, error_text(line[6:].strip().decode("utf-8", "replace"), 500))
+            else:
+                continue
+            if d == b"[DONE]":
+                continue
+            # llama-server's error event is the one object whose only key is "error"
+            if d[:1] == b"{" and d[1:].lstrip().startswith(b'"error"'):
+                event = json.loads(d)
+                if isinstance(event, dict) and len(event) == 1:
+                    raise RequestError(500, error_text(d.decode("utf-8", "replace"), 500))
+            data.append(d)
+        return on_data(data) if data else None
+
+    return sink
+
+
+def sse_request(payload: dict, api_key: str) -> tuple[bytes, dict[str, str]]:
+    headers = {"Accept": "text/event-stream"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return json.dumps(dict(payload, stream=True)).encode(), headers
+
+
+async def relay_sse(port: int, path: str, payload: dict, api_key: str,
+                    on_data: Callable[[list[bytes]], "Awaitable | None"]) -> None:
+    """POST ``payload`` (with ``stream: true``) to a llama-server on 127.0.0.1:``port``; each
+    batch of events' data goes to ``on_data`` as it arrives (see the module's docstring)."""
+    body, headers = sse_request(payload, api_key)
+    await post(port, path, body, headers, sse_sink(on_data))
+
+
+async def _iterate(start: Callable[[LineSink], Awaitable[None]], backlog: int = 256) -> AsyncIterator[bytes]:
+    """An async iterator over what a callback-fed request delivers. Reading from the
+    connection pauses while more than ``backlog`` items wait for the consumer."""
+    queue: collections.deque[bytes] = collections.deque()
+    loop = asyncio.get_running_loop()
+    wake: asyncio.Future | None = None  # what the consumer waits on when the queue is empty
+    drained: asyncio.Future | None = None  # what the paused reader waits on
+
+    def sink(items: list[bytes]):
+        nonlocal drained
+        queue.extend(items)
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+        if len(queue) <= backlog:
+            return None
+        drained = loop.create_future()
+        return drained
+
+    def ended(_) -> None:
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    task = asyncio.ensure_future(start(sink))
+    task.add_done_callback(ended)
+    try:
+        while True:
+            if queue:
+                yield queue.popleft()
+                continue
+            if drained is not None and not drained.done():
+                drained.set_result(None)  # caught up: read on
+            if task.done():
+                task.result()  # raises what ended the request, if anything did
+                return
+            wake = loop.create_future()
+            await wake
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - we are leaving anyway
+                pass
+
+
+def post_lines(port: int, path: str, body: bytes, headers: dict[str, str] | None = None,
+               host: str = "127.0.0.1") -> AsyncIterator[bytes]:
+    """:func:`post` as an async iterator of the answer's lines."""
+    return _iterate(lambda sink: post(port, path, body, headers, sink, host))
+
+
+def sse_data(port: int, path: str, payload: dict, api_key: str = "") -> AsyncIterator[bytes]:
+    """:func:`relay_sse` as an async iterator of each event's data (JSON bytes, untouched)."""
+    return _iterate(lambda sink: relay_sse(port, path, payload, api_key, sink))
+
+
+async def sse_events(port: int, path: str, payload: dict, api_key: str = "") -> AsyncIterator[dict]:
+    """:func:`sse_data`, each event's JSON object parsed."""
+    events = sse_data(port, path, payload, api_key)
+    try:
+        async for data in events:
+            yield json.loads(data)
+    finally:
+        await events.aclose()
