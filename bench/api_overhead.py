@@ -44,6 +44,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Awaitable, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -51,7 +52,7 @@ from jupyter_llama.client import LlamaClient  # noqa: E402
 from jupyter_llama.embedded import EmbeddedManager  # noqa: E402
 from jupyter_llama.engine.binary import find_engine  # noqa: E402
 from jupyter_llama.engine.http1 import post_lines  # noqa: E402
-from jupyter_llama.engine.runner import free_port  # noqa: E402
+from jupyter_llama.engine.runner import child_pids, free_port, process_alive  # noqa: E402
 from jupyter_llama.engine.worker import LocalWorker  # noqa: E402
 from jupyter_llama.models.synth import SynthShape, write_synthetic  # noqa: E402
 
@@ -75,6 +76,8 @@ class Server:
     prefix: str = ""  # ours: /llama
     model_field: str | None = None  # ours and the router route by the body's model
     relay_pid: int | None = None  # the process between the client and the child (none for bare)
+    up: Callable[[], Awaitable[None]] | None = None  # bring this side up before its turn (workers)
+    down: Callable[[], Awaitable[None]] | None = None
 
     def request(self, route: str, prompt: str, n: int) -> tuple[str, dict]:
         """(path, body) for a streamed greedy generation of ``n`` tokens."""
@@ -132,29 +135,40 @@ def cpu_seconds(pid: int | None) -> float:
 
 async def streams_phase(servers: dict[str, Server], rounds: int, n: int, counts=(1, 8)) -> dict:
     """Per route and stream count, per side: tokens/s (all tokens / all wall), median TTFT, and
-    the CPU the relaying process (ours: the manager; the router) spent per token."""
-    out: dict = {}
-    for route in ROUTES:
-        for srv in servers.values():  # warm every path (connections, prompt cache, the router's child)
-            await stream(srv, route, PROMPTS[0], 8)
-        for k in counts:
-            acc = {s: {"tokens": 0, "wall": 0.0, "ttft": [], "cpu": 0.0} for s in servers}
-            for i in range(rounds):
-                order = list(servers)[i % 3:] + list(servers)[:i % 3]
-                if i % 2:
-                    order.reverse()
-                for side in order:
-                    prompts = [PROMPTS[(i + j) % len(PROMPTS)] for j in range(k)]
-                    c0, t0 = cpu_seconds(servers[side].relay_pid), time.perf_counter()
-                    res = await asyncio.gather(*(stream(servers[side], route, p, n) for p in prompts))
-                    acc[side]["wall"] += time.perf_counter() - t0
-                    acc[side]["cpu"] += cpu_seconds(servers[side].relay_pid) - c0
-                    acc[side]["tokens"] += sum(r[2] for r in res)
-                    acc[side]["ttft"] += [r[0] for r in res]
-            out[(route, k)] = {s: {"tps": a["tokens"] / a["wall"], "ttft_ms": statistics.median(a["ttft"]) * 1000,
-                                   "tokens": a["tokens"], "cpu_us": a["cpu"] / a["tokens"] * 1e6}
-                               for s, a in acc.items()}
-    return out
+    the CPU the relaying process (ours: the manager; the router) spent per token.
+
+    Sides take turns in an order that rotates and reverses from round to round. A side with
+    ``up``/``down`` (on RPC workers, where a ggml-rpc-server serves one llama-server at a
+    time) is brought up before its turn and down after it."""
+    acc = {(route, k): {s: {"tokens": 0, "wall": 0.0, "ttft": [], "cpu": 0.0} for s in servers}
+           for route in ROUTES for k in counts}
+    for i in range(rounds):
+        order = list(servers)[i % 3:] + list(servers)[:i % 3]
+        if i % 2:
+            order.reverse()
+        for side in order:
+            srv = servers[side]
+            if srv.up is not None:
+                await srv.up()
+            try:
+                for route in ROUTES:
+                    if i == 0 or srv.up is not None:  # warm the path (connections, prompt cache)
+                        await stream(srv, route, PROMPTS[0], 8)
+                    for k in counts:
+                        prompts = [PROMPTS[(i + j) % len(PROMPTS)] for j in range(k)]
+                        c0, t0 = cpu_seconds(srv.relay_pid), time.perf_counter()
+                        res = await asyncio.gather(*(stream(srv, route, p, n) for p in prompts))
+                        a = acc[(route, k)][side]
+                        a["wall"] += time.perf_counter() - t0
+                        a["cpu"] += cpu_seconds(srv.relay_pid) - c0
+                        a["tokens"] += sum(r[2] for r in res)
+                        a["ttft"] += [r[0] for r in res]
+            finally:
+                if srv.down is not None:
+                    await srv.down()
+    return {key: {s: {"tps": a["tokens"] / a["wall"], "ttft_ms": statistics.median(a["ttft"]) * 1000,
+                      "tokens": a["tokens"], "cpu_us": a["cpu"] / a["tokens"] * 1e6} for s, a in sides.items()}
+            for key, sides in acc.items()}
 
 
 # ============================================================================ processes
@@ -233,20 +247,23 @@ async def one_token(server: Server, model: str | None) -> None:
         pass
 
 
-async def swap_phase(mgr_port: int, headers: dict, load_opts: dict, argvs: dict[str, list[str]],
-                     router: Server, procs: Procs, tmp: Path, rounds: int) -> dict:
-    """Seconds per swap (median) for ours, bare stop-and-start, and the router; A and B alternate."""
-    ours, bare, routed = [], [], []
+async def swap_phase(ours: Server, load_opts: dict, argvs: dict[str, list[str]], router: Server, procs: Procs,
+                     tmp: Path, rounds: int) -> dict:
+    """Seconds per swap (median) for ours, bare stop-and-start, and the router; A and B
+    alternate, starting from A loaded. Each side has the model to itself while it swaps."""
+    ours_s, bare_s, router_s = [], [], []
     target = ["b", "a"]
+    if ours.up is not None:
+        await ours.up()
     for i in range(rounds):
-        name = target[i % 2]
-        body = {"model": name, "prompt": "Hi", "raw": True, "stream": False, "keep_alive": "10m",
+        body = {"model": target[i % 2], "prompt": "Hi", "raw": True, "stream": False, "keep_alive": "10m",
                 "options": dict(load_opts, num_predict=1)}
         t0 = time.perf_counter()
-        async for _ in post_lines(mgr_port, "/llama/api/generate", json.dumps(body).encode(), headers):
+        async for _ in post_lines(ours.port, "/llama/api/generate", json.dumps(body).encode(), ours.headers):
             pass
-        ours.append(time.perf_counter() - t0)
-    # bare: the A child is running; stop it and start B, and back
+        ours_s.append(time.perf_counter() - t0)
+    if ours.down is not None:
+        await ours.down(model=target[(rounds - 1) % 2])
     port = free_port()
     current = procs.start(bare_argv(argvs["a"], port), tmp / "swap.log")
     await wait_health(port, current)
@@ -258,14 +275,18 @@ async def swap_phase(mgr_port: int, headers: dict, load_opts: dict, argvs: dict[
         current = procs.start(bare_argv(argvs[name], port), tmp / "swap.log")
         await wait_health(port, current)
         await one_token(Server("bare", port), None)
-        bare.append(time.perf_counter() - t0)
+        bare_s.append(time.perf_counter() - t0)
     Procs.stop(current)
+    if router.up is not None:
+        await router.up()
     await one_token(router, "a")
     for i in range(rounds):
         t0 = time.perf_counter()
         await one_token(router, target[i % 2])
-        routed.append(time.perf_counter() - t0)
-    return {"ours": statistics.median(ours), "bare": statistics.median(bare), "router": statistics.median(routed)}
+        router_s.append(time.perf_counter() - t0)
+    if router.down is not None:
+        await router.down()
+    return {"ours": statistics.median(ours_s), "bare": statistics.median(bare_s), "router": statistics.median(router_s)}
 
 
 # ============================================================================ one setup
@@ -290,23 +311,54 @@ async def measure(engine, tmp: Path, args, workers: tuple[LocalWorker, LocalWork
             c.create(name, files={f"{name}.gguf": c.create_blob(models / f"{name}.gguf")})
         headers = c.server.headers()
         load_opts = {"num_ctx": args.ctx, "num_parallel": args.slots, "num_thread": args.threads}
-        argvs = {}
-        for name in ("b", "a"):  # a stays loaded
+
+        def load(name: str) -> list[str]:
             c.generate(name, "", options=load_opts, keep_alive="10m", stream=False)
-            argvs[name] = c.log(name, lines=0)["argv"]
+            return c.log(name, lines=0)["argv"]
+
+        argvs = {name: load(name) for name in ("b", "a")}  # a stays loaded
         ours = Server("ours", mgr.port, headers, prefix="/llama", model_field="a", relay_pid=mgr.proc.pid)
-        bport = free_port()
-        bare_proc = procs.start(bare_argv(argvs["a"], bport), tmp / "bare.log")
-        await wait_health(bport, bare_proc)
-        bare = Server("bare", bport)
-        rport = free_port()
-        router_proc = procs.start(router_argv(argvs["a"], models, rport), tmp / "router.log")
-        await wait_health(rport, router_proc)
-        router = Server("router", rport, model_field="a", relay_pid=router_proc.pid)
-        servers = {"ours": ours, "bare": bare, "router": router}
-        res = await streams_phase(servers, args.rounds, args.n_predict)
-        Procs.stop(bare_proc)
-        res["swap"] = await swap_phase(mgr.port, headers, load_opts, argvs, router, procs, tmp, args.swap_rounds)
+        bare = Server("bare", free_port())
+        router = Server("router", free_port(), model_field="a")
+        running: dict[str, subprocess.Popen] = {}
+
+        async def bare_up() -> None:
+            running["bare"] = procs.start(bare_argv(argvs["a"], bare.port), tmp / "bare.log")
+            await wait_health(bare.port, running["bare"])
+
+        async def router_up() -> None:
+            running["router"] = procs.start(router_argv(argvs["a"], models, router.port), tmp / "router.log")
+            router.relay_pid = running["router"].pid
+            await wait_health(router.port, running["router"])
+
+        async def down(side: str) -> None:
+            proc = running.pop(side)
+            children = child_pids(proc.pid)  # the router's own children go with it
+            Procs.stop(proc)
+            for pid in children:
+                while process_alive(pid):
+                    await asyncio.sleep(0.01)
+
+        if workers:  # one llama-server at a time on the workers: each side comes up for its turn
+            async def ours_up() -> None:
+                load("a")
+
+            async def ours_down(model: str = "a") -> None:
+                c.generate(model, keep_alive=0, stream=False)
+
+            c.generate("a", keep_alive=0, stream=False)
+            ours.up, ours.down = ours_up, ours_down
+            bare.up, bare.down = bare_up, lambda: down("bare")
+            router.up, router.down = router_up, lambda: down("router")
+        else:
+            await bare_up()
+            await router_up()
+        res = await streams_phase({"ours": ours, "bare": bare, "router": router}, args.rounds, args.n_predict)
+        for side in list(running):
+            await down(side)
+        if not workers:
+            router.up, router.down = router_up, lambda: down("router")
+        res["swap"] = await swap_phase(ours, load_opts, argvs, router, procs, tmp, args.swap_rounds)
         res["argv"] = argvs["a"]
         return res
     finally:
@@ -371,7 +423,7 @@ async def main_async(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--n-predict", type=int, default=64)
     ap.add_argument("--swap-rounds", type=int, default=8)
     ap.add_argument("--slots", type=int, default=8, help="the child's -np")

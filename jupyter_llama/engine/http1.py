@@ -24,7 +24,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from ..errors import RequestError
 
-__all__ = ["BadResponse", "post", "post_lines", "relay_sse", "sse_data", "sse_events", "error_text"]
+__all__ = ["BadResponse", "get_json", "post", "post_lines", "relay_sse", "sse_data", "sse_events", "error_text"]
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -48,8 +48,11 @@ def error_text(body: str, status: int) -> str:
     return str(err)
 
 
-def request_bytes(host: str, port: int, path: str, body: bytes, headers: dict[str, str] | None) -> bytes:
+def request_bytes(host: str, port: int, path: str, body: bytes | None, headers: dict[str, str] | None) -> bytes:
+    """A POST of ``body`` (JSON), or a GET when ``body`` is None; the connection closes after it."""
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    if body is None:
+        return f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{extra}Connection: close\r\n\r\n".encode()
     return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n{extra}"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
@@ -229,22 +232,21 @@ class _LineProtocol(asyncio.Protocol):
             self.transport.abort()
 
 
-async def post(port: int, path: str, body: bytes, headers: dict[str, str] | None, sink: LineSink,
+async def post(port: int, path: str, body: bytes | None, headers: dict[str, str] | None, sink: LineSink,
                host: str = "127.0.0.1") -> None:
-    """POST ``body`` (JSON) to ``host:port`` and feed the answer's lines to ``sink`` (from the
-    event loop's read callback) until the body ends. An answer of 400 or more is a
-    RequestError carrying its text. Cancelling this closes the connection."""
+    """POST ``body`` (JSON; None: a GET) to ``host:port`` and feed the answer's lines to
+    ``sink`` (from the event loop's read callback) until the body ends. An answer of 400 or
+    more is a RequestError carrying its text. Cancelling this closes the connection."""
     loop = asyncio.get_running_loop()
     proto = _LineProtocol(request_bytes(host, port, path, body, headers), sink)
     transport, _ = await asyncio.wait_for(loop.create_connection(lambda: proto, host, port), CONNECT_TIMEOUT_S)
     try:
         await proto.done
-    finally:
-        if not proto.done.done():  # cancelled: leave at once (the child stops generating)
-            transport.abort()
-            proto.done.cancel()
-        elif not proto.done.cancelled() and proto.done.exception() is not None:
-            transport.abort()
+    except BaseException:
+        # failed, or cancelled (which cancels ``done`` itself): hang up at once, which is
+        # what makes a llama-server stop generating for this request
+        transport.abort()
+        raise
 
 
 def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"]) -> LineSink:
@@ -259,7 +261,7 @@ def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"]) -> LineSink:
             elif line.startswith(b"data:"):
                 d = line[5:].strip()
             elif line.startswith(b"error:"):
-                raise RequestError(500, error_text(line[6:].strip().decode("utf-8", "replace"), 500))
+                _failed(data, error_text(line[6:].strip().decode("utf-8", "replace"), 500))
             else:
                 continue
             if d == b"[DONE]":
@@ -268,9 +270,14 @@ def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"]) -> LineSink:
             if d[:1] == b"{" and d[1:].lstrip().startswith(b'"error"'):
                 event = json.loads(d)
                 if isinstance(event, dict) and len(event) == 1:
-                    raise RequestError(500, error_text(d.decode("utf-8", "replace"), 500))
+                    _failed(data, error_text(d.decode("utf-8", "replace"), 500))
             data.append(d)
         return on_data(data) if data else None
+
+    def _failed(data: list[bytes], message: str):
+        if data:  # what came before the error in the same read still goes on first
+            on_data(data)
+        raise RequestError(500, message)
 
     return sink
 
@@ -333,6 +340,14 @@ async def _iterate(start: Callable[[LineSink], Awaitable[None]], backlog: int = 
                 await task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - we are leaving anyway
                 pass
+
+
+async def get_json(port: int, path: str, headers: dict[str, str] | None = None, timeout: float = 0.5,
+                   host: str = "127.0.0.1"):
+    """GET ``path`` and parse its JSON body (a RequestError for a status of 400 or more)."""
+    lines: list[bytes] = []
+    await asyncio.wait_for(post(port, path, None, headers, lines.extend, host), timeout)
+    return json.loads(b"\n".join(lines))
 
 
 def post_lines(port: int, path: str, body: bytes, headers: dict[str, str] | None = None,

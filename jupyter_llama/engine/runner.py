@@ -37,12 +37,14 @@ from ..load_options import LoadOptions
 from . import http1
 from .http1 import BadResponse, error_text as _error_text, sse_events
 from .launch import build_argv
+from .process import ChildProcess
 from .logparse import LogParser
 
 CRASH_MESSAGE = ("model runner has unexpectedly stopped, this may be due to resource limitations "
                  "or an internal error")
 
-HEALTH_POLL_S = 0.02  # fast polls while starting; the log's "listening" line usually wins
+HEALTH_POLL_S = 0.02  # polls while starting; the log's "model loaded" line usually wins
+HEALTH_POLL_READY_S = 0.002  # polls after that line, until /health says ok
 HEALTH_TIMEOUT_S = 0.5
 
 
@@ -173,7 +175,7 @@ class Runner:
         self.parser = LogParser(max_lines=log_lines)
         self._client = client
         self._owns_client = client is None
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: ChildProcess | None = None
         self.port: int | None = None
         self.api_key = ""
         self.argv: list[str] = []
@@ -263,10 +265,7 @@ class Runner:
             preexec = _pdeathsig_preexec
         self.started_at = time.monotonic()
         self._last_output = self.started_at
-        self.proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=preexec,
-            limit=1 << 20)
+        self.proc = await ChildProcess.start(argv, env, preexec_fn=preexec)
         _LIVE.add(self)
         self._reader = asyncio.create_task(self._read_log(), name=f"llama-log-{self.name}")
 
@@ -333,24 +332,21 @@ class Runner:
                         + (f"; it was loading onto RPC worker(s) {', '.join(self.options.rpc)}: one that stops "
                            "answering stalls the load" if self.options.rpc else ""),
                         log_lines=list(self.parser.lines)[-10:])
-                # Wake on exit, on the log's "listening" line, or at the next poll tick.
+                # Wake on exit, on the log's "model loaded" line, or at the next poll tick; once
+                # that line is out, the HTTP listener follows within milliseconds: poll fast.
                 waiters = {exited} if ready_line.done() else {exited, ready_line}
-                await asyncio.wait(waiters, timeout=HEALTH_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waiters, timeout=HEALTH_POLL_READY_S if ready_line.done() else HEALTH_POLL_S,
+                                   return_when=asyncio.FIRST_COMPLETED)
         finally:
             exited.cancel()
             ready_line.cancel()
 
     async def _health_ok(self) -> bool:
         try:
-            r = await self.client.get(self.url + "/health", timeout=HEALTH_TIMEOUT_S)
-        except httpx.HTTPError:
+            body = await http1.get_json(self.port, "/health", self._headers(), timeout=HEALTH_TIMEOUT_S)
+        except (RequestError, ValueError, *_TRANSPORT_ERRORS):
             return False
-        if r.status_code != 200:
-            return False
-        try:
-            return r.json().get("status") == "ok"
-        except ValueError:
-            return False
+        return isinstance(body, dict) and body.get("status") == "ok"
 
     async def health(self) -> bool:
         """True when the child is alive and answers ``/health`` with ok."""
@@ -602,10 +598,7 @@ class Runner:
                 await asyncio.wait_for(self._reader, 5)
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 self._reader.cancel()
-        # Release the pipe's file descriptor now rather than at garbage collection.
-        transport = getattr(self.proc, "_transport", None)
-        if transport is not None:
-            transport.close()
+        self.proc.close()  # the pipe and pidfd now, not at garbage collection
         _LIVE.discard(self)
 
     def _signal(self, sig: int) -> None:

@@ -1,0 +1,93 @@
+"""A child process watched from the event loop, whichever loop that is.
+
+``asyncio.create_subprocess_exec`` spawns through the loop: on asyncio's own loop that is
+``subprocess.Popen`` (vfork, about 1 ms from a Jupyter server's heap), on uvloop it is
+libuv's spawn, which forks the whole process (3 ms, and more as the heap grows); a model
+swap pays it once per child. So children are started with ``subprocess.Popen`` here, on
+any loop, and only watched through the loop: their output as a read pipe, their exit
+through a pidfd (Linux 5.3+; a thread waiting on the pid elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from typing import Callable, Sequence
+
+__all__ = ["ChildProcess"]
+
+
+class ChildProcess:
+    """A started child: ``pid``, ``returncode`` (None while it runs), ``stdout`` (a
+    StreamReader of its merged stdout and stderr), :meth:`wait`, and :meth:`close` for the
+    pipe and pidfd once it has been reaped."""
+
+    def __init__(self, popen: subprocess.Popen, stdout: asyncio.StreamReader, transport: asyncio.BaseTransport):
+        self._popen = popen
+        self.pid = popen.pid
+        self.stdout = stdout
+        self._transport = transport
+        self._exited: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pidfd: int | None = None
+        self._watch()
+
+    @classmethod
+    async def start(cls, argv: Sequence[str], env: dict[str, str], *, preexec_fn: Callable[[], None] | None = None,
+                    limit: int = 1 << 20) -> "ChildProcess":
+        """Start ``argv`` in a new session (its own process group), stdin from /dev/null,
+        stdout and stderr into one pipe read by the loop."""
+        popen = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=preexec_fn)
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=limit, loop=loop)
+        try:
+            transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
+                                                        popen.stdout)
+        except BaseException:
+            popen.kill()
+            popen.wait()
+            raise
+        return cls(popen, reader, transport)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):  # no pidfd here: a thread waits for the exit
+            fut = loop.run_in_executor(None, self._popen.wait)
+            fut.add_done_callback(lambda f: self._settle())
+            return
+        loop.add_reader(self._pidfd, self._on_pidfd)
+
+    def _on_pidfd(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        self._popen.wait()  # it has exited: this reaps at once
+        self._settle()
+
+    def _settle(self) -> None:
+        if not self._exited.done():
+            self._exited.get_loop().call_soon_threadsafe(self._set_exited)
+
+    def _set_exited(self) -> None:
+        if not self._exited.done():
+            self._exited.set_result(self._popen.returncode)
+
+    async def wait(self) -> int:
+        """Its exit status, once it has exited (negative: the signal that ended it)."""
+        return await asyncio.shield(self._exited)
+
+    def close(self) -> None:
+        """Release the pipe and the pidfd (after :meth:`wait`)."""
+        self._transport.close()
+        if self._pidfd is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            except RuntimeError:
+                pass
+            os.close(self._pidfd)
+            self._pidfd = None
