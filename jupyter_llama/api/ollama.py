@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -462,8 +463,50 @@ def error_chunk(message: str) -> dict:
     return {"error": message}
 
 
-class GenerateTranslator:
+def ndjson(obj) -> bytes:
+    """One NDJSON line (Ollama's streaming format)."""
+    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+
+
+# The child's most common events, one token of text and nothing else, as it writes them; the
+# JSON string of the text is captured as it is and carried into our line unparsed. Anything
+# else (the last event, tool calls, thinking, another build's key order) takes feed().
+_JSON_STRING = rb'("(?:[^"\\]|\\.)*")'
+_COMPLETION_TEXT = re.compile(rb'\{"index":\d+,"content":' + _JSON_STRING + rb',"tokens":\[[\d,]*\],"stop":false,')
+_CHAT_TEXT = re.compile(rb'\{"choices":\[\{"finish_reason":null,"index":0,"delta":\{"content":' + _JSON_STRING
+                        + rb'\}\}\]')
+
+
+class _Lines:
+    """What both translators share: ``lines(data)``, the NDJSON bytes for one child event as
+    the child wrote it, for streaming. A text-only event's line is written from a template
+    (no parse, no dict, no re-encoding: the relay's cost per token); every other event goes
+    through ``feed``, so the two can only differ in how the same JSON is spelled. Streamed
+    text is not kept (``combined`` is for answers that are not streamed)."""
+
+    _text_event: re.Pattern  # a text-only event, its text's JSON string in group 1
+    _text_key: bytes  # our line between the time stamp and that string
+    _text_tail: bytes  # and after it
+
+    def _template(self) -> None:
+        self._head = b'{"model":' + json.dumps(self.model).encode() + b',"created_at":"'
+
+    def lines(self, data: bytes) -> bytes:
+        m = self._text_event.match(data)
+        if m is not None and m.group(1) != b'""':
+            return self._head + rfc3339().encode() + self._text_key + m.group(1) + self._text_tail
+        return b"".join([ndjson(c) for c in self.feed(json.loads(data))])
+
+    def feed(self, event: dict) -> list[dict]:  # pragma: no cover - each translator has its own
+        raise NotImplementedError
+
+
+class GenerateTranslator(_Lines):
     """llama-server ``/completion`` events -> Ollama ``/api/generate`` chunks."""
+
+    _text_event = _COMPLETION_TEXT
+    _text_key = b'","response":'
+    _text_tail = b',"done":false}\n'
 
     def __init__(self, model: str, started: float, load_s: float):
         self.model = model
@@ -471,6 +514,7 @@ class GenerateTranslator:
         self.load_s = load_s
         self.parts: list[str] = []
         self.final: dict | None = None
+        self._template()
 
     def chunk(self, text: str) -> dict:
         return {"model": self.model, "created_at": rfc3339(), "response": text, "done": False}
@@ -497,8 +541,12 @@ class GenerateTranslator:
         return d
 
 
-class ChatTranslator:
+class ChatTranslator(_Lines):
     """llama-server ``/v1/chat/completions`` stream events -> Ollama ``/api/chat`` chunks."""
+
+    _text_event = _CHAT_TEXT
+    _text_key = b'","message":{"role":"assistant","content":'
+    _text_tail = b'},"done":false}\n'
 
     def __init__(self, model: str, started: float, load_s: float):
         self.model = model
@@ -508,6 +556,7 @@ class ChatTranslator:
         self.thinking: list[str] = []
         self.tool_calls: dict[int, dict] = {}
         self.final: dict | None = None
+        self._template()
 
     def chunk(self, text: str, thinking: str = "") -> dict:
         msg: dict[str, Any] = {"role": "assistant", "content": text}

@@ -47,6 +47,7 @@ from tornado.iostream import IOStream, StreamClosedError
 
 from .._version import __version__
 from ..api import ollama as oa
+from ..api.ollama import ndjson
 from ..api import openai as oai
 from ..api.options import split_options
 from ..config import ConfigError
@@ -102,10 +103,6 @@ def _finite(obj):
 
 def dumps(obj) -> str:
     return json.dumps(_finite(obj), default=str)
-
-
-def ndjson(obj) -> bytes:
-    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
 
 
 @contextlib.asynccontextmanager
@@ -366,22 +363,22 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             raise ClientGone()
         return lease
 
-    async def relay(self, start, translate, stream: bool, combined) -> None:
-        """Run ``start(on_data)`` (a runner's relay of a child's stream) with each event fed
-        through ``translate`` (event -> chunks), sent on as NDJSON, or gathered into one object."""
+    async def relay(self, start, translator, stream: bool) -> None:
+        """Run ``start(on_data)`` (a runner's relay of a child's stream) with each event through
+        ``translator``: sent on as its NDJSON lines, or fed to it and answered as one object."""
         if not stream:
             def gather(batch: list[bytes]) -> None:
                 for data in batch:
-                    translate(json.loads(data))
+                    translator.feed(json.loads(data))
 
             await start(gather)
-            self.finish_json(combined())
+            self.finish_json(translator.combined())
             return
         self.start_stream(NDJSON)
         write = self.stream_writer()
 
         def send_on(batch: list[bytes]):
-            out = b"".join([ndjson(chunk) for data in batch for chunk in translate(json.loads(data))])
+            out = b"".join([translator.lines(data) for data in batch])
             return write(out) if out else None
 
         await start(send_on)
@@ -418,7 +415,7 @@ class GenerateHandler(LlamaHandler):
             prompt = await lease.runner.fit_to_context(prompt, reserve=n if n and n > 0 else 256, truncate=req.truncate)
             tr = oa.GenerateTranslator(req.model, started, lease.load_duration)
             await self.relay(lambda on_data: lease.runner.relay_completion(prompt, on_data, **req.sampling),
-                             tr.feed, req.stream, tr.combined)
+                             tr, req.stream)
         finally:
             lease.release()
 
@@ -458,7 +455,7 @@ class ChatHandler(LlamaHandler):
                 params["tools"] = req.tools
             tr = oa.ChatTranslator(req.model, started, lease.load_duration)
             await self.relay(lambda on_data: lease.runner.relay_chat(req.messages, on_data, **params),
-                             tr.feed, req.stream, tr.combined)
+                             tr, req.stream)
         finally:
             lease.release()
 

@@ -237,3 +237,28 @@ def test_bodies_nested_too_deeply_or_with_nan_are_400():
         with pytest.raises(BadRequest, match="no NaN or Infinity"):
             parse_body(raw)
     assert parse_body('{"a": [[1]]}') == {"a": [[1]]}
+
+
+@pytest.mark.parametrize("text", ["Hel", ' "quoted" \\ back', "line\nbreak\ttab", "naïve ☃ 日本", "\u0001", "}]{"])
+def test_streamed_lines_equal_the_chunks_feed_makes(text):
+    """The relay's template for a text-only event says what feed() says, for any text the
+    child may escape; other events (the last one, empty text) go through feed() itself."""
+    gen = {"index": 0, "content": text, "tokens": [503, 7], "stop": False, "id_slot": -1, "tokens_predicted": 1,
+           "tokens_evaluated": 4}
+    chat = {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": text}}], "created": 1,
+            "id": "chatcmpl-x", "model": "m", "object": "chat.completion.chunk"}
+    for tr, event in ((oa.GenerateTranslator("m:latest", 0.0, 0.0), gen), (oa.ChatTranslator("m:latest", 0.0, 0.0), chat)):
+        for wire in (json.dumps(event, separators=(",", ":")), json.dumps(event, separators=(",", ":"),
+                                                                            ensure_ascii=False)):
+            line = tr.lines(wire.encode())
+            assert tr._text_event.match(wire.encode()), "the fast path was not taken"
+            expect = oa.ndjson(tr.feed(event)[0])
+            got, want = json.loads(line), json.loads(expect)
+            assert line.endswith(b"\n") and line.count(b"\n") == 1
+            assert got.pop("created_at") and want.pop("created_at")
+            assert got == want
+    last = {"index": 0, "content": "", "tokens": [], "id_slot": 0, "stop": True, "stop_type": "limit",
+            "timings": {"predicted_n": 3, "prompt_n": 4}}
+    tr = oa.GenerateTranslator("m", 0.0, 0.0)
+    done = json.loads(tr.lines(json.dumps(last).encode()))
+    assert done["done"] is True and done["done_reason"] == "length" and done["eval_count"] == 3
