@@ -13,27 +13,21 @@ from .commands import EXIT_USAGE, CommandError, Frontend, _HelpShown, build_pars
 
 
 class TerminalFrontend(Frontend):
-    """Prints to the terminal; talks to JUPYTER_LLAMA_URL's server, else an embedded one."""
+    """Prints to the terminal; talks to the manager ``find_server`` finds (starting the background one)."""
 
     def __init__(self, url: str | None = None, token: str | None = None):
         self.url, self.token = url, token
         self.namespace = None
         self.conversations = {}
         self._client = None
-        self.embedded = False
 
     def client(self):
         if self._client is None:
-            from .client import LlamaClient, ServerNotFound
+            from .client import LlamaClient
 
-            try:
-                self._client = LlamaClient(self.url, self.token)
-            except ServerNotFound:
-                from .embedded import embedded
-
-                info = embedded().info
-                self.embedded = True
-                self._client = LlamaClient(info.url, info.token)
+            # JUPYTER_LLAMA_URL, a running Jupyter server of this user, else the background
+            # manager (started now if need be; it stays, so the next command finds it warm)
+            self._client = LlamaClient(self.url, self.token)
         return self._client
 
     def out(self, text: str) -> None:
@@ -105,10 +99,6 @@ def run(argv: Sequence[str]) -> int:
     finally:
         if fe._client is not None:
             fe._client.close()
-        if fe.embedded:
-            from .embedded import stop_embedded
-
-            stop_embedded()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -8,7 +8,12 @@ Finding the server (first match wins):
    else the server's runtime file ``jpserver-<pid>.json`` (``pid`` from
    ``JPY_PARENT_PID``, which Jupyter sets in every kernel) in Jupyter's runtime directory,
    else any runtime file whose server URL the API URL lies under;
-3. nothing: :class:`ServerNotFound`, whose message says how to start a server.
+3. a running Jupyter server of this user that serves the extension, found by its runtime
+   file (this kernel's own first) and asked for ``llama/api/version``: JupyterLab's, or a
+   ``jupyter-llama serve``;
+4. this user's background manager (:mod:`.background`), which ``LlamaClient()``, the
+   magics, the widgets and the CLI start on first use where none of the above exists;
+5. else :class:`ServerNotFound` (``start=False``), whose message says how to start a server.
 
 :class:`LlamaClient` is synchronous (``httpx.Client``), :class:`AsyncLlamaClient` the
 same over ``httpx.AsyncClient``. Streaming calls return iterators of Ollama's chunk dicts;
@@ -116,6 +121,7 @@ class ServerInfo:
     url: str  # the API root, ending in "llama/"
     token: str | None
     source: str  # how it was found
+    pid: int | None = None  # the server's process, when it was found by its runtime or state file
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"token {self.token}"} if self.token else {}
@@ -179,8 +185,11 @@ def token_from_runtime(api: str, environ: Mapping[str, str] | None = None) -> st
 
 
 def find_server(url: str | None = None, token: str | None = None,
-                environ: Mapping[str, str] | None = None) -> ServerInfo:
-    """Where the API is and which token to send; :class:`ServerNotFound` when nowhere."""
+                environ: Mapping[str, str] | None = None, *, start: bool = False) -> ServerInfo:
+    """Where the API is and which token to send (first match wins): ``url``; then
+    ``JUPYTER_LLAMA_URL``; then a running Jupyter server of this user that serves the
+    extension (this kernel's own first, from ``JPY_PARENT_PID``); then the user's background
+    manager; then, with ``start``, a background manager started now. Else ServerNotFound."""
     environ = os.environ if environ is None else environ
     if url:
         api = api_url(url)
@@ -191,7 +200,60 @@ def find_server(url: str | None = None, token: str | None = None,
         api = api_url(env_url)
         tok = token if token is not None else (environ.get(TOKEN_ENV) or token_from_runtime(api, environ))
         return ServerInfo(api, tok, URL_ENV)
-    raise ServerNotFound(f"no jupyter-llama server found ({URL_ENV} is not set): {HOW_TO_START}")
+    from . import background  # below this module: it knows nothing of clients
+
+    bg = background.find()
+    found = running_server(environ, skip_pid=bg.pid if bg is not None else None)
+    if found is not None:
+        return found
+    if bg is None and start:
+        try:
+            bg = background.ensure()
+        except background.ManagerStartFailed as e:
+            raise ServerNotFound(str(e)) from None
+    if bg is not None:
+        return ServerInfo(bg.url, bg.token, bg.source, bg.pid)
+    raise ServerNotFound(f"no jupyter-llama server found ({URL_ENV} is not set, no Jupyter server of yours serves "
+                         f"the extension, no background manager runs): {HOW_TO_START}")
+
+
+def running_server(environ: Mapping[str, str] | None = None, skip_pid: int | None = None) -> ServerInfo | None:
+    """A running Jupyter server of this user (its runtime file) that serves this extension:
+    the one this kernel belongs to (``JPY_PARENT_PID``) first, then the newest."""
+    environ = os.environ if environ is None else environ
+    files = _runtime_files()
+    pid = environ.get("JPY_PARENT_PID")
+    if pid:
+        files = sorted(files, key=lambda f: os.path.basename(f) != f"jpserver-{pid}.json")
+    for f in files:
+        data = _read_runtime(f)
+        if not data or not isinstance(data.get("pid"), int) or data["pid"] == skip_pid:
+            continue
+        if not _pid_alive(data["pid"]):
+            continue
+        server_url = data.get("url", "")
+        if not server_url:
+            continue
+        api = api_url(urllib.parse.urljoin(server_url, data.get("base_url") or "/"))
+        tok = data.get("token") or None
+        try:
+            r = httpx.get(api + "api/version", headers={"Authorization": f"token {tok}"} if tok else {},
+                          timeout=1.0, trust_env=False)
+        except httpx.HTTPError:
+            continue
+        if r.status_code == 200:
+            return ServerInfo(api, tok, f"Jupyter server (pid {data['pid']}, {os.path.basename(f)})", data["pid"])
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False  # another user's server: not ours to use
+    return True
 
 
 def _is_loopback(url: str) -> bool:
@@ -334,8 +396,8 @@ class LlamaClient(_Routes):
     """Synchronous client. ``LlamaClient()`` finds the server as the module docstring says."""
 
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: httpx.Timeout = TIMEOUT,
-                 environ: Mapping[str, str] | None = None):
-        self.server = find_server(url, token, environ)
+                 environ: Mapping[str, str] | None = None, start: bool = True):
+        self.server = find_server(url, token, environ, start=start)
         self._http = httpx.Client(base_url=self.server.url, headers=self.server.headers(), timeout=timeout,
                                   trust_env=not _is_loopback(self.server.url))
 
@@ -406,8 +468,8 @@ class AsyncLlamaClient(_Routes):
     """The same routes over ``httpx.AsyncClient``: ``await`` an answer, ``async for`` a stream."""
 
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: httpx.Timeout = TIMEOUT,
-                 environ: Mapping[str, str] | None = None):
-        self.server = find_server(url, token, environ)
+                 environ: Mapping[str, str] | None = None, start: bool = True):
+        self.server = find_server(url, token, environ, start=start)
         self._http = httpx.AsyncClient(base_url=self.server.url, headers=self.server.headers(), timeout=timeout,
                                        trust_env=not _is_loopback(self.server.url))
 

@@ -91,14 +91,13 @@ class Frontend:
     """What a command needs from the place it runs in. The CLI and the magic implement it."""
 
     namespace: dict | None = None  # for {name} substitution in prompts (the notebook's)
-    embedded: bool = False  # talking to a private manager started for this front end
     conversations: dict[str, list[dict]]
 
     def client(self):  # -> LlamaClient
         raise NotImplementedError
 
     def has_manager(self, args=None) -> bool:
-        """Whether a manager is known without starting one (an embedded start is not free)."""
+        """Whether a manager is known without starting one (starting the background one is not free)."""
         return bool(getattr(args, "url", None) or _manager_configured())
 
     def out(self, text: str) -> None:
@@ -196,7 +195,8 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
     Built once per ``prog`` (a magic runs it on every call; parsing does not change it).
     """
     parser = _Parser(prog=prog, description="Run and manage local llama.cpp models: Ollama's manager layer, in Jupyter.")
-    parser.add_argument("--url", help="the manager's API URL (default: JUPYTER_LLAMA_URL, else an embedded one)")
+    parser.add_argument("--url", help="the manager's API URL (default: JUPYTER_LLAMA_URL, else a running Jupyter "
+                                      "server of yours with the extension, else your background manager)")
     parser.add_argument("--token", help="its token (default: JUPYTER_LLAMA_TOKEN or the server's runtime file)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
@@ -223,6 +223,10 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
 
     p = add("stop", cmd_stop, "unload a model now")
     p.add_argument("model")
+
+    p = add("status", cmd_status, "which manager commands use, where it was found, and what it has loaded")
+    p.add_argument("--stop", action="store_true", help="stop your background manager (and its models)")
+    p.add_argument("--json", action="store_true")
 
     p = add("ps", cmd_ps, "loaded models: memory, placement, context, expiry")
     p.add_argument("--json", action="store_true")
@@ -486,6 +490,27 @@ def _mib(n) -> str:
     return format_bytes(n or 0)
 
 
+def cmd_status(args, fe: Frontend):
+    if args.stop:
+        from . import background
+
+        pid = background.stop()
+        fe.out(f"stopped the background manager (pid {pid})" if pid else "no background manager runs")
+        return EXIT_OK
+    client = fe.client()
+    version = _call(fe, client.version)
+    loaded = _call(fe, client.ps).get("models", [])
+    info = client.server
+    data = {"url": info.url, "source": info.source, "pid": info.pid, "version": version.get("version"),
+            "loaded": [m.get("name") for m in loaded]}
+    if args.json:
+        fe.json(data)
+        return EXIT_OK
+    fe.out(f"manager: {info.url}\nfound:   {info.source}\nversion: {data['version']}\n"
+           f"loaded:  {', '.join(data['loaded']) or 'nothing'}")
+    return EXIT_OK
+
+
 def cmd_ps(args, fe: Frontend):
     from .memory.report import render_table
 
@@ -502,8 +527,7 @@ def cmd_ps(args, fe: Frontend):
         rows.append([m.get("name"), _mib(size), where, layers, devices, m.get("context_length") or "",
                      _local_time(m.get("expires_at"))])
     if not rows:
-        fe.out("no models loaded" + (" (this command started a private manager; models stay loaded only while it "
-                                     "runs: start `jupyter-llama serve` for a lasting one)" if fe.embedded else ""))
+        fe.out("no models loaded")
     else:
         fe.out(render_table(["NAME", "SIZE", "PROCESSOR", "LAYERS", "DEVICES", "CONTEXT", "UNTIL"], rows))
     return EXIT_OK
@@ -706,9 +730,18 @@ def cmd_estimate(args, fe: Frontend):
 
 
 def _manager_configured() -> bool:
+    """JUPYTER_LLAMA_URL is set, or a running manager of this user is found (none is started)."""
     import os
 
-    return bool(os.environ.get("JUPYTER_LLAMA_URL"))
+    from .client import ServerNotFound, find_server
+
+    if os.environ.get("JUPYTER_LLAMA_URL"):
+        return True
+    try:
+        find_server(start=False)
+    except ServerNotFound:
+        return False
+    return True
 
 
 def describe_event(e: dict) -> str:

@@ -3,7 +3,8 @@ are :mod:`jupyter_llama.commands`, the same words the ``jupyter-llama`` CLI spea
 
 Inside JupyterLab or Notebook the magic talks to the server extension (found through
 ``JUPYTER_LLAMA_URL``, which the extension exports to its kernels); anywhere else (plain
-IPython, VS Code, a script) it starts an embedded manager on first use.
+IPython, VS Code, a script) it uses a running Jupyter server of the user that serves the
+extension, else the user's background manager, started on first use and shared.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class NotebookFrontend(Frontend):
         return self.magics.client()
 
     def has_manager(self, args=None) -> bool:
-        return True  # the magic always has one (the server's, or its embedded one)
+        return True  # the magic always has one (the kernel's server, or the background manager)
 
     def out(self, text: str) -> None:
         print(text)
@@ -110,7 +111,8 @@ class LlamaMagics(Magics):
     """``%llama COMMAND ...`` (``%llama help`` lists the commands) and ``%%llama run|chat MODEL``."""
 
     default_model = Unicode("", help="model used by `%%llama run` / `%%llama chat` when none is named").tag(config=True)
-    url = Unicode("", help="the manager's API URL (default: JUPYTER_LLAMA_URL, else an embedded manager)").tag(
+    url = Unicode("", help="the manager's API URL (default: JUPYTER_LLAMA_URL, else a running Jupyter server of "
+                           "yours with the extension, else your background manager)").tag(
         config=True)
     token = Unicode("", help="its token (default: JUPYTER_LLAMA_TOKEN or the server's runtime file)").tag(config=True)
     update_interval = Float(0.05, help="seconds between display updates while an answer streams").tag(config=True)
@@ -130,15 +132,10 @@ class LlamaMagics(Magics):
 
     def client(self):
         if self._client is None:
-            from .client import LlamaClient, ServerNotFound
+            from .client import LlamaClient
 
-            try:
-                self._client = LlamaClient(self.url or None, self.token or None)
-            except ServerNotFound:
-                from .embedded import embedded
-
-                info = embedded().info
-                self._client = LlamaClient(info.url, info.token)
+            # the kernel's server, a running one of this user, else the background manager
+            self._client = LlamaClient(self.url or None, self.token or None)
         return self._client
 
     @line_cell_magic

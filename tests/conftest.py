@@ -82,3 +82,25 @@ def manager(engine, tmp_path_factory):
                "log": models / "serve.log"}
     finally:
         m.stop(timeout=30)
+
+
+def pytest_configure(config):
+    """Keep the suite's managers to itself: Jupyter runtime files and the background manager's
+    state live in a directory of this run (not the user's, where a running JupyterLab would be
+    found), and a background manager left by a test goes away after a minute on its own."""
+    import tempfile
+
+    if "JUPYTER_LLAMA_MANAGER_DIR" not in os.environ:
+        root = tempfile.mkdtemp(prefix="jupyter-llama-tests-")
+        os.environ["JUPYTER_LLAMA_MANAGER_DIR"] = os.path.join(root, "manager")
+        os.environ.setdefault("JUPYTER_RUNTIME_DIR", os.path.join(root, "runtime"))
+        config._jl_background_root = root
+    os.environ.setdefault("JUPYTER_LLAMA_MANAGER_IDLE", "60s")
+
+
+def pytest_unconfigure(config):
+    """Stop (by the PID in its state file) a background manager a test started."""
+    if getattr(config, "_jl_background_root", None):
+        from jupyter_llama import background
+
+        background.stop()

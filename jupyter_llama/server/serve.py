@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not open a browser (the default: there is no page to show, only an API)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARN, ERROR or CRITICAL")
     p.add_argument("--allow-root", action="store_true", help="allow running as root (jupyter_server refuses by default)")
+    p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
+                   help="exit once no model is loaded and no request has come for this long (the background "
+                        "manager's way of going away by itself)")
     return p
 
 
@@ -103,6 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     app.log.info("  Ollama clients: OLLAMA_HOST=%s with header 'Authorization: token %s'", url,
                  shown if token else "")
     app.log.info("  OpenAI clients: base_url=%s/v1 api_key=<the token>", url)
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    if args.exit_when_idle is not None:
+        _exit_when_idle(app, args.exit_when_idle)
     try:
         app.start()
     finally:
@@ -111,6 +117,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ext is not None and ext.scheduler is not None:
             ext.scheduler.kill_now()
     return 0
+
+
+def _exit_when_idle(app, seconds: float) -> None:
+    """Stop the server once nothing is loaded, nothing is in flight, and the last request is
+    ``seconds`` old (a loaded model keeps it: its keep_alive is a promise to the user)."""
+    from tornado.ioloop import PeriodicCallback
+
+    from jupyter_server._tz import utcnow
+
+    def check() -> None:
+        ext = _extension(app)
+        if ext is None or ext.busy or (ext.scheduler is not None and ext.scheduler.loaded):
+            return
+        idle = (utcnow() - app.web_app.last_activity()).total_seconds()
+        if idle >= seconds:
+            app.log.info("jupyter-llama: nothing loaded and no request for %.0fs: exiting", idle)
+            app.stop()
+
+    PeriodicCallback(check, max(200.0, min(5000.0, seconds * 250.0))).start()
 
 
 def _extension(app):

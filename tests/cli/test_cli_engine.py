@@ -81,10 +81,13 @@ def test_devices_table_and_json():
     assert data["host"]["total"] > 0
 
 
-def test_devices_bad_budget_names_the_variable():
+def test_devices_bad_budget_names_the_variable(tmp_path):
     import os
 
-    env = dict(os.environ, JUPYTER_LLAMA_MEMORY_LIMIT="lots")
+    # no manager to be found (the suite's own would answer for its devices): this process's budget
+    env = dict(os.environ, JUPYTER_LLAMA_MEMORY_LIMIT="lots", JUPYTER_RUNTIME_DIR=str(tmp_path),
+               JUPYTER_LLAMA_MANAGER_DIR=str(tmp_path / "manager"))
+    env.pop("JUPYTER_LLAMA_URL", None)
     r = cli("devices", env=env)
     assert r.returncode == 2 and "JUPYTER_LLAMA_MEMORY_LIMIT" in r.stderr
 

@@ -1,4 +1,5 @@
-"""Every manager subcommand as a subprocess against a real `jupyter-llama serve`, and once embedded."""
+"""Every manager subcommand as a subprocess against a real `jupyter-llama serve` (the background
+manager's: tests/cli/test_background.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import sys
 
 import pytest
 
-from jupyter_llama.engine.runner import process_alive
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -93,15 +93,3 @@ def test_estimate_of_a_file_needs_no_manager(tiny_model):
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert {"coarse", "detailed"} <= set(data["estimates"])
-
-
-def test_embedded_manager_when_no_server_runs(engine, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("JUPYTER_LLAMA_URL", "JUPYTER_LLAMA_TOKEN")}
-    env.update(JUPYTER_LLAMA_MODELS=str(tmp_path / "models"), JUPYTER_LLAMA_SERVER=engine.path)
-    assert cli(env, "synth", "solo", "--layers", "2", "--embd", "64").returncode == 0
-    r = cli(env, "run", "solo", "Hello", "--num-predict", "4")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip()
-    # nothing of the embedded manager outlives the command
-    out = subprocess.run(["pgrep", "-f", f"{tmp_path}"], capture_output=True, text=True).stdout.split()
-    assert not [p for p in out if process_alive(int(p))]

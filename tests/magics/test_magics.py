@@ -139,13 +139,18 @@ def test_server_unreachable_says_how_to_start_one(monkeypatch):
         magics._client = None
 
 
-def test_embedded_manager_in_plain_ipython(engine, tmp_path, monkeypatch):
-    from jupyter_llama.embedded import stop_embedded
+def test_background_manager_in_plain_ipython(engine, tmp_path, monkeypatch):
+    """No Jupyter server, no URL: the magic starts the user's background manager (and a
+    LlamaClient() made afterwards, as the widgets make one, finds the same)."""
+    from jupyter_llama import background
+    from jupyter_llama.client import LlamaClient
 
-    monkeypatch.delenv("JUPYTER_LLAMA_URL", raising=False)
-    monkeypatch.delenv("JUPYTER_LLAMA_TOKEN", raising=False)
+    for k in ("JUPYTER_LLAMA_URL", "JUPYTER_LLAMA_TOKEN", "JPY_PARENT_PID"):
+        monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("JUPYTER_LLAMA_MODELS", str(tmp_path / "models"))
     monkeypatch.setenv("JUPYTER_LLAMA_SERVER", engine.path)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("JUPYTER_LLAMA_MANAGER_DIR", str(tmp_path / "manager"))
     sh = InteractiveShell.instance()
     sh.display_pub = RecordingPublisher(shell=sh)
     sh.run_line_magic("load_ext", "jupyter_llama")
@@ -155,12 +160,16 @@ def test_embedded_manager_in_plain_ipython(engine, tmp_path, monkeypatch):
         sh.run_line_magic("llama", "synth emb --layers 2 --embd 64")
         r = sh.run_line_magic("llama", "run emb Hello --num-predict 6")
         assert r.tokens == 6 and r.text
-        assert magics.client().url.startswith("http://127.0.0.1:")
+        info = magics.client().server
+        assert info.url.startswith("http://127.0.0.1:") and info.source.startswith("background manager")
+        with LlamaClient() as c:
+            assert c.server.pid == info.pid
+            assert [m["name"] for m in c.ps()["models"]] == ["emb:latest"]
     finally:
         if magics._client is not None:
             magics._client.close()
         magics._client = None
-        stop_embedded()
+        background.stop()
 
 
 def test_text_that_looks_like_a_path_is_shown_as_text(shell):

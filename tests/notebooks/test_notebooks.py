@@ -1,8 +1,10 @@
 """The teaching notebooks in notebooks/, executed top to bottom through a real kernel.
 
-The kernel finds the session's manager (a real `jupyter-llama serve` child) through
-JUPYTER_LLAMA_URL / JUPYTER_LLAMA_TOKEN in its environment, exactly as a kernel started by
-JupyterLab with the extension does. Notebooks 04 and 05 start budgeted managers of their own
+Each runs twice: in a kernel that finds the session's manager (a real `jupyter-llama serve`
+child) through JUPYTER_LLAMA_URL / JUPYTER_LLAMA_TOKEN in its environment, exactly as a
+kernel started by JupyterLab with the extension does; and in a plain kernel with none of
+that, as VS Code and IPython run it, where the magics and widgets find the user's
+background manager, with the same claims checked. Notebooks 04 and 05 start budgeted managers of their own
 and stop them in their last cell; the test also watches the kernel's child processes and makes
 sure every manager a notebook started is gone once the kernel has shut down, even after a
 failed cell.
@@ -67,9 +69,10 @@ def _serve_descendants(pid: int) -> set[int]:
     return out
 
 
-def execute(name: str) -> tuple[nbformat.NotebookNode, float, set[int]]:
+def execute(name: str, lasting: set[int] | None = None) -> tuple[nbformat.NotebookNode, float, set[int]]:
     """Run one notebook in a fresh kernel with cwd notebooks/; returns it, its run time and the
-    managers its kernel started (all of which are stopped, by pid, before this returns)."""
+    managers its kernel started (all of which are stopped, by pid, before this returns, but
+    for ``lasting`` ones: the background manager is meant to outlive its kernel)."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     started: set[int] = set()
     client = NotebookClient(nb, timeout=240, kernel_name="python3", allow_errors=False, coalesce_streams=True,
@@ -90,7 +93,7 @@ def execute(name: str) -> tuple[nbformat.NotebookNode, float, set[int]]:
     elapsed = time.monotonic() - t0
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     render(nb, ARTIFACTS / name.replace(".ipynb", ".html"))
-    leftovers = _stop_all(started)
+    leftovers = _stop_all(started - (lasting or set()))
     if error is not None:
         pytest.fail(f"{name}: a cell failed (rendered to {ARTIFACTS / name.replace('.ipynb', '.html')}):\n{error}")
     assert not leftovers, f"{name}: managers still running after the kernel stopped: {leftovers}"
@@ -140,28 +143,51 @@ def all_text(nb: nbformat.NotebookNode) -> str:
     return "\n".join(parts)
 
 
-@pytest.fixture
-def run_notebook(manager, engine, monkeypatch, notebook_timings):
-    """Execute a notebook in a kernel that finds the session's manager the way JupyterLab's kernels do."""
-    monkeypatch.setenv("JUPYTER_LLAMA_URL", manager["env"]["JUPYTER_LLAMA_URL"])
-    monkeypatch.setenv("JUPYTER_LLAMA_TOKEN", manager["env"]["JUPYTER_LLAMA_TOKEN"])
+@pytest.fixture(params=["server", "plain kernel"])
+def run_notebook(request, engine, monkeypatch, tmp_path, notebook_timings):
+    """Execute a notebook in a kernel that finds a manager two ways: "server", the session's
+    manager through JUPYTER_LLAMA_URL/TOKEN, as a kernel JupyterLab starts; "plain kernel",
+    none of that (VS Code, plain IPython): its magics and widgets find the user's background
+    manager (its own state directory here; started before the kernel, as a first %llama
+    would start it, so the test can tell it from managers the notebook starts itself, and
+    stopped afterwards). ``run.manager_pid`` is the manager's pid."""
     monkeypatch.setenv("JUPYTER_LLAMA_SERVER", engine.path)  # notebooks' own managers use the same engine
     monkeypatch.delenv("JUPYTER_TOKEN", raising=False)
+    lasting: set[int] = set()
+    if request.param == "server":
+        manager = request.getfixturevalue("manager")
+        monkeypatch.setenv("JUPYTER_LLAMA_URL", manager["env"]["JUPYTER_LLAMA_URL"])
+        monkeypatch.setenv("JUPYTER_LLAMA_TOKEN", manager["env"]["JUPYTER_LLAMA_TOKEN"])
+        manager_pid = manager["pid"]
+    else:
+        from jupyter_llama import background
+
+        for k in ("JUPYTER_LLAMA_URL", "JUPYTER_LLAMA_TOKEN", "JPY_PARENT_PID"):
+            monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv("JUPYTER_LLAMA_MODELS", str(tmp_path / "models"))
+        monkeypatch.setenv("JUPYTER_LLAMA_KEEP_ALIVE", "30s")
+        monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+        monkeypatch.setenv("JUPYTER_LLAMA_MANAGER_DIR", str(tmp_path / "manager"))
+        manager_pid = background.ensure().pid
+        lasting.add(manager_pid)
+        request.addfinalizer(background.stop)
 
     def run(name: str):
-        nb, elapsed, managers = execute(name)
-        notebook_timings[name] = elapsed
-        print(f"{name}: {elapsed:.1f} s")
-        return nb, claims_of(nb), managers
+        nb, elapsed, managers = execute(name, lasting)
+        label = name if request.param == "server" else f"{name} ({request.param})"
+        notebook_timings[label] = elapsed
+        print(f"{label}: {elapsed:.1f} s")
+        return nb, claims_of(nb), managers - lasting
 
+    run.manager_pid = manager_pid
     return run
 
 
 @notebook_test
-def test_01_first_model(run_notebook, manager):
+def test_01_first_model(run_notebook):
     nb, c, _ = run_notebook("01-first-model.ipynb")
     assert c["host"] == "127.0.0.1" and c["port_in_argv"]
-    assert c["parent_pid"] == manager["pid"], "the llama-server child belongs to the manager"
+    assert c["parent_pid"] == run_notebook.manager_pid, "the llama-server child belongs to the manager"
     assert not c["api_key_on_command_line"]
     assert c["actual_total"] > 0 and c["ps_size"] == c["actual_total"]
     assert c["tokens"] == 24

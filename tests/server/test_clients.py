@@ -173,6 +173,8 @@ async def test_our_client(llama_url, server_root, token, ext, monkeypatch, jp_ru
     assert find_server().token == "explicit"
 
     monkeypatch.delenv("JUPYTER_LLAMA_URL")
+    ext.serverapp.remove_server_info_file()  # else its runtime file finds it (test_background.py)
+    monkeypatch.setenv("JUPYTER_LLAMA_MANAGER_DIR", str(jp_runtime_dir / "no-manager"))
     with pytest.raises(ServerNotFound) as e:
         find_server()
     assert "jupyter-llama serve" in str(e.value) and "JupyterLab" in str(e.value)

@@ -199,6 +199,7 @@ def test_client_discovery(tmp_path, monkeypatch):
     assert api_url("http://h:1/base") == "http://h:1/base/llama/"
     assert api_url("http://h:1/base/llama") == "http://h:1/base/llama/"
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("JUPYTER_LLAMA_MANAGER_DIR", str(tmp_path / "manager"))  # none runs there
     (tmp_path / "jpserver-4242.json").write_text(json.dumps(
         {"url": "http://localhost:8888/", "base_url": "/user/me/", "token": "tok", "pid": 4242}))
     env = {"JUPYTER_LLAMA_URL": "http://127.0.0.1:8888/user/me/llama/", "JPY_PARENT_PID": "4242"}
@@ -208,7 +209,7 @@ def test_client_discovery(tmp_path, monkeypatch):
     assert find_server("http://other:1/", "explicit", environ=env).token == "explicit"
     assert find_server(environ={"JUPYTER_LLAMA_URL": "http://127.0.0.1:9999/llama/"}).token is None
     with pytest.raises(ServerNotFound, match="jupyter-llama serve"):
-        find_server(environ={})
+        find_server(environ={}, start=False)
 
 
 def test_capabilities_come_from_the_model():

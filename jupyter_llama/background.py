@@ -1,0 +1,191 @@
+"""One manager per user for every place without a Jupyter server: plain IPython, VS Code's
+notebooks, scripts and shell commands share it.
+
+It is ``jupyter-llama serve`` on a free loopback port with a random token, started on first
+use, detached (it outlives the kernel or command that started it, so ``jupyter-llama run``
+twice loads the model once), and it exits by itself once nothing is loaded and nothing has
+asked for a while (``JUPYTER_LLAMA_MANAGER_IDLE``, default 10 minutes). Where it is lies in
+a state file, readable by this user only, in Jupyter's runtime directory (or
+``JUPYTER_LLAMA_MANAGER_DIR``): its URL, token and PID. A lock file makes two first uses at
+once start one manager, not two. It runs with the settings (``JUPYTER_LLAMA_*``) of the
+process that started it; ``jupyter-llama status`` says which manager a command uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+
+from .config import env, parse_duration
+
+__all__ = ["Manager", "ManagerStartFailed", "ensure", "find", "state_dir", "stop", "IDLE_DEFAULT"]
+
+IDLE_DEFAULT = "10m"
+START_TIMEOUT = 60.0
+STATE_NAME = "jupyter-llama-manager.json"
+SOURCE = "background manager"
+
+
+class Manager(NamedTuple):
+    """Where the background manager is (``client.find_server`` makes a ServerInfo of it)."""
+
+    url: str  # its API root, ending in "llama/"
+    token: str
+    pid: int
+    source: str  # in words, for `jupyter-llama status`
+
+
+class ManagerStartFailed(RuntimeError):
+    """It could not be started; the message says why and where its log is."""
+
+
+def state_dir() -> Path:
+    """Where the state file lives: ``JUPYTER_LLAMA_MANAGER_DIR``, else Jupyter's runtime directory."""
+    chosen = env("MANAGER_DIR")
+    if chosen:
+        return Path(chosen)
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    return Path(jupyter_runtime_dir())
+
+
+def _state_path() -> Path:
+    return state_dir() / STATE_NAME
+
+
+def _read_state() -> dict | None:
+    try:
+        data = json.loads(_state_path().read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(data, dict) and isinstance(data.get("url"), str) and isinstance(data.get("pid"), int)
+    return data if ok else None
+
+
+def _alive(pid: int) -> bool:
+    from .engine.runner import process_alive
+
+    return process_alive(pid)
+
+
+def _answers(url: str, token: str | None, timeout: float = 1.0) -> bool:
+    try:
+        r = httpx.get(url + "api/version", headers={"Authorization": f"token {token}"} if token else {},
+                      timeout=timeout, trust_env=False)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
+
+
+def find() -> Manager | None:
+    """The running background manager of this user, if there is one and it answers."""
+    st = _read_state()
+    if st is None or not _alive(st["pid"]) or not _answers(st["url"], st.get("token")):
+        return None
+    return Manager(st["url"], st.get("token"), st["pid"], f"{SOURCE} (pid {st['pid']}, state in {_state_path()})")
+
+
+def ensure(timeout: float = START_TIMEOUT) -> Manager:
+    """The background manager, started now if none runs (one start when several ask at once)."""
+    from filelock import FileLock
+
+    found = find()
+    if found is not None:
+        return found
+    d = state_dir()
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with FileLock(str(d / (STATE_NAME + ".lock")), timeout=timeout + 30):
+        found = find()  # another process may have started it while we waited for the lock
+        if found is not None:
+            return found
+        return _start(d, timeout)
+
+
+def _start(d: Path, timeout: float) -> Manager:
+    from .engine.runner import free_port
+
+    idle = parse_duration(env("MANAGER_IDLE") or IDLE_DEFAULT, "JUPYTER_LLAMA_MANAGER_IDLE")
+    port, token = free_port(), secrets.token_urlsafe(24)
+    url = f"http://127.0.0.1:{port}/llama/"
+    argv = [sys.executable, "-m", "jupyter_llama.server.serve", "--ip", "127.0.0.1", "--port", str(port),
+            "--log-level", "WARN", "--exit-when-idle", str(idle)]
+    if os.geteuid() == 0:
+        argv.append("--allow-root")
+    environ = dict(os.environ, JUPYTER_TOKEN=token)
+    environ.pop("JUPYTER_LLAMA_URL", None)  # it must not try to find itself
+    log_path = d / "jupyter-llama-manager.log"
+    with open(log_path, "ab") as log:
+        # its own session, no parent-death signal: it is meant to outlive whoever started it
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environ,
+                                start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + timeout
+    while not _answers(url, token, timeout=2.0):
+        if proc.poll() is not None:
+            raise ManagerStartFailed(f"the background jupyter-llama manager exited at start (code {proc.returncode}); "
+                                 f"its log: {log_path}\n{_tail(log_path)}")
+        if time.monotonic() > deadline:
+            _terminate(proc.pid)
+            raise ManagerStartFailed(f"the background jupyter-llama manager did not answer within {timeout:.0f}s; "
+                                 f"its log: {log_path}")
+        time.sleep(0.05)
+    state = {"url": url, "token": token, "pid": proc.pid, "started": time.time(), "log": str(log_path)}
+    tmp = d / (STATE_NAME + f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the token
+    with os.fdopen(fd, "w") as fh:
+        json.dump(state, fh)
+    os.replace(tmp, _state_path())
+    return Manager(url, token, proc.pid, f"{SOURCE} (pid {proc.pid}, started now, state in {_state_path()})")
+
+
+def stop(timeout: float = 15.0) -> int | None:
+    """Stop the background manager (it stops every model first); its PID, or None if none ran."""
+    st = _read_state()
+    if st is None or not _alive(st["pid"]):
+        return None
+    _terminate(st["pid"], timeout)
+    try:
+        _state_path().unlink()
+    except OSError:
+        pass
+    return st["pid"]
+
+
+def _terminate(pid: int, timeout: float = 15.0) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            break
+        time.sleep(0.02)
+    _reap(pid)
+
+
+def _reap(pid: int) -> None:
+    try:  # our own child (started in this process): collect it
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _tail(path: Path, n: int = 10) -> str:
+    try:
+        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-n:])
+    except OSError:
+        return ""
+

@@ -1,0 +1,106 @@
+"""The per-user background manager: what plain IPython, VS Code, scripts and shells share.
+
+Each test gets its own state and runtime directories (no other manager can be found there),
+so the commands below must start one; the fixture stops it by the PID in its state file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jupyter_llama.engine.runner import process_alive
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+def cli(env, *args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "jupyter_llama.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.fixture
+def alone(engine, tmp_path, monkeypatch):
+    """An environment where no manager can be found: its own runtime and state directories."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JUPYTER_LLAMA_URL", "JUPYTER_LLAMA_TOKEN",
+                                                            "JPY_PARENT_PID")}
+    env.update(JUPYTER_LLAMA_MODELS=str(tmp_path / "models"), JUPYTER_LLAMA_SERVER=engine.path,
+               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_LLAMA_MANAGER_DIR=str(tmp_path / "manager"),
+               JUPYTER_LLAMA_KEEP_ALIVE="60s")
+    for k in ("JUPYTER_LLAMA_URL", "JUPYTER_LLAMA_TOKEN", "JPY_PARENT_PID"):
+        monkeypatch.delenv(k, raising=False)
+    for k in ("JUPYTER_LLAMA_MODELS", "JUPYTER_LLAMA_SERVER", "JUPYTER_RUNTIME_DIR", "JUPYTER_LLAMA_MANAGER_DIR"):
+        monkeypatch.setenv(k, env[k])
+    yield env
+    from jupyter_llama import background
+
+    pid = background.stop()
+    assert pid is None or not process_alive(pid)
+
+
+def status(env) -> dict:
+    r = cli(env, "status", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_commands_share_one_background_manager_and_its_loaded_model(alone):
+    env = alone
+    assert cli(env, "synth", "solo", "--layers", "2", "--embd", "64").returncode == 0
+    first = status(env)
+    assert first["source"].startswith("background manager") and process_alive(first["pid"])
+    for _ in range(2):
+        r = cli(env, "run", "solo", "Hello", "--num-predict", "4")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip()
+    again = status(env)
+    assert again["pid"] == first["pid"] and again["url"] == first["url"]  # one manager, found again
+    assert again["loaded"] == ["solo:latest"]  # the second run found the model loaded
+    events = json.loads(cli(env, "explain", "solo", "--json").stdout)
+    loads = [e for e in events if e.get("kind") == "load"]
+    assert len(loads) == 1, loads
+    human = cli(env, "status")
+    assert "found:   background manager (pid" in human.stdout and "solo:latest" in human.stdout
+    stopped = cli(env, "status", "--stop")
+    assert f"pid {first['pid']}" in stopped.stdout
+    assert not process_alive(first["pid"])
+
+
+def test_a_running_jupyter_server_is_found_before_a_background_one(alone, tmp_path):
+    from jupyter_llama.client import find_server
+    from jupyter_llama.embedded import EmbeddedManager
+
+    m = EmbeddedManager(log_path=str(tmp_path / "serve.log"), env={"JUPYTER_RUNTIME_DIR": alone["JUPYTER_RUNTIME_DIR"]})
+    m.start(timeout=120)
+    try:
+        info = find_server(environ={}, start=False)  # no URL, no token: its runtime file says where
+        assert info.url == m.url and info.token == m.token and info.pid == m.proc.pid
+        assert info.source.startswith("Jupyter server")
+        assert status(alone)["pid"] == m.proc.pid
+    finally:
+        m.stop()
+
+
+def test_the_background_manager_exits_by_itself_when_idle(alone):
+    env = dict(alone, JUPYTER_LLAMA_MANAGER_IDLE="1s")
+    pid = status(env)["pid"]
+    deadline = time.monotonic() + 60
+    while process_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not process_alive(pid), "the idle background manager is still running after 60 s"
+
+
+def test_two_first_uses_at_once_start_one_manager(alone):
+    procs = [subprocess.Popen([sys.executable, "-m", "jupyter_llama.cli", "status", "--json"], env=alone,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    pids = set()
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        pids.add(json.loads(out)["pid"])
+    assert len(pids) == 1
