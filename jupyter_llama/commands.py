@@ -379,15 +379,17 @@ def _call(fe: Frontend, func: Callable, *a, model: str | None = None, **kw):
     """Call the client; turn its errors into CommandErrors that say what to do."""
     from .client import LlamaError, ModelNotFoundError, ServerNotFound
 
+    # The server's sentence is what a person reads (as `ollama` prints it); the HTTP status
+    # only picks the exit code.
     try:
         return func(*a, **kw)
     except ModelNotFoundError as e:
-        raise _not_found(fe, model or "", str(e)) from None
+        raise _not_found(fe, model or "", e.message) from None
     except ServerNotFound as e:
-        raise CommandError(str(e)) from None
+        raise CommandError(e.message) from None
     except LlamaError as e:
         code = EXIT_USAGE if e.status == 400 else EXIT_FAIL
-        raise CommandError(str(e), code) from None
+        raise CommandError(e.message, code) from None
 
 
 def _placement(fe: Frontend, model: str) -> str:

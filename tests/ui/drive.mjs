@@ -117,6 +117,24 @@ async function main() {
     await page.locator(`${card} .jp-Llama-memory[data-device="cpu"] .jp-Llama-fill-actual`).first().waitFor();
     await page.locator(`${card} [data-marker="detailed"]`).first().waitFor({ state: "attached" });
     await page.locator(`${row}[data-loaded="true"]`).waitFor();
+    // every marker in its estimator's legend colour, off-scale arrows too (a border shorthand
+    // once turned those black)
+    const markerColours = await page.locator(`${card} .jp-Llama-marker`).evaluateAll(els => els.map(el => {
+      const cs = getComputedStyle(el);
+      const probe = document.createElement('span');
+      probe.style.color = `var(--jp-llama-${el.dataset.marker})`;
+      el.parentElement.appendChild(probe);
+      const legend = getComputedStyle(probe).color;
+      probe.remove();
+      const shown = el.classList.contains('jp-mod-offscale') ? cs.borderLeftColor : cs.backgroundColor;
+      return { marker: el.dataset.marker, offscale: el.classList.contains('jp-mod-offscale'), shown, legend };
+    }));
+    for (const m of markerColours) {
+      if (m.shown !== m.legend) {
+        throw new Error(`the ${m.marker} marker${m.offscale ? ' (off scale)' : ''} is ${m.shown}, its legend ${m.legend}`);
+      }
+    }
+    log(`markers in their legend colours: ${markerColours.map(m => m.marker + (m.offscale ? ' (off scale)' : '')).join(', ')}`);
     const width = await page
       .locator(`${card} .jp-Llama-fill-actual`)
       .first()
