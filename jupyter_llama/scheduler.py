@@ -363,6 +363,27 @@ def default_predictor(ref: ModelRef, options: LoadOptions, gpus: list[str],
             DETAILED: estimate_detailed(ref.info, options, gpus, split)}
 
 
+def _what_to_shrink(report: MemoryReport | None, device: str, estimator: str) -> str:
+    """Advice for a load over its budget, from the largest part of what it needs there."""
+    from .memory.report import COMPUTE, KV, OTHER, WEIGHTS
+
+    parts = {c: report.total(device=device, component=c) for c in (WEIGHTS, KV, COMPUTE, OTHER)} if report else {}
+    if not parts or not any(parts.values()):
+        return "load it with a smaller context (num_ctx) or a smaller quantisation"
+    part, size = max(parts.items(), key=lambda kv: kv[1])
+    share = f"{format_bytes(size)} of it is"
+    if part == OTHER and estimator == COARSE:
+        return (f"{share} the coarse estimate's allowance for large batches (Ollama's, for a batch of 1024 tokens or "
+                "more; llama-server's default is 2048): load it with num_batch 512, which drops the allowance, or "
+                "let the detailed estimate decide (JUPYTER_LLAMA_FIT_ESTIMATOR=detailed)")
+    if part == COMPUTE:
+        return f"{share} the compute buffer: load it with a smaller batch (num_batch, num_ubatch)"
+    if part == KV:
+        return (f"{share} the K/V cache: load it with a smaller context (num_ctx), fewer parallel requests "
+                "(num_parallel) or a quantised cache (cache_type_k/cache_type_v q8_0)")
+    return f"{share} the weights: use a smaller quantisation of the model, or put fewer layers here (num_gpu)"
+
+
 @dataclass
 class FitPlan:
     """Whether a model fits now, the one computation behind every verdict (the scheduler's
@@ -982,8 +1003,8 @@ class Scheduler:
                 d, n = next((d, n) for d, n in plan.devices.items()
                             if n["checked"] and n["budget"] is not None and n["need"] > n["budget"])
                 msg = (f"{ref.name} needs {format_bytes(n['need'])} on {d} ({plan.estimator} estimate) but the budget "
-                       f"there is {format_bytes(n['budget'])}; raise JUPYTER_LLAMA_MEMORY_LIMIT, or load it with a "
-                       "smaller context (num_ctx) or a smaller quantisation")
+                       f"there is {format_bytes(n['budget'])}; {_what_to_shrink(preds.get(fit_source), d, plan.estimator)}"
+                       ", or raise JUPYTER_LLAMA_MEMORY_LIMIT")
                 self.events.emit(EventKind.FIT, ref.name, "does not fit: " + msg, fits=False, devices=numbers)
                 raise DoesNotFit(msg)
             if plan.verdict == "first":

@@ -253,14 +253,18 @@ def panel_rows(ps: Mapping | None, devices: Mapping | None, now: float) -> list[
         for dev in devs:
             a = actual.get(dev) if mem.get(ACTUAL) else None
             p = {src: v.get(dev, 0) for src, v in preds.items()}
-            scale = max([a or 0, *p.values(), 1]) * 1.15
-            main_pred = p.get(DETAILED, p.get(COARSE))
+            main_pred = p.get(DETAILED, p.get(COARSE, p.get(LLAMA_CPP)))
+            # The sidebar's rule (labextension/src/model.ts): the bar spans the actual figure and
+            # the main prediction, with some room; a prediction far beyond (the coarse one's
+            # batch surcharge on a small model) is marked at the end as off the scale.
+            scale = max(a or 0, main_pred or 0, 1) * 1.15
             r = room.get(dev)
             cap = (r["budget"] if r and r["budget"] is not None else (r["total"] if r else None))
             per_dev.append({
                 "device": dev, "actual": a, "predicted": p, "scale": scale,
                 "actual_pct": 100.0 * (a or 0) / scale,
-                "predicted_pct": {src: 100.0 * v / scale for src, v in p.items()},
+                "predicted_pct": {src: min(100.0, 100.0 * v / scale) for src, v in p.items()},
+                "off_scale": {src: v > scale for src, v in p.items()},
                 "error_pct": (100.0 * (main_pred - a) / a) if a and main_pred is not None else None,
                 "share_pct": (100.0 * (a if a is not None else (main_pred or 0)) / cap) if cap else None,
                 "capacity": cap, "capacity_kind": ("budget" if r and r["budget"] is not None else "total"),

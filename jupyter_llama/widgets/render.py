@@ -62,12 +62,20 @@ def render_fit(summary: Mapping) -> str:
             f"<span>{_e(summary.get('text'))}</span>{table}{warn}</div>")
 
 
-def _bar(fill_pct: float, markers: Iterable[tuple[float, str, str]] = (), colour: str = C_ACTUAL,
-         title: str = "") -> str:
+def _marker(pct: float, colour: str, title: str, off_scale: bool = False) -> str:
+    """A prediction's mark on a bar: a line, or at the end an arrow in its colour when the
+    prediction is off the bar's scale (as the sidebar draws it)."""
+    if off_scale:
+        return (f"<div title='{_e(title)} (off the scale)' style='position:absolute;left:calc(100% - 3px);top:-3px;"
+                f"width:0;height:0;border-top:8px solid transparent;border-bottom:8px solid transparent;"
+                f"border-left:6px solid {colour}'></div>")
+    return (f"<div title='{_e(title)}' style='position:absolute;left:calc({min(100.0, max(0.0, pct)):.2f}% - 1px);"
+            f"top:-3px;bottom:-3px;width:3px;background:{colour}'></div>")
+
+
+def _bar(fill_pct: float, markers: Iterable[tuple] = (), colour: str = C_ACTUAL, title: str = "") -> str:
     fill = min(100.0, max(0.0, fill_pct))
-    marks = "".join(
-        f"<div title='{_e(t)}' style='position:absolute;left:calc({min(100.0, max(0.0, p)):.2f}% - 1px);top:-3px;"
-        f"bottom:-3px;width:3px;background:{c}'></div>" for p, c, t in markers)
+    marks = "".join(_marker(*m) for m in markers)
     return (f"<div title='{_e(title)}' style='position:relative;height:10px;background:#e8e8e8;border-radius:3px;"
             f"width:100%;min-width:120px;margin:4px 0'><div style='position:absolute;left:0;top:0;bottom:0;"
             f"width:{fill:.2f}%;background:{colour};border-radius:3px'></div>{marks}</div>")
@@ -87,10 +95,13 @@ def render_panel_row(row: Mapping) -> str:
         a = d["actual"]
         preds = d["predicted"]
         markers = []
+        off = d.get("off_scale") or {}
         if DETAILED in preds:
-            markers.append((d["predicted_pct"][DETAILED], C_DETAILED, f"detailed prediction {_fmt(preds[DETAILED])}"))
+            markers.append((d["predicted_pct"][DETAILED], C_DETAILED, f"detailed prediction {_fmt(preds[DETAILED])}",
+                            off.get(DETAILED, False)))
         if COARSE in preds:
-            markers.append((d["predicted_pct"][COARSE], C_COARSE, f"coarse prediction {_fmt(preds[COARSE])}"))
+            markers.append((d["predicted_pct"][COARSE], C_COARSE, f"coarse prediction {_fmt(preds[COARSE])}",
+                            off.get(COARSE, False)))
         words = [f"actual {_fmt(a)}" if a is not None else "actual: not yet known"]
         words += [f"{src} {_fmt(v)}" for src, v in preds.items()]
         if d.get("error_pct") is not None:

@@ -248,6 +248,7 @@ def test_04_estimates_versus_reality(run_notebook):
     assert c["need_detailed"] < c["budget"] < c["need_coarse"]
     assert c["refused_status"] == 507
     assert "coarse estimate" in c["refused_message"] and "budget" in c["refused_message"]
+    assert "allowance for large batches" in c["refused_message"] and "num_batch 512" in c["refused_message"]
     assert "does not fit" in all_text(nb), "the refusal is shown as the manager recorded it"
     assert c["detailed_loaded"] and 0 < c["used"] <= c["budget"]
     assert c["managers_stopped"] and set(c["manager_pids"]) <= managers

@@ -189,6 +189,22 @@ def _ps_entry(now, name="tiny:latest", **kw):
     return d
 
 
+def test_a_prediction_far_off_the_scale_is_an_arrow_and_the_actual_bar_stays_readable():
+    """The coarse estimate's 2 GiB batch surcharge on a 3.4 MiB model: the bar keeps the
+    actual figure's scale (as the sidebar does), the coarse marker is an arrow at its end."""
+    from jupyter_llama.widgets.render import C_COARSE
+
+    now = 1_000_000.0
+    entry = _ps_entry(now)
+    entry["memory"]["coarse"] = _report("coarse", cpu=2048 * MiB)
+    (d,) = panel_rows({"models": [entry]}, _devices(), now)[0]["devices"]
+    assert d["actual_pct"] == pytest.approx(100 / 1.15)  # 5 MiB actual over 1.15 x 5 MiB
+    assert d["off_scale"] == {"detailed": False, "coarse": True} and d["predicted_pct"]["coarse"] == 100.0
+    html = render_panel_row(panel_rows({"models": [entry]}, _devices(), now)[0])
+    assert "coarse prediction 2.00 GiB (off the scale)" in html and f"border-left:6px solid {C_COARSE}" in html
+    assert "width:86.96%" in html
+
+
 def test_panel_rows_from_ps_and_devices():
     now = 1_000_000.0
     ps = {"models": [_ps_entry(now), _ps_entry(now, name="gpu:latest", size_vram=3 * MiB, layers_offloaded=20,
