@@ -776,14 +776,25 @@ class OpenAIHandler(LlamaHandler):
                     if req.endpoint != "/v1/embeddings" or "pooling" not in str(e).lower():
                         raise
                     res = await _openai_embeddings(lease, req)  # the model does not pool: we do
+                if isinstance(res, dict) and "model" in res:
+                    res["model"] = req.model  # the name asked for, as OpenAI and Ollama answer
                 self.finish_json(res)
                 return
             self.start_stream(SSE)
-            # The child speaks this wire format already (and names the model by our alias for
-            # it): its events go on as it wrote them, framed, never parsed.
+            # The child speaks this wire format already: its events go on as it wrote them,
+            # framed, never parsed. It names the model by its alias, the name it was loaded
+            # under; a request by another name (``tiny`` for ``tiny:latest``, or a copy of the
+            # same file) gets its own name back, by a replace of that one JSON string.
             write = self.stream_writer()
-            await lease.runner.relay_sse(req.endpoint, req.body,
-                                         lambda batch: write(b"".join([b"data: " + d + b"\n\n" for d in batch])))
+            alias = b'"model":' + json.dumps(lease.runner.name).encode()
+            asked = b'"model":' + json.dumps(req.model).encode()
+            if alias == asked:
+                def frame(batch):
+                    return write(b"".join([b"data: " + d + b"\n\n" for d in batch]))
+            else:
+                def frame(batch):
+                    return write(b"".join([b"data: " + d.replace(alias, asked, 1) + b"\n\n" for d in batch]))
+            await lease.runner.relay_sse(req.endpoint, req.body, frame)
             await self.send(oai.SSE_DONE)
             self.end_stream(SSE)
         finally:

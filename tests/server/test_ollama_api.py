@@ -489,3 +489,24 @@ async def test_a_huge_keep_alive_is_forever_and_ps_still_answers(http):
     ps = await http.get("api/ps")
     assert ps.status_code == 200 and ps.json()["models"][0]["expires_at"].startswith(("2", "3")), ps.text
     await http.post("api/generate", json={"model": "tiny", "keep_alive": 0})
+
+
+async def test_openai_answers_name_the_model_as_asked(http):
+    """The child names its model by the alias it was loaded under; an OpenAI client gets the
+    name it asked for, streamed or not, by the short name or by a copy of the same file."""
+    r = await http.post("api/copy", json={"source": "tiny", "destination": "tiny-copy"})
+    assert r.status_code == 200, r.text
+    try:
+        for name in ("tiny", "tiny:latest", "tiny-copy"):
+            body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                    "temperature": 0}
+            one = await http.post("v1/chat/completions", json=body)
+            assert one.status_code == 200 and one.json()["model"] == name, one.text
+            models = set()
+            async with http.stream("POST", "v1/chat/completions", json=dict(body, stream=True)) as r:
+                async for ln in r.aiter_lines():
+                    if ln.startswith("data: {"):
+                        models.add(json.loads(ln[6:])["model"])
+            assert models == {name}
+    finally:
+        await http.request("DELETE", "api/delete", json={"model": "tiny-copy"})
