@@ -269,10 +269,11 @@ def plot_sweep(result: SweepResult, *, budget: int | None = None, sources: Seque
         ax.axhline(budget / scale, color="#D55E00", linestyle="--", linewidth=1)
         ax.annotate(f"budget {budget / scale:.1f} {unit}", (xs[0], budget / scale), xytext=(2, 3),
                     textcoords="offset points", fontsize=8, color="#D55E00")
-    if numeric and result.param in ("num_ctx",) and max(xs) / max(1, min(xs)) >= 8:
-        ax.set_xscale("log", base=2)
+    if numeric and result.param in ("num_ctx",):
+        # a linear axis, ticks at the swept values: memory grows linearly with the context, and
+        # a log axis would draw that as a curve
         ax.set_xticks(xs, [f"{x:,}" for x in xs])
-        ax.minorticks_off()
+        ax.set_xlim(0, max(xs) * 1.05)
     if not numeric:
         ax.set_xticks(xs, [str(p.value) for p in result.points])
     if log_y:

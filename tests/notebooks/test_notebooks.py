@@ -236,6 +236,9 @@ def test_03_where_the_memory_goes(run_notebook):
     assert c["detailed_max_error"] < 0.10
     assert c["coarse_ignores_cache_type"]
     assert c["kv_vs_weights"] > 1
+    # the two rules the text states, shown: cells rounded up to 256, a q8_0 V cache refused without flash attention
+    assert c["rounded_to_256"] and c["kv_1000"] == c["kv_1024_by_hand"] == 2 * 8 * 2 * 64 * 1024 * 2
+    assert c["q8_v_refusal"] and "quantized V cache requires flash_attn" in c["q8_v_refusal"]
 
 
 @notebook_test
