@@ -40,6 +40,7 @@ from .memory import rpc
 from .memory.estimate import estimate_coarse, estimate_detailed, estimate_layer_counts, fit_layers
 from .memory.report import ACTUAL, COARSE, DETAILED, HOST, MemoryReport, MiB, format_bytes, format_pct, is_gpu
 from .models.gguf_info import GGUFError, read_gguf_info
+from .models.names import same_model
 from .models.ref import ModelRef
 
 Resolver = Callable[[str], Awaitable[ModelRef]]
@@ -113,6 +114,10 @@ class Event:
     message: str
     data: dict = field(default_factory=dict)
 
+    def concerns(self, model: str | None) -> bool:
+        """Whether this event is about ``model`` (any name for it: ``m`` is ``m:latest``); None: any."""
+        return model is None or same_model(self.model, model)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -136,7 +141,7 @@ class EventLog:
         return ev
 
     def recent(self, model: str | None = None, limit: int = 50, since: int = 0) -> list[Event]:
-        out = [e for e in self.history if e.seq > since and (model is None or e.model == model)]
+        out = [e for e in self.history if e.seq > since and e.concerns(model)]
         return out[-limit:]
 
     def listen(self, maxsize: int = 1000) -> "Subscription":
@@ -571,7 +576,23 @@ class Scheduler:
         """Unload every model loaded from the file ``path`` (a model being deleted)."""
         for lo in self.live():
             if lo.ref.path == path:
-                await self.unload(lo.name, reason=reason)
+                await self._unload(lo, reason, rule="explicit")
+
+    async def name_changed(self, name: str) -> list[str]:
+        """``name`` was created, copied over or deleted: retire the runners loaded under it
+        that it no longer points at (another file, or nothing), so that ``stop``, ``rm``, the
+        cap and the next request all see what the name means now. Returns their names."""
+        try:
+            key = (await self.resolver(name)).key
+        except SchedulerError:
+            key = None  # deleted
+        retired = []
+        for lo in self.live():
+            if same_model(lo.name, name) and lo.ref.key != key:
+                what = "now names another file" if key is not None else "was deleted"
+                await self._unload(lo, f"{name} {what}", rule="replaced")
+                retired.append(lo.name)
+        return retired
 
     async def find_loaded(self, name: str) -> Loaded | None:
         """The loaded model ``name`` names, resolved as a load would resolve it (``m`` is
@@ -579,8 +600,10 @@ class Scheduler:
         try:
             key = (await self.resolver(name)).key
         except SchedulerError:
-            key = next((k for k, lo in self.loaded.items() if lo.name == name), None)
+            key = None
         lo = self.loaded.get(key) if key else None
+        if lo is None or lo.state == ModelState.GONE:  # loaded under this name from what it named before
+            lo = next((x for x in self.live() if same_model(x.name, name)), None)
         return lo if lo is not None and lo.state != ModelState.GONE else None
 
     async def predict(self, name: str, options: LoadOptions | None = None) -> tuple[ModelRef, dict[str, MemoryReport]]:

@@ -399,6 +399,13 @@ class LlamaExtension(ExtensionApp):
         if self.resolver is not None:
             self.resolver.forget()
 
+    async def name_changed(self, name: str) -> None:
+        """A handler created, copied over or deleted ``name``: resolve afresh, and retire the
+        runners loaded under it from what it named before."""
+        self.store_changed()
+        if self.scheduler is not None:
+            await self.scheduler.name_changed(name)
+
     @contextlib.contextmanager
     def work(self):
         """Count a request as activity for as long as it runs."""

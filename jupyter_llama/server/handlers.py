@@ -568,7 +568,7 @@ class CopyHandler(LlamaHandler):
     async def post(self):
         src, dst = oa.parse_copy(self.json_body())
         await asyncio.to_thread(self.ext.store.copy, src, dst)
-        self.ext.store_changed()
+        await self.ext.name_changed(dst)
         self.finish_json({"status": "success"})
 
 
@@ -588,7 +588,7 @@ class DeleteHandler(LlamaHandler):
             try:
                 removed = await self.ext.store.remove(name, before_remove=unload_first)
             finally:
-                self.ext.store_changed()
+                await self.ext.name_changed(name)
         self.finish_json({"status": "success", "removed_blobs": [f"sha256:{d}" for d in removed]})
 
 
@@ -619,7 +619,7 @@ class CreateHandler(LlamaHandler):
                 if not os.path.isfile(path):
                     raise BadRequest(f'from: "{src}" is neither a model in the store nor a GGUF file on the server')
                 entry = await asyncio.to_thread(store.create, req.model, path)
-        self.ext.store_changed()
+        await self.ext.name_changed(req.model)
         statuses += [{"status": "writing manifest"}, {"status": "success", "model": entry.display}]
         if not req.stream:
             self.finish_json(statuses[-1])
@@ -1017,7 +1017,7 @@ class EventsHandler(LlamaHandler):
             await self.send(b"")  # headers out now, even with no history
             while True:
                 e = await sub.get()
-                if e.seq <= last or (model is not None and e.model != model):
+                if e.seq <= last or not e.concerns(model):
                     continue
                 last = e.seq
                 await self.send(ndjson(_finite(e.to_dict())))

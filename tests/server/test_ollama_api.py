@@ -510,3 +510,31 @@ async def test_openai_answers_name_the_model_as_asked(http):
             assert models == {name}
     finally:
         await http.request("DELETE", "api/delete", json={"model": "tiny-copy"})
+
+
+async def test_a_name_pointed_at_another_file_leaves_no_stale_runner(http, make_model, ext, store):
+    """Issue 17 item 6: creating or copying over a loaded model's name retires its runner (it
+    held a slot and answered `stop`/`rm` for the wrong file); the next request loads the new one."""
+    from srvutil import TINY
+
+    other = make_model("srv-renamed", **dict(TINY, seed=23))
+    await http.post("api/create", json={"model": "swap-a", "from": "tiny", "stream": False})
+    try:
+        await http.post("api/generate", json={"model": "swap-a", "options": OPTS})
+        old_pid = next(m["pid"] for m in (await http.get("api/ps")).json()["models"] if m["name"] == "swap-a:latest")
+        r = await http.post("api/create", json={"model": "swap-a", "from": str(other), "stream": False})
+        assert r.status_code == 200, r.text
+        assert "swap-a:latest" not in [m["name"] for m in (await http.get("api/ps")).json()["models"]]
+        events = (await http.get("api/events", params={"model": "swap-a"})).json()["events"]  # m is m:latest
+        assert any(e["kind"] == "unload" and "now names another file" in e["message"] for e in events), events
+        r = await http.post("api/generate", json=gen("swap-a", stream=False))
+        assert r.status_code == 200
+        new = next(m for m in (await http.get("api/ps")).json()["models"] if m["name"] == "swap-a:latest")
+        assert new["pid"] != old_pid and new["digest"] != next(
+            m for m in (await http.get("api/tags")).json()["models"] if m["name"] == "tiny:latest")["digest"]
+        # a copy over it does the same; `stop` of a stale name finds what is loaded under it
+        assert (await http.post("api/copy", json={"source": "tiny", "destination": "swap-a"})).status_code == 200
+        assert "swap-a:latest" not in [m["name"] for m in (await http.get("api/ps")).json()["models"]]
+    finally:
+        await http.request("DELETE", "api/delete", json={"model": "swap-a"})
+    assert "swap-a:latest" not in [m["name"] for m in (await http.get("api/ps")).json()["models"]]
