@@ -163,10 +163,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _atomic_write_json(path: Path, data: Any, fsync: bool = True) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+        # readable by this user only, whatever the umask: manifests carry the URLs models came from
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as fh:
             json.dump(data, fh, indent=1, sort_keys=False)
             fh.write("\n")
             if fsync:
@@ -499,9 +500,13 @@ class ModelStore:
         return f"ModelStore({str(self.root)!r})"
 
     def ensure_dirs(self) -> None:
+        """The store's folders; those made here are this user's only (0700), whatever the umask."""
+        if not self.root.exists():
+            self.root.mkdir(parents=True, mode=0o700)
+            os.chmod(self.root, 0o700)
         for d in (self.blobs_dir, self.manifests_dir, self.verified_dir, self.partial_dir,
                   self.urls_dir, self.locks_dir, self.tmp_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     # -- paths and locks ------------------------------------------------------------
 

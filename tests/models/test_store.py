@@ -450,3 +450,22 @@ async def test_edited_hard_linked_source_is_caught(store, tmp_path, ggufs):
     store.create("mine", src)
     assert blobs(store) == [f"sha256-{sha256(src)}"]
     await store.resolve("mine")
+
+
+def test_the_store_is_private_whatever_the_umask(tmp_path, make_model):
+    """Issue 17 item 11: folders 0700, manifests 0600 (they carry source URLs)."""
+    import stat
+
+    from jupyter_llama.models.store import ModelStore
+
+    old = os.umask(0o022)
+    try:
+        store = ModelStore(tmp_path / "store")
+        store.ensure_dirs()
+        entry = store.create("private", make_model("private", layers=1, embd=32))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "store").stat().st_mode) == 0o700
+    for d in (store.blobs_dir, store.manifests_dir):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert stat.S_IMODE(entry.manifest_path.stat().st_mode) == 0o600
