@@ -501,9 +501,12 @@ class ModelStore:
 
     def ensure_dirs(self) -> None:
         """The store's folders; those made here are this user's only (0700), whatever the umask."""
-        if not self.root.exists():
+        try:
             self.root.mkdir(parents=True, mode=0o700)
-            os.chmod(self.root, 0o700)
+        except FileExistsError:  # an admin's folder, or another process (a concurrent pull) made it
+            pass
+        else:
+            os.chmod(self.root, 0o700)  # mkdir's mode is masked by the umask; this is not
         for d in (self.blobs_dir, self.manifests_dir, self.verified_dir, self.partial_dir,
                   self.urls_dir, self.locks_dir, self.tmp_dir):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
