@@ -237,6 +237,11 @@ class LogParser:
         low = line.lower()
         if _ALERT_RE.search(low):
             self._check_errors(line, low, lineno)
+        if self.ready and self.listening:
+            # Serving: what follows is per-request chatter (slots, prompt cache, timings), ~30
+            # lines a request. The figures were all printed before this point; only failures
+            # (checked above) still count.
+            return
 
         if not _KEYWORD_RE.search(line):
             if self._weights_run is not None and line.strip():
