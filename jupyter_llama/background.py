@@ -72,9 +72,17 @@ def _read_state() -> dict | None:
 
 
 def _alive(pid: int) -> bool:
+    """The state file's process still runs and is a manager (a PID may be reused after an
+    idle exit or a reboot: never signal a process that is not ours)."""
     from .engine.runner import process_alive
 
-    return process_alive(pid)
+    if not process_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"jupyter_llama.server.serve" in f.read()
+    except OSError:  # no /proc (macOS): the answer to api/version decides
+        return True
 
 
 def _answers(url: str, token: str | None, timeout: float = 1.0) -> bool:
@@ -96,18 +104,37 @@ def find() -> Manager | None:
 
 def ensure(timeout: float = START_TIMEOUT) -> Manager:
     """The background manager, started now if none runs (one start when several ask at once)."""
-    from filelock import FileLock
+    from filelock import FileLock, Timeout
 
     found = find()
     if found is not None:
         return found
     d = state_dir()
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with FileLock(str(d / (STATE_NAME + ".lock")), timeout=timeout + 30):
-        found = find()  # another process may have started it while we waited for the lock
+    try:
+        with FileLock(str(d / (STATE_NAME + ".lock")), timeout=timeout + 30):
+            found = find() or _wait_for_running(timeout)  # another process may have started it meanwhile
+            if found is not None:
+                return found
+            return _start(d, timeout)
+    except Timeout:
+        raise ManagerStartFailed(f"another process has been starting the background manager for over "
+                                 f"{timeout + 30:.0f}s (lock {d / (STATE_NAME + '.lock')}); try again") from None
+
+
+def _wait_for_running(timeout: float) -> Manager | None:
+    """A manager whose process runs but did not answer in time (busy loading a model): wait
+    for it rather than start a second one beside it."""
+    st = _read_state()
+    if st is None or not _alive(st["pid"]):
+        return None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(st["pid"]):
+        found = find()
         if found is not None:
             return found
-        return _start(d, timeout)
+        time.sleep(0.2)
+    return None
 
 
 def _start(d: Path, timeout: float) -> Manager:
@@ -162,14 +189,17 @@ def stop(timeout: float = 15.0) -> int | None:
 def _terminate(pid: int, timeout: float = 15.0) -> None:
     try:
         os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # gone, or not ours
         return
+    from .engine.runner import process_alive  # alive at all (a dying manager's cmdline is already empty)
+
     deadline = time.monotonic() + timeout
-    while _alive(pid):
+    while process_alive(pid):
+        _reap(pid)
         if time.monotonic() > deadline:
             try:
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 pass
             break
         time.sleep(0.02)

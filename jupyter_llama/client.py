@@ -144,7 +144,13 @@ def _runtime_files() -> list[str]:
         rdir = jupyter_runtime_dir()
     except Exception:  # noqa: BLE001 - no jupyter_core config: no runtime files
         return []
-    return sorted(glob.glob(os.path.join(rdir, "jpserver-*.json")), key=os.path.getmtime, reverse=True)
+    def mtime(path: str) -> float:
+        try:
+            return os.path.getmtime(path)
+        except OSError:  # a server exiting now removes its file
+            return 0.0
+
+    return sorted(glob.glob(os.path.join(rdir, "jpserver-*.json")), key=mtime, reverse=True)
 
 
 def _read_runtime(path: str) -> dict | None:
@@ -254,6 +260,12 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return False  # another user's server: not ours to use
     return True
+
+
+def _from_background(info: ServerInfo) -> bool:
+    from . import background
+
+    return info.source.startswith(background.SOURCE)
 
 
 def _is_loopback(url: str) -> bool:
@@ -398,8 +410,25 @@ class LlamaClient(_Routes):
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: httpx.Timeout = TIMEOUT,
                  environ: Mapping[str, str] | None = None, start: bool = True):
         self.server = find_server(url, token, environ, start=start)
-        self._http = httpx.Client(base_url=self.server.url, headers=self.server.headers(), timeout=timeout,
-                                  trust_env=not _is_loopback(self.server.url))
+        self._timeout = timeout
+        self._http = self._connect()
+
+    def _connect(self) -> httpx.Client:
+        return httpx.Client(base_url=self.server.url, headers=self.server.headers(), timeout=self._timeout,
+                            trust_env=not _is_loopback(self.server.url))
+
+    def _found_again(self) -> bool:
+        """The background manager this client used has exited (it does when idle): find or
+        start it again. True when there is a new address to retry at."""
+        if not _from_background(self.server):
+            return False
+        info = find_server(start=True)
+        if info.url == self.server.url:
+            return False
+        self._http.close()
+        self.server = info
+        self._http = self._connect()
+        return True
 
     @property
     def url(self) -> str:
@@ -417,16 +446,18 @@ class LlamaClient(_Routes):
     def _do(self, call: _Call):
         return self._stream(call) if call.stream else self._json(call)
 
-    def _json(self, call: _Call):
+    def _json(self, call: _Call, again: bool = True):
         try:
             r = self._http.request(call.method, call.path, json=call.body, params=call.params)
         except httpx.ConnectError as e:
+            if again and self._found_again():
+                return self._json(call, again=False)
             raise _unreachable(self.url, e) from None
         if r.status_code >= 400:
             raise _error(r.status_code, _message_of(r.content, r.status_code))
         return _answer(r, call)
 
-    def _stream(self, call: _Call) -> Iterator[dict]:
+    def _stream(self, call: _Call, again: bool = True) -> Iterator[dict]:
         try:
             with self._http.stream(call.method, call.path, json=call.body, params=call.params) as r:
                 if r.status_code >= 400:
@@ -435,7 +466,10 @@ class LlamaClient(_Routes):
                     data = _check_line(line)
                     if data is not None:
                         yield data
-        except httpx.ConnectError as e:
+        except httpx.ConnectError as e:  # raised before anything was yielded: safe to retry
+            if again and self._found_again():
+                yield from self._stream(call, again=False)
+                return
             raise _unreachable(self.url, e) from None
 
     list = _Routes.tags
@@ -470,8 +504,26 @@ class AsyncLlamaClient(_Routes):
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: httpx.Timeout = TIMEOUT,
                  environ: Mapping[str, str] | None = None, start: bool = True):
         self.server = find_server(url, token, environ, start=start)
-        self._http = httpx.AsyncClient(base_url=self.server.url, headers=self.server.headers(), timeout=timeout,
-                                       trust_env=not _is_loopback(self.server.url))
+        self._timeout = timeout
+        self._http = self._connect()
+
+    def _connect(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.server.url, headers=self.server.headers(), timeout=self._timeout,
+                                 trust_env=not _is_loopback(self.server.url))
+
+    async def _found_again(self) -> bool:
+        """:meth:`LlamaClient._found_again`, without blocking the event loop."""
+        import asyncio
+
+        if not _from_background(self.server):
+            return False
+        info = await asyncio.to_thread(find_server, start=True)
+        if info.url == self.server.url:
+            return False
+        await self._http.aclose()
+        self.server = info
+        self._http = self._connect()
+        return True
 
     @property
     def url(self) -> str:
@@ -489,16 +541,18 @@ class AsyncLlamaClient(_Routes):
     def _do(self, call: _Call):
         return self._stream(call) if call.stream else self._json(call)
 
-    async def _json(self, call: _Call):
+    async def _json(self, call: _Call, again: bool = True):
         try:
             r = await self._http.request(call.method, call.path, json=call.body, params=call.params)
         except httpx.ConnectError as e:
+            if again and await self._found_again():
+                return await self._json(call, again=False)
             raise _unreachable(self.url, e) from None
         if r.status_code >= 400:
             raise _error(r.status_code, _message_of(r.content, r.status_code))
         return _answer(r, call)
 
-    async def _stream(self, call: _Call) -> AsyncIterator[dict]:
+    async def _stream(self, call: _Call, again: bool = True) -> AsyncIterator[dict]:
         try:
             async with self._http.stream(call.method, call.path, json=call.body, params=call.params) as r:
                 if r.status_code >= 400:
@@ -507,5 +561,9 @@ class AsyncLlamaClient(_Routes):
                     data = _check_line(line)
                     if data is not None:
                         yield data
-        except httpx.ConnectError as e:
+        except httpx.ConnectError as e:  # raised before anything was yielded: safe to retry
+            if again and await self._found_again():
+                async for data in self._stream(call, again=False):
+                    yield data
+                return
             raise _unreachable(self.url, e) from None

@@ -58,7 +58,8 @@ def request_bytes(host: str, port: int, path: str, body: bytes | None, headers: 
 
 
 class _LineProtocol(asyncio.Protocol):
-    """One POST; its answer's body, split into lines, goes to ``sink`` as it arrives.
+    """One request (a POST, or a GET); its answer's body, split into lines, goes to ``sink``
+    as it arrives.
 
     ``done`` resolves when the body has ended (None), or fails: RequestError for a status of
     400 or more (with the body's message), BadResponse, ConnectionError when the connection
@@ -78,7 +79,6 @@ class _LineProtocol(asyncio.Protocol):
         self._chunk_crlf = False  # a chunk's data has ended; its CRLF is next
         self._in_head = True
         self._error_body: list[bytes] | None = None
-        self._paused = False
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -91,8 +91,6 @@ class _LineProtocol(asyncio.Protocol):
             return
         try:
             body = self._parse(data)
-            if body is None:
-                return
             if self._error_body is not None:
                 self._error_body.append(body)
             elif body:
@@ -118,7 +116,7 @@ class _LineProtocol(asyncio.Protocol):
 
     # ------------------------------------------------------------------ parsing
 
-    def _parse(self, data: bytes) -> bytes | None:
+    def _parse(self, data: bytes) -> bytes:
         """Body bytes in ``data`` (b"" for none yet), after the head and chunk framing."""
         buf = self._buf + data if self._buf else data
         self._buf = b""
@@ -179,14 +177,17 @@ class _LineProtocol(asyncio.Protocol):
             name = name.strip().lower()
             if name == b"transfer-encoding" and b"chunked" in value.lower():
                 self._chunked = True
-            elif name == b"content-length" and value.strip().isdigit() and not self._chunked:
+            elif name == b"content-length" and value.strip().isdigit():
                 self._left = int(value.strip())
+        if self._chunked:  # chunked framing wins over a length, whichever header came first
+            self._left = None
         if self._status >= 400:
             self._error_body = []
 
     def _ended(self) -> bool:
-        """The body is complete: all of its content length, or the last chunk, has arrived
-        (``_left`` is 0 only then: a chunk that ends sets ``_chunk_crlf`` and its CRLF, None)."""
+        """The body is complete: all of its content length has arrived, or the last (empty)
+        chunk has. (The end of an ordinary chunk also leaves ``_left`` at 0, but with its
+        CRLF still to read, ``_chunk_crlf``.)"""
         return not self._in_head and self._left == 0 and not self._chunk_crlf
 
     def _lines(self, body: bytes) -> None:
@@ -196,19 +197,23 @@ class _LineProtocol(asyncio.Protocol):
         lines = (self._pending + body).split(b"\n") if self._pending else body.split(b"\n")
         self._pending = lines.pop()
         waiting = self.sink([ln[:-1] if ln.endswith(b"\r") else ln for ln in lines])
-        if waiting is not None and not waiting.done():
-            self.transport.pause_reading()  # the sink's reader is behind: wait for it
-            self._paused = True
-            waiting.add_done_callback(self._resume)
+        if waiting is None:
+            return
+        if waiting.done():
+            self._resume(waiting, reading=True)
+            return
+        self.transport.pause_reading()  # the sink's reader is behind: wait for it
+        waiting.add_done_callback(self._resume)
 
-    def _resume(self, waiting) -> None:
+    def _resume(self, waiting, reading: bool = False) -> None:
+        exc = None if waiting.cancelled() else waiting.exception()  # read, so it is never "unretrieved"
         if self.done.done():
             return
-        if not waiting.cancelled() and waiting.exception() is not None:
-            self._fail(waiting.exception())
+        if exc is not None:
+            self._fail(exc)
             return
-        self._paused = False
-        self.transport.resume_reading()
+        if not reading:
+            self.transport.resume_reading()
 
     def _finish(self) -> None:
         if self._error_body is not None:
@@ -261,7 +266,7 @@ def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"]) -> LineSink:
             elif line.startswith(b"data:"):
                 d = line[5:].strip()
             elif line.startswith(b"error:"):
-                _failed(data, error_text(line[6:].strip().decode("utf-8", "replace"), 500))
+                raise _failed(data, error_text(line[6:].strip().decode("utf-8", "replace"), 500))
             else:
                 continue
             if d == b"[DONE]":
@@ -270,14 +275,14 @@ def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"]) -> LineSink:
             if d[:1] == b"{" and d[1:].lstrip().startswith(b'"error"'):
                 event = json.loads(d)
                 if isinstance(event, dict) and len(event) == 1:
-                    _failed(data, error_text(d.decode("utf-8", "replace"), 500))
+                    raise _failed(data, error_text(d.decode("utf-8", "replace"), 500))
             data.append(d)
         return on_data(data) if data else None
 
-    def _failed(data: list[bytes], message: str):
+    def _failed(data: list[bytes], message: str) -> RequestError:
         if data:  # what came before the error in the same read still goes on first
             on_data(data)
-        raise RequestError(500, message)
+        return RequestError(500, message)
 
     return sink
 
@@ -340,6 +345,8 @@ async def _iterate(start: Callable[[LineSink], Awaitable[None]], backlog: int = 
                 await task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - we are leaving anyway
                 pass
+        elif not task.cancelled():
+            task.exception()  # a failure the consumer left before reaching: retrieved, not logged
 
 
 async def get_json(port: int, path: str, headers: dict[str, str] | None = None, timeout: float = 0.5,

@@ -1,7 +1,8 @@
 """A child process watched from the event loop, whichever loop that is.
 
 ``asyncio.create_subprocess_exec`` spawns through the loop: on asyncio's own loop that is
-``subprocess.Popen`` (vfork, about 1 ms from a Jupyter server's heap), on uvloop it is
+``subprocess.Popen`` (vfork, without a ``preexec_fn``: about 1 ms from a Jupyter server's
+heap), on uvloop it is
 libuv's spawn, which forks the whole process (3 ms, and more as the heap grows); a model
 swap pays it once per child. So children are started with ``subprocess.Popen`` here, on
 any loop, and only watched through the loop: their output as a read pipe, their exit
@@ -47,6 +48,7 @@ class ChildProcess:
         except BaseException:
             popen.kill()
             popen.wait()
+            popen.stdout.close()
             raise
         return cls(popen, reader, transport)
 
@@ -58,9 +60,11 @@ class ChildProcess:
         loop = asyncio.get_running_loop()
         try:
             self._pidfd = os.pidfd_open(self.pid)
-        except (AttributeError, OSError):  # no pidfd here: a thread waits for the exit
-            fut = loop.run_in_executor(None, self._popen.wait)
-            fut.add_done_callback(lambda f: self._settle())
+        except (AttributeError, OSError):  # no pidfd here: a thread of its own waits for the exit
+            import threading
+
+            threading.Thread(target=lambda: (self._popen.wait(), self._settle()), daemon=True,
+                             name=f"wait-{self.pid}").start()
             return
         loop.add_reader(self._pidfd, self._on_pidfd)
 

@@ -294,7 +294,7 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
 
         def sent(fut):
             if fut.done():
-                if fut.exception() is not None:
+                if fut.cancelled() or fut.exception() is not None:
                     self._gone = True
                     raise ClientGone()
                 return None
@@ -786,8 +786,9 @@ class OpenAIHandler(LlamaHandler):
             # under; a request by another name (``tiny`` for ``tiny:latest``, or a copy of the
             # same file) gets its own name back, by a replace of that one JSON string.
             write = self.stream_writer()
-            alias = b'"model":' + json.dumps(lease.runner.name).encode()
-            asked = b'"model":' + json.dumps(req.model).encode()
+            # spelled as llama-server spells it (UTF-8 as it is, not \u escapes)
+            alias = b'"model":' + json.dumps(lease.runner.name, ensure_ascii=False).encode()
+            asked = b'"model":' + json.dumps(req.model, ensure_ascii=False).encode()
             if alias == asked:
                 def frame(batch):
                     return write(b"".join([b"data: " + d + b"\n\n" for d in batch]))

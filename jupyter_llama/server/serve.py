@@ -126,16 +126,20 @@ def _exit_when_idle(app, seconds: float) -> None:
 
     from jupyter_server._tz import utcnow
 
+    seconds = max(1.0, seconds)  # at least long enough for the starter's first request
+
     def check() -> None:
         ext = _extension(app)
         if ext is None or ext.busy or (ext.scheduler is not None and ext.scheduler.loaded):
             return
         idle = (utcnow() - app.web_app.last_activity()).total_seconds()
         if idle >= seconds:
+            timer.stop()
             app.log.info("jupyter-llama: nothing loaded and no request for %.0fs: exiting", idle)
             app.stop()
 
-    PeriodicCallback(check, max(200.0, min(5000.0, seconds * 250.0))).start()
+    timer = PeriodicCallback(check, max(200.0, min(5000.0, seconds * 250.0)))
+    timer.start()
 
 
 def _extension(app):

@@ -104,3 +104,34 @@ def test_two_first_uses_at_once_start_one_manager(alone):
         assert p.returncode == 0, err
         pids.add(json.loads(out)["pid"])
     assert len(pids) == 1
+
+
+def test_a_client_outlives_its_background_manager(alone):
+    """A kernel's LlamaClient() keeps working after the manager exited (it does when idle):
+    the next call starts a new one and goes there."""
+    from jupyter_llama import background
+    from jupyter_llama.client import LlamaClient
+
+    with LlamaClient() as c:
+        first = c.server.pid
+        assert c.version()["version"]
+        assert background.stop() == first and not process_alive(first)
+        assert c.ps()["models"] == []  # found again, started again
+        assert c.server.pid != first and process_alive(c.server.pid)
+
+
+def test_stop_never_signals_a_process_that_is_not_the_manager(alone, tmp_path):
+    """A state file left by a manager that exited names a PID the system may give to anyone."""
+    from jupyter_llama import background
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        d = background.state_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        (d / background.STATE_NAME).write_text(json.dumps({"url": "http://127.0.0.1:9/llama/", "token": "t",
+                                                           "pid": sleeper.pid}))
+        assert background.find() is None and background.stop() is None
+        assert sleeper.poll() is None, "stop() signalled a process that is not a manager"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
