@@ -46,6 +46,13 @@ CRASH_MESSAGE = ("model runner has unexpectedly stopped, this may be due to reso
 HEALTH_POLL_S = 0.02  # polls while starting; the log's "model loaded" line usually wins
 HEALTH_POLL_READY_S = 0.002  # polls after that line, until /health says ok
 HEALTH_TIMEOUT_S = 0.5
+# A request that has made no progress (no byte from the child) for STALL_CHECK_S has the
+# child's /health asked; two missed answers in a row (STALL_HEALTH_TIMEOUT_S each) and the
+# child is taken for wedged: killed, and the request fails saying so. A busy child answers
+# /health from its HTTP thread while it computes (a long prompt is not a stall).
+STALL_CHECK_S = 5.0
+STALL_HEALTH_TIMEOUT_S = 2.0
+STALL_MISSES = 2
 
 
 class LoadError(EngineError):
@@ -341,9 +348,9 @@ class Runner:
             exited.cancel()
             ready_line.cancel()
 
-    async def _health_ok(self) -> bool:
+    async def _health_ok(self, timeout: float = HEALTH_TIMEOUT_S) -> bool:
         try:
-            body = await http1.get_json(self.port, "/health", self._headers(), timeout=HEALTH_TIMEOUT_S)
+            body = await http1.get_json(self.port, "/health", self._headers(), timeout=timeout)
         except (RequestError, ValueError, *_TRANSPORT_ERRORS):
             return False
         return isinstance(body, dict) and body.get("status") == "ok"
@@ -447,10 +454,51 @@ class Runner:
         switch per token (see :mod:`.http1`; a pending future it returns pauses reading).
         Returns when the stream ends; cancelling it closes the child's connection."""
         self._check_ready()
+        loop = asyncio.get_running_loop()
+        last = [loop.time()]
+
+        def progressing(batch):
+            last[0] = loop.time()
+            return on_data(batch)
+
         try:
-            await http1.relay_sse(self.port, path, payload, self.api_key, on_data)
+            await self._watched(http1.relay_sse(self.port, path, payload, self.api_key, progressing), last)
         except _TRANSPORT_ERRORS as e:
             raise await self._after_transport_error(e) from None
+
+    async def _watched(self, coro, last: list[float]):
+        """Run ``coro`` (a request to the child) while watching for a wedged child: see
+        STALL_CHECK_S. ``last[0]`` is the loop time of its latest progress."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(coro)
+        misses = 0
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=STALL_CHECK_S)
+                if done:
+                    return task.result()
+                if loop.time() - last[0] < STALL_CHECK_S:
+                    misses = 0
+                    continue
+                if await self._health_ok(STALL_HEALTH_TIMEOUT_S):
+                    misses = 0
+                    continue
+                misses += 1
+                if misses < STALL_MISSES:
+                    continue
+                quiet = loop.time() - last[0]
+                self.state = RunnerState.FAILED
+                self._signal(signal.SIGKILL)  # it stopped answering: the next request gets a fresh child
+                raise RunnerCrashed(f"llama-server for {self.name} stopped answering: nothing for {quiet:.0f}s and "
+                                    f"no answer on /health ({misses} tries); it was killed and will be started "
+                                    "again on the next request")
+        finally:
+            if not task.done():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the cause is raised above
+                    pass
 
     # ------------------------------------------------------------------ the child's protocol
 

@@ -174,3 +174,32 @@ async def test_url_exported_for_kernels(http, ext, jp_base_url):
     await http.get("api/version")
     url = os.environ["JUPYTER_LLAMA_URL"]
     assert url == ext.url and url.endswith(jp_base_url + "llama/")
+
+
+async def test_a_wedged_child_ends_the_stream_with_an_error_and_is_replaced(http, ext, monkeypatch):
+    """Issue 17 item 5: a child that stops answering (SIGSTOP) does not hang its requests:
+    with no byte and no /health answer for the stall interval it is killed, the stream ends
+    with an error line that says so, and the next request gets a fresh child."""
+    from jupyter_llama.engine import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "STALL_CHECK_S", 0.3)
+    monkeypatch.setattr(runner_mod, "STALL_HEALTH_TIMEOUT_S", 0.3)
+    await http.post("api/generate", json={"model": "tiny", "options": LONG})
+    pid = loaded(ext).runner.pid
+    got = []
+    try:
+        async with http.stream("POST", "api/generate", json=LONG_GEN) as r:
+            async for ln in r.aiter_lines():
+                if ln.strip():
+                    got.append(json.loads(ln))
+                    if len(got) == 1:
+                        os.kill(pid, signal.SIGSTOP)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)  # if the test failed before the manager killed it
+        except ProcessLookupError:
+            pass
+    assert set(got[-1]) == {"error"} and "stopped answering" in got[-1]["error"], got[-1]
+    r = await http.post("api/generate", json=dict(LONG_GEN, stream=False, options=dict(LONG, num_predict=2)))
+    assert r.status_code == 200, r.text
+    assert loaded(ext).runner.pid != pid
