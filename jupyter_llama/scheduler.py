@@ -840,6 +840,8 @@ class Scheduler:
 
     async def _load(self, ref: ModelRef, options: LoadOptions, keep_alive: float | None) -> Loaded:
         """Called with the lock held: make room, start the runner, retry on OOM as Ollama does."""
+        if not os.path.isfile(ref.path):  # deleted while this request waited: as if it never was
+            raise ModelNotFound(ref.name, "it was deleted while this request waited")
         options = self.effective_options(options, ref)
         options, preds, fit_source = await self._make_room(ref, options)
         ka = self.settings.keep_alive if keep_alive is None else keep_alive

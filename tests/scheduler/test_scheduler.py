@@ -484,3 +484,26 @@ async def test_a_registered_projector_reaches_llama_server(engine, tmp_path):
         assert explicit["options"].mmproj == "/elsewhere/p.gguf", "a request naming a projector wins"
     finally:
         await sched.shutdown()
+
+
+async def test_a_model_deleted_while_its_request_waited_is_not_found(make_scheduler, make_model, tmp_path):
+    """Issue 17 item 8: a request resolved its name, then the file went (a delete raced it):
+    404 (ModelNotFound), not a 500 about a missing file, and nothing is evicted or started."""
+    import shutil
+
+    from jupyter_llama.models.gguf_info import read_gguf_info
+    from jupyter_llama.models.ref import ModelRef
+
+    path = tmp_path / "doomed.gguf"
+    shutil.copy(make_model("doomed", layers=1, embd=32), path)
+    ref = ModelRef(name="doomed:latest", path=str(path), info=read_gguf_info(path))
+
+    async def resolver(name):
+        return ref
+
+    sched = make_scheduler()
+    sched.resolver = resolver
+    path.unlink()
+    with pytest.raises(ModelNotFound, match="deleted while this request waited"):
+        await sched.acquire("doomed")
+    assert not sched.loaded and not [e for e in sched.events.history if e.kind == "load"]
