@@ -494,7 +494,7 @@ class Scheduler:
         ref = await self.resolver(name)
         lo = self.loaded.get(ref.key)
         if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.matches(options) \
-                and lo.runner is not None and lo.runner.alive:
+                and lo.runner is not None and lo.runner.serving:
             return self._lease(lo, ka, 0.0)  # fast path: no queue, no lock
         if self._pending >= self.settings.max_queue:
             self.events.emit(EventKind.BUSY, ref.name, f"queue full ({self._pending} waiting, limit "
@@ -715,7 +715,7 @@ class Scheduler:
     async def _healthy(self, lo: Loaded) -> bool:
         """Alive, and (after a quiet spell) answering /health; a failure forces a reload."""
         r = lo.runner
-        if r is None or not r.alive:
+        if r is None or not r.serving:
             return False
         if time.monotonic() - lo.last_used < 10 or await r.health():
             return True

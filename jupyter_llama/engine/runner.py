@@ -208,6 +208,11 @@ class Runner:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def serving(self) -> bool:
+        """Ready and its process running: a request may be sent to it now."""
+        return self.state == RunnerState.READY and self.alive
+
+    @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 
@@ -489,6 +494,9 @@ class Runner:
                 quiet = loop.time() - last[0]
                 self.state = RunnerState.FAILED
                 self._signal(signal.SIGKILL)  # it stopped answering: the next request gets a fresh child
+                if self.proc is not None:  # dead before anyone hears of it: `alive` is False from now on
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.proc.wait(), 5.0)
                 raise RunnerCrashed(f"llama-server for {self.name} stopped answering: nothing for {quiet:.0f}s and "
                                     f"no answer on /health ({misses} tries); it was killed and will be started "
                                     "again on the next request")
