@@ -56,7 +56,7 @@ from ..engine.runner import EngineError, RequestError, RunnerCrashed
 from ..models.gguf_info import GGUFError
 from ..errors import NoSuchRoute, NotLoaded, NotSupported
 from ..models.names import same_model
-from ..models.pull import pull_stream
+from ..models.pull import PullError, derive_name, pull_stream
 from ..scheduler import BadRequest, ModelNotFound, SchedulerError
 
 if TYPE_CHECKING:
@@ -543,6 +543,12 @@ class PullHandler(LlamaHandler):
         finally:
             self.ext.store_changed()
 
+    async def _pulled(self, req: oa.PullRequest) -> None:
+        """Before the answer goes out: a pull that updated a loaded model retires its runner
+        for the old file (the name now means the new one)."""
+        with contextlib.suppress(PullError):
+            await self.ext.name_changed(derive_name(req.source, req.name).display)
+
     async def _pull_stream(self, req: oa.PullRequest) -> None:
         gen = pull_stream(req.source, req.name, store=self.ext.store)
         async with closing(gen) as statuses:
@@ -550,6 +556,7 @@ class PullHandler(LlamaHandler):
                 last = {"status": "success"}
                 async for st in statuses:
                     last = st
+                await self._pulled(req)
                 self.finish_json(last if last.get("status") == "success" else {"status": "success"})
                 return
             first = await anext(statuses, None)  # an error before any progress is an HTTP status
@@ -557,6 +564,8 @@ class PullHandler(LlamaHandler):
             if first is not None:
                 await self.send(ndjson(first))
                 async for st in statuses:
+                    if st.get("status") == "success":
+                        await self._pulled(req)
                     await self.send(ndjson(st))
         self.end_stream(NDJSON)
 

@@ -538,3 +538,31 @@ async def test_a_name_pointed_at_another_file_leaves_no_stale_runner(http, make_
     finally:
         await http.request("DELETE", "api/delete", json={"model": "swap-a"})
     assert "swap-a:latest" not in [m["name"] for m in (await http.get("api/ps")).json()["models"]]
+
+
+async def test_pulling_an_update_of_a_loaded_model_retires_its_runner(http, make_model, tmp_path):
+    """Issue 17 item 6, for pulls: the same URL now serves a new file; pulling it again under
+    the same name replaces the model, and the runner for the old file goes."""
+    import shutil
+
+    from srvutil import TINY
+
+    served = tmp_path / "served.gguf"
+    shutil.copy(make_model("srv-v1", **dict(TINY, seed=31)), served)
+    with FileHost({"/m/upd.gguf": served}) as host:
+        body = {"model": host.url + "/m/upd.gguf", "destination": "upd", "stream": False}
+        assert (await http.post("api/pull", json=body)).status_code == 200
+        await http.post("api/generate", json={"model": "upd", "options": OPTS})
+        assert "upd:latest" in [m["name"] for m in (await http.get("api/ps")).json()["models"]]
+        before = [m["digest"] for m in (await http.get("api/tags")).json()["models"] if m["name"] == "upd:latest"]
+        shutil.copy(make_model("srv-v2", **dict(TINY, seed=32)), served)  # the upstream file changed
+        r = await http.post("api/pull", json=body)
+        assert r.status_code == 200, r.text
+        after = [m["digest"] for m in (await http.get("api/tags")).json()["models"] if m["name"] == "upd:latest"]
+        assert before != after
+    try:
+        assert "upd:latest" not in [m["name"] for m in (await http.get("api/ps")).json()["models"]]
+        events = (await http.get("api/events", params={"model": "upd"})).json()["events"]
+        assert any(e["kind"] == "unload" and "now names another file" in e["message"] for e in events), events
+    finally:
+        await http.request("DELETE", "api/delete", json={"model": "upd"})
