@@ -414,7 +414,10 @@ class Runner:
         """A non-streaming request; returns the decoded JSON body."""
         self._check_ready()
         try:  # a fresh connection each time (child_client keeps no pool), so nothing to retry
-            r = await self.client.post(self.url + path, json=payload, headers=self._headers(), timeout=timeout)
+            # watched as a stream is: no progress to see, so /health decides after STALL_CHECK_S
+            since = [asyncio.get_running_loop().time()]
+            r = await self._watched(self.client.post(self.url + path, json=payload, headers=self._headers(),
+                                                     timeout=timeout), since)
         except httpx.HTTPError as e:
             raise await self._after_transport_error(e) from None
         if r.status_code >= 400:

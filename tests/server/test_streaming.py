@@ -203,3 +203,26 @@ async def test_a_wedged_child_ends_the_stream_with_an_error_and_is_replaced(http
     r = await http.post("api/generate", json=dict(LONG_GEN, stream=False, options=dict(LONG, num_predict=2)))
     assert r.status_code == 200, r.text
     assert loaded(ext).runner.pid != pid
+
+
+async def test_a_wedged_child_fails_a_request_that_is_not_streamed(http, ext, monkeypatch):
+    """The same for answers in one piece (here a non-streamed OpenAI completion)."""
+    from jupyter_llama.engine import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "STALL_CHECK_S", 0.3)
+    monkeypatch.setattr(runner_mod, "STALL_HEALTH_TIMEOUT_S", 0.3)
+    await http.post("api/generate", json={"model": "tiny", "options": LONG})
+    pid = loaded(ext).runner.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r = await http.post("v1/chat/completions", json={"model": "tiny", "max_tokens": 4,
+                                                         "messages": [{"role": "user", "content": "hi"}]})
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert r.status_code == 500 and "stopped answering" in r.json()["error"]["message"], r.text
+    r = await http.post("api/generate", json=dict(LONG_GEN, stream=False, options=dict(LONG, num_predict=2)))
+    assert r.status_code == 200, r.text
+    assert loaded(ext).runner.pid != pid
