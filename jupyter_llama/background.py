@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +28,8 @@ import httpx
 
 from .config import env, parse_duration
 
-__all__ = ["Manager", "ManagerStartFailed", "ensure", "find", "state_dir", "stop", "IDLE_DEFAULT"]
+__all__ = ["Manager", "ManagerStartFailed", "answers", "ensure", "find", "start_serve", "state_dir", "stop",
+           "IDLE_DEFAULT"]
 
 IDLE_DEFAULT = "10m"
 START_TIMEOUT = 60.0
@@ -85,7 +87,8 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _answers(url: str, token: str | None, timeout: float = 1.0) -> bool:
+def answers(url: str, token: str | None, timeout: float = 1.0) -> bool:
+    """Whether a jupyter-llama API at ``url`` (ending in ``llama/``) answers with this token."""
     try:
         r = httpx.get(url + "api/version", headers={"Authorization": f"token {token}"} if token else {},
                       timeout=timeout, trust_env=False)
@@ -97,7 +100,7 @@ def _answers(url: str, token: str | None, timeout: float = 1.0) -> bool:
 def find() -> Manager | None:
     """The running background manager of this user, if there is one and it answers."""
     st = _read_state()
-    if st is None or not _alive(st["pid"]) or not _answers(st["url"], st.get("token")):
+    if st is None or not _alive(st["pid"]) or not answers(st["url"], st.get("token")):
         return None
     return Manager(st["url"], st.get("token"), st["pid"], f"{SOURCE} (pid {st['pid']}, state in {_state_path()})")
 
@@ -137,33 +140,48 @@ def _wait_for_running(timeout: float) -> Manager | None:
     return None
 
 
+def start_serve(port: int, token: str, log_path: str | os.PathLike, *, what: str, tied: bool,
+                extra_argv: tuple[str, ...] = (), extra_env: dict[str, str] | None = None,
+                timeout: float = START_TIMEOUT) -> subprocess.Popen:
+    """Start ``jupyter-llama serve`` on 127.0.0.1:``port`` with ``token`` (in its environment,
+    never on the command line), its output appended to ``log_path``, and return once it
+    answers. ``tied``: it dies with this process (``setpriv --pdeathsig``), as the embedded
+    manager does; else it outlives it, as the background manager does. ManagerStartFailed
+    (naming ``what`` and the log) when it exits or stays silent for ``timeout`` seconds."""
+    argv = [sys.executable, "-m", "jupyter_llama.server.serve", "--ip", "127.0.0.1", "--port", str(port),
+            "--log-level", "WARN", *extra_argv]
+    if os.geteuid() == 0:
+        argv.append("--allow-root")
+    setpriv = shutil.which("setpriv") if tied else None
+    if setpriv:
+        argv = [setpriv, "--pdeathsig", "TERM", "--", *argv]
+    environ = dict(os.environ, **(extra_env or {}), JUPYTER_TOKEN=token)
+    environ.pop("JUPYTER_LLAMA_URL", None)  # it must not try to find itself
+    with open(log_path, "ab") as log:  # its own session either way: signals to our group pass it by
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environ,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}/llama/"
+    deadline = time.monotonic() + timeout
+    while not answers(url, token, timeout=2.0):
+        if proc.poll() is not None:
+            raise ManagerStartFailed(f"the {what} exited at start (code {proc.returncode}); its log: {log_path}\n"
+                                     f"{_tail(Path(log_path))}")
+        if time.monotonic() > deadline:
+            _terminate(proc.pid)
+            raise ManagerStartFailed(f"the {what} did not answer within {timeout:.0f}s; its log: {log_path}")
+        time.sleep(0.05)
+    return proc
+
+
 def _start(d: Path, timeout: float) -> Manager:
     from .engine.runner import free_port
 
     idle = parse_duration(env("MANAGER_IDLE") or IDLE_DEFAULT, "JUPYTER_LLAMA_MANAGER_IDLE")
     port, token = free_port(), secrets.token_urlsafe(24)
     url = f"http://127.0.0.1:{port}/llama/"
-    argv = [sys.executable, "-m", "jupyter_llama.server.serve", "--ip", "127.0.0.1", "--port", str(port),
-            "--log-level", "WARN", "--exit-when-idle", str(idle)]
-    if os.geteuid() == 0:
-        argv.append("--allow-root")
-    environ = dict(os.environ, JUPYTER_TOKEN=token)
-    environ.pop("JUPYTER_LLAMA_URL", None)  # it must not try to find itself
     log_path = d / "jupyter-llama-manager.log"
-    with open(log_path, "ab") as log:
-        # its own session, no parent-death signal: it is meant to outlive whoever started it
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environ,
-                                start_new_session=True, close_fds=True)
-    deadline = time.monotonic() + timeout
-    while not _answers(url, token, timeout=2.0):
-        if proc.poll() is not None:
-            raise ManagerStartFailed(f"the background jupyter-llama manager exited at start (code {proc.returncode}); "
-                                 f"its log: {log_path}\n{_tail(log_path)}")
-        if time.monotonic() > deadline:
-            _terminate(proc.pid)
-            raise ManagerStartFailed(f"the background jupyter-llama manager did not answer within {timeout:.0f}s; "
-                                 f"its log: {log_path}")
-        time.sleep(0.05)
+    proc = start_serve(port, token, log_path, what="background jupyter-llama manager", tied=False,
+                       extra_argv=("--exit-when-idle", str(idle)), timeout=timeout)
     state = {"url": url, "token": token, "pid": proc.pid, "started": time.time(), "log": str(log_path)}
     tmp = d / (STATE_NAME + f".{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the token

@@ -226,6 +226,9 @@ def find_server(url: str | None = None, token: str | None = None,
 def running_server(environ: Mapping[str, str] | None = None, skip_pid: int | None = None) -> ServerInfo | None:
     """A running Jupyter server of this user (its runtime file) that serves this extension:
     the one this kernel belongs to (``JPY_PARENT_PID``) first, then the newest."""
+    from . import background  # below this module: it knows nothing of clients
+    from .engine.runner import process_alive
+
     environ = os.environ if environ is None else environ
     files = _runtime_files()
     pid = environ.get("JPY_PARENT_PID")
@@ -235,37 +238,25 @@ def running_server(environ: Mapping[str, str] | None = None, skip_pid: int | Non
         data = _read_runtime(f)
         if not data or not isinstance(data.get("pid"), int) or data["pid"] == skip_pid:
             continue
-        if not _pid_alive(data["pid"]):
-            continue
         server_url = data.get("url", "")
-        if not server_url:
+        if not server_url or not process_alive(data["pid"]):
             continue
         api = api_url(urllib.parse.urljoin(server_url, data.get("base_url") or "/"))
         tok = data.get("token") or None
-        try:
-            r = httpx.get(api + "api/version", headers={"Authorization": f"token {tok}"} if tok else {},
-                          timeout=1.0, trust_env=False)
-        except httpx.HTTPError:
-            continue
-        if r.status_code == 200:
+        if background.answers(api, tok):
             return ServerInfo(api, tok, f"Jupyter server (pid {data['pid']}, {os.path.basename(f)})", data["pid"])
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False  # another user's server: not ours to use
-    return True
-
-
-def _from_background(info: ServerInfo) -> bool:
+def _found_again(server: ServerInfo) -> ServerInfo | None:
+    """Where to go now that ``server`` stopped answering: a new background manager if it was
+    the background one (found, or started); None otherwise, or when nothing moved."""
     from . import background
 
-    return info.source.startswith(background.SOURCE)
+    if not server.source.startswith(background.SOURCE):
+        return None
+    info = find_server(start=True)
+    return info if info.url != server.url else None
 
 
 def _is_loopback(url: str) -> bool:
@@ -420,10 +411,8 @@ class LlamaClient(_Routes):
     def _found_again(self) -> bool:
         """The background manager this client used has exited (it does when idle): find or
         start it again. True when there is a new address to retry at."""
-        if not _from_background(self.server):
-            return False
-        info = find_server(start=True)
-        if info.url == self.server.url:
+        info = _found_again(self.server)
+        if info is None:
             return False
         self._http.close()
         self.server = info
@@ -515,10 +504,8 @@ class AsyncLlamaClient(_Routes):
         """:meth:`LlamaClient._found_again`, without blocking the event loop."""
         import asyncio
 
-        if not _from_background(self.server):
-            return False
-        info = await asyncio.to_thread(find_server, start=True)
-        if info.url == self.server.url:
+        info = await asyncio.to_thread(_found_again, self.server)
+        if info is None:
             return False
         await self._http.aclose()
         self.server = info

@@ -12,15 +12,10 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
-import time
-
-import httpx
 
 from .client import ServerInfo, ServerNotFound
 from .engine.runner import free_port
@@ -51,45 +46,15 @@ class EmbeddedManager:
         return {"JUPYTER_LLAMA_URL": self.url, "JUPYTER_LLAMA_TOKEN": self.token}
 
     def start(self, timeout: float = START_TIMEOUT) -> "EmbeddedManager":
-        argv = [sys.executable, "-m", "jupyter_llama.server.serve", "--ip", "127.0.0.1", "--port", str(self.port),
-                "--log-level", "WARN"]
-        if os.geteuid() == 0:
-            argv.append("--allow-root")
-        setpriv = shutil.which("setpriv")
-        if setpriv:
-            argv = [setpriv, "--pdeathsig", "TERM", "--", *argv]
-        env = dict(os.environ, **self.extra_env, JUPYTER_TOKEN=self.token)
-        env.pop("JUPYTER_LLAMA_URL", None)  # it must not try to find itself
-        atexit.register(self.stop)  # never outlive the interpreter that started it
-        log = open(self.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-        finally:
-            log.close()
-        deadline = time.monotonic() + timeout
-        with httpx.Client(trust_env=False, timeout=2.0) as c:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise ServerNotFound(f"the embedded jupyter-llama manager exited at start (code "
-                                         f"{self.proc.returncode}); its log: {self.log_path}\n{self._tail()}")
-                try:
-                    r = c.get(self.url + "api/version", headers={"Authorization": f"token {self.token}"})
-                    if r.status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-        self.stop()
-        raise ServerNotFound(f"the embedded jupyter-llama manager did not answer within {timeout:.0f}s; "
-                             f"its log: {self.log_path}")
+        from .background import ManagerStartFailed, start_serve
 
-    def _tail(self, n: int = 10) -> str:
+        atexit.register(self.stop)  # never outlive the interpreter that started it
         try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
+            self.proc = start_serve(self.port, self.token, self.log_path, what="embedded jupyter-llama manager",
+                                    tied=True, extra_env=self.extra_env, timeout=timeout)
+        except ManagerStartFailed as e:
+            raise ServerNotFound(str(e)) from None
+        return self
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM (the server stops every runner), then SIGKILL if it lingers."""

@@ -38,7 +38,8 @@ from .engine.runner import EngineError, LoadError, Runner
 from .memory import devices as devmod
 from .memory import rpc
 from .memory.estimate import estimate_coarse, estimate_detailed, estimate_layer_counts, fit_layers
-from .memory.report import ACTUAL, COARSE, DETAILED, HOST, MemoryReport, MiB, format_bytes, format_pct, is_gpu
+from .memory.report import (ACTUAL, COARSE, COMPUTE, DETAILED, HOST, KV, OTHER, WEIGHTS, MemoryReport, MiB,
+                            format_bytes, format_pct, is_gpu)
 from .models.gguf_info import GGUFError, read_gguf_info
 from .models.names import same_model
 from .models.ref import ModelRef
@@ -370,8 +371,6 @@ def default_predictor(ref: ModelRef, options: LoadOptions, gpus: list[str],
 
 def _what_to_shrink(report: MemoryReport | None, device: str, estimator: str) -> str:
     """Advice for a load over its budget, from the largest part of what it needs there."""
-    from .memory.report import COMPUTE, KV, OTHER, WEIGHTS
-
     parts = {c: report.total(device=device, component=c) for c in (WEIGHTS, KV, COMPUTE, OTHER)} if report else {}
     if not parts or not any(parts.values()):
         return "load it with a smaller context (num_ctx) or a smaller quantisation"

@@ -24,7 +24,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ..load_options import LoadOptions
 from ..errors import BadRequest
@@ -487,6 +487,7 @@ class _Lines:
     _text_event: re.Pattern  # a text-only event, its text's JSON string in group 1
     _text_key: bytes  # our line between the time stamp and that string
     _text_tail: bytes  # and after it
+    feed: Callable[[dict], list[dict]]  # each translator's own
 
     def _template(self) -> None:
         self._head = b'{"model":' + json.dumps(self.model).encode() + b',"created_at":"'
@@ -496,9 +497,6 @@ class _Lines:
         if m is not None and m.group(1) != b'""':
             return self._head + rfc3339().encode() + self._text_key + m.group(1) + self._text_tail
         return b"".join([ndjson(c) for c in self.feed(json.loads(data))])
-
-    def feed(self, event: dict) -> list[dict]:  # pragma: no cover - each translator has its own
-        raise NotImplementedError
 
 
 class GenerateTranslator(_Lines):

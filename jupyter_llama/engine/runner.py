@@ -414,10 +414,9 @@ class Runner:
         """A non-streaming request; returns the decoded JSON body."""
         self._check_ready()
         try:  # a fresh connection each time (child_client keeps no pool), so nothing to retry
-            # watched as a stream is: no progress to see, so /health decides after STALL_CHECK_S
-            since = [asyncio.get_running_loop().time()]
+            # watched as a stream is, with no progress to see: /health decides after STALL_CHECK_S
             r = await self._watched(self.client.post(self.url + path, json=payload, headers=self._headers(),
-                                                     timeout=timeout), since)
+                                                     timeout=timeout))
         except httpx.HTTPError as e:
             raise await self._after_transport_error(e) from None
         if r.status_code >= 400:
@@ -474,10 +473,12 @@ class Runner:
         except _TRANSPORT_ERRORS as e:
             raise await self._after_transport_error(e) from None
 
-    async def _watched(self, coro, last: list[float]):
+    async def _watched(self, coro, last: list[float] | None = None):
         """Run ``coro`` (a request to the child) while watching for a wedged child: see
-        STALL_CHECK_S. ``last[0]`` is the loop time of its latest progress."""
+        STALL_CHECK_S. ``last[0]``, which the caller moves on, is the loop time of its latest
+        progress; without it, progress is only the start."""
         loop = asyncio.get_running_loop()
+        last = last if last is not None else [loop.time()]
         task = asyncio.ensure_future(coro)
         misses = 0
         try:

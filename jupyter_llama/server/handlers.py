@@ -312,14 +312,16 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             fut.add_done_callback(settle)
             return waiting
 
+        direct: bool | None = None  # decided once the headers are out (did Tornado choose chunking?)
+
         def write(data: bytes):
+            nonlocal direct
             if self._gone:
                 raise ClientGone()
-            if direct[0] is None and self._headers_written:
-                # decided once the headers are out: Tornado chose chunking (HTTP/1.1, no length)
-                direct[0] = (not self._transforms and type(stream) is IOStream
-                             and getattr(conn, "_chunking_output", False) is True)
-            if not direct[0]:
+            if direct is None and self._headers_written:
+                direct = (not self._transforms and type(stream) is IOStream
+                          and getattr(conn, "_chunking_output", False) is True)
+            if not direct:
                 if self._headers_written and not self._transforms:
                     return sent(conn.write(data))
                 self.write(data)
@@ -343,7 +345,6 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
                 framed = framed[n:]
             return sent(stream.write(framed))
 
-        direct: list[bool | None] = [None]
         return write
 
     def end_stream(self, content_type: str):
