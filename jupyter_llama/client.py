@@ -27,6 +27,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import stat
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Mapping
@@ -386,6 +387,28 @@ class _Routes:
         return self._do(_Call("GET", "api/events", params=params, stream=stream, pick=None if stream else "events"))
 
 
+def _local_key(r: httpx.Response) -> str | None:
+    """The key a server asks this user's own clients to prove themselves with (it answers a
+    file path with a 400 naming its key file). Read only from a file that is plainly such a key:
+    the right name, a regular file of this user's, readable by nobody else, a few bytes."""
+    from .models.store import LOCAL_KEY_FILE_HEADER
+
+    path = r.headers.get(LOCAL_KEY_FILE_HEADER)
+    if r.status_code != 400 or not path or not _is_loopback(str(r.url)):
+        return None
+    name = os.path.basename(path)
+    if not (name.startswith("jupyter-llama-local-") and name.endswith(".key")):
+        return None
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077 or st.st_size > 128:
+            return None
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def _unreachable(url: str, e: Exception) -> ServerNotFound:
     return ServerNotFound(f"cannot reach the jupyter-llama server at {url}: {e}; {HOW_TO_START}")
 
@@ -435,6 +458,15 @@ class LlamaClient(_Routes):
     def _do(self, call: _Call):
         return self._stream(call) if call.stream else self._json(call)
 
+    def _prove_local(self, r: httpx.Response) -> bool:
+        """Asked to prove this client runs as the server's user: send the key from now on."""
+        from .models.store import LOCAL_KEY_HEADER
+
+        key = None if LOCAL_KEY_HEADER in self._http.headers else _local_key(r)
+        if key:
+            self._http.headers[LOCAL_KEY_HEADER] = key
+        return key is not None
+
     def _json(self, call: _Call, again: bool = True):
         try:
             r = self._http.request(call.method, call.path, json=call.body, params=call.params)
@@ -442,6 +474,8 @@ class LlamaClient(_Routes):
             if again and self._found_again():
                 return self._json(call, again=False)
             raise _unreachable(self.url, e) from None
+        if r.status_code == 400 and self._prove_local(r):
+            return self._json(call, again)
         if r.status_code >= 400:
             raise _error(r.status_code, _message_of(r.content, r.status_code))
         return _answer(r, call)
@@ -449,12 +483,16 @@ class LlamaClient(_Routes):
     def _stream(self, call: _Call, again: bool = True) -> Iterator[dict]:
         try:
             with self._http.stream(call.method, call.path, json=call.body, params=call.params) as r:
-                if r.status_code >= 400:
+                proven = r.status_code == 400 and self._prove_local(r)
+                if not proven and r.status_code >= 400:
                     raise _error(r.status_code, _message_of(r.read(), r.status_code))
-                for line in r.iter_lines():
-                    data = _check_line(line)
-                    if data is not None:
-                        yield data
+                if not proven:
+                    for line in r.iter_lines():
+                        data = _check_line(line)
+                        if data is not None:
+                            yield data
+            if proven:  # nothing was yielded: ask again, with the key
+                yield from self._stream(call, again)
         except httpx.ConnectError as e:  # raised before anything was yielded: safe to retry
             if again and self._found_again():
                 yield from self._stream(call, again=False)
@@ -528,6 +566,8 @@ class AsyncLlamaClient(_Routes):
     def _do(self, call: _Call):
         return self._stream(call) if call.stream else self._json(call)
 
+    _prove_local = LlamaClient._prove_local
+
     async def _json(self, call: _Call, again: bool = True):
         try:
             r = await self._http.request(call.method, call.path, json=call.body, params=call.params)
@@ -535,6 +575,8 @@ class AsyncLlamaClient(_Routes):
             if again and await self._found_again():
                 return await self._json(call, again=False)
             raise _unreachable(self.url, e) from None
+        if r.status_code == 400 and self._prove_local(r):
+            return await self._json(call, again)
         if r.status_code >= 400:
             raise _error(r.status_code, _message_of(r.content, r.status_code))
         return _answer(r, call)
@@ -542,12 +584,17 @@ class AsyncLlamaClient(_Routes):
     async def _stream(self, call: _Call, again: bool = True) -> AsyncIterator[dict]:
         try:
             async with self._http.stream(call.method, call.path, json=call.body, params=call.params) as r:
-                if r.status_code >= 400:
+                proven = r.status_code == 400 and self._prove_local(r)
+                if not proven and r.status_code >= 400:
                     raise _error(r.status_code, _message_of(await r.aread(), r.status_code))
-                async for line in r.aiter_lines():
-                    data = _check_line(line)
-                    if data is not None:
-                        yield data
+                if not proven:
+                    async for line in r.aiter_lines():
+                        data = _check_line(line)
+                        if data is not None:
+                            yield data
+            if proven:  # nothing was yielded: ask again, with the key
+                async for data in self._stream(call, again):
+                    yield data
         except httpx.ConnectError as e:  # raised before anything was yielded: safe to retry
             if again and await self._found_again():
                 async for data in self._stream(call, again=False):

@@ -35,6 +35,7 @@ wrong size, which the size check catches. Manifests and the small state files ar
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import datetime as _dt
 import difflib
@@ -56,6 +57,7 @@ from ..errors import BadRequest, ModelNotFound, SchedulerError
 from .ref import ModelRef
 from .gguf_info import GGUFError, GGUFInfo, read_gguf_info
 from .names import InvalidName, ModelName, parse_name
+from .preset import MAX_LAYER_BYTES, PRESET_MEDIA_TYPES, Preset, PresetError
 
 __all__ = [
     "MODEL_MEDIA_TYPE",
@@ -106,6 +108,21 @@ class BlobCorrupt(StoreError):
 
 class BlobMissing(StoreError):
     """A blob a manifest was about to use disappeared (removed concurrently); retry."""
+
+
+class PathNotAllowed(BadRequest):
+    """A model named by a file path, from a caller who may not name server files."""
+
+
+# Whether this request comes from a caller who may name files on this machine by their path:
+# True for the CLI, magics and widgets of the server's own user (they prove it by reading a
+# key file only that user can read), False for every other HTTP client, None outside a server
+# (a library call in the user's own process). Set per request by the server's handlers.
+local_caller: contextvars.ContextVar[bool | None] = contextvars.ContextVar("jupyter_llama_local_caller",
+                                                                           default=None)
+# Added to a PathNotAllowed answer: where a same-user client finds the key that proves it.
+LOCAL_KEY_HEADER = "X-Jupyter-Llama-Local-Key"
+LOCAL_KEY_FILE_HEADER = "X-Jupyter-Llama-Local-Key-File"
 
 
 class InvalidGGUF(GGUFError, BadRequest):
@@ -483,9 +500,14 @@ class ModelStore:
     An instance is itself a scheduler resolver: ``Scheduler(settings, resolver=store)``.
     """
 
-    def __init__(self, root: os.PathLike | str | None = None, *, allow_paths: bool = True):
+    def __init__(self, root: os.PathLike | str | None = None, *, allow_paths: bool = True,
+                 path_folders: Iterable[str] | None = None):
+        """``path_folders``: where callers other than the user's own (see :data:`local_caller`)
+        may name GGUF files by path; None is anywhere, an empty list nowhere."""
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.allow_paths = allow_paths
+        self.path_folders = None if path_folders is None else tuple(os.path.realpath(os.path.expanduser(f))
+                                                                     for f in path_folders)
         self.blobs_dir = self.root / "blobs"
         self.manifests_dir = self.root / "manifests"
         self.verified_dir = self.root / "verified"
@@ -494,6 +516,7 @@ class ModelStore:
         self.locks_dir = self.root / "locks"
         self.tmp_dir = self.root / "tmp"
         self._info_cache: dict[str, tuple[tuple, GGUFInfo]] = {}
+        self._preset_cache: dict[str, bytes] = {}
         self._cache_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -812,8 +835,16 @@ class ModelStore:
 
     def _commit(self, name: ModelName, layers: list[dict], info: dict, source: dict,
                 projector_info: dict | None = None, land: dict[str, Path] | None = None,
-                progress: Progress | None = None) -> ModelEntry:
-        """Land temporary files (``land``: hex -> tmp path) and write the manifest, blob locks held."""
+                progress: Progress | None = None, preset: Preset | None = None) -> ModelEntry:
+        """Land temporary files (``land``: hex -> tmp path) and write the manifest, blob locks held.
+        With a ``preset``, it is merged onto the preset ``layers`` already carry (see models.preset)."""
+        if preset:
+            layers, extra = self._with_preset(layers, preset)
+            try:
+                return self._commit(name, layers, info, source, projector_info, {**(land or {}), **extra}, progress)
+            finally:
+                for t in extra.values():
+                    _unlink(t)
         hexes = [normalize_digest(ly["digest"]) for ly in layers]
         land = land or {}
         with self._blob_locks(hexes):
@@ -846,6 +877,75 @@ class ModelStore:
         if stale:
             self.prune(stale)
         return entry
+
+    # -- presets ------------------------------------------------------------------------
+
+    def _layer_bytes(self, ly: dict) -> bytes:
+        """A small (preset) layer's blob, read whole; BlobCorrupt when missing or not its size."""
+        hexd = normalize_digest(ly["digest"])
+        size = int(ly.get("size", 0))
+        with self._cache_lock:
+            hit = self._preset_cache.get(hexd)
+        if hit is not None:
+            return hit
+        if size > MAX_LAYER_BYTES:
+            raise BlobCorrupt(f"the {PRESET_MEDIA_TYPES.get(ly.get('mediaType'), 'preset')} layer sha256:{hexd[:12]} "
+                              f"is {size:,} bytes, more than a preset layer may be", digest=hexd, problem="too large")
+        try:
+            data = self.blob_path(hexd).read_bytes()
+        except OSError as e:
+            raise BlobCorrupt(f"the preset layer sha256:{hexd[:12]} cannot be read: {e.strerror or e}",
+                              digest=hexd, problem="missing") from None
+        if len(data) != size or hashlib.sha256(data).hexdigest() != hexd:
+            raise BlobCorrupt(f"the preset layer sha256:{hexd[:12]} does not hold what its name says",
+                              digest=hexd, problem="damaged")
+        with self._cache_lock:
+            if len(self._preset_cache) > 256:
+                self._preset_cache.clear()
+            self._preset_cache[hexd] = data  # content-addressed: it can never change
+        return data
+
+    def _read_preset(self, layers: Iterable[dict], display: str = "") -> Preset:
+        try:
+            return Preset.from_layers(layers, self._layer_bytes)
+        except PresetError as e:
+            raise StoreError(f'model "{display}": {e}; create it again') from None
+
+    def preset(self, name: str | ModelName) -> Preset:
+        """The preset (system, template, parameters, messages, licenses) of model ``name``."""
+        e = self.entry(name)
+        return self._read_preset(e.layers, e.display)
+
+    def preset_for(self, name: str) -> Preset:
+        """The preset a request for ``name`` gets: the model's, or an empty one for a name that
+        is no model in the store (a GGUF path, a typo: resolving it says what is wrong)."""
+        try:
+            mname = parse_name(str(name).strip())
+        except InvalidName:
+            return Preset()
+        e = self._find(mname)
+        return self._read_preset(e.layers, e.display) if e is not None else Preset()
+
+    def _with_preset(self, layers: list[dict], preset: Preset) -> tuple[list[dict], dict[str, Path]]:
+        """``layers`` with their preset merged with ``preset``: the weights' layers as they were,
+        then one new layer per preset part, written to temporary files (hex -> path) to land."""
+        merged = self._read_preset(layers).merged(preset)
+        out = [dict(ly) for ly in layers if ly.get("mediaType") not in PRESET_MEDIA_TYPES]
+        land: dict[str, Path] = {}
+        self.ensure_dirs()
+        try:
+            for media_type, data in merged.payloads():
+                hexd = hashlib.sha256(data).hexdigest()
+                out.append({"mediaType": media_type, "digest": f"sha256:{hexd}", "size": len(data)})
+                if hexd not in land:
+                    tmp = self.tmp_dir / f"preset-{os.getpid()}-{secrets.token_hex(6)}"
+                    tmp.write_bytes(data)
+                    land[hexd] = tmp
+        except BaseException:
+            for t in land.values():
+                _unlink(t)
+            raise
+        return out, land
 
     # -- public: create, synth, copy ----------------------------------------------------
 
@@ -1177,9 +1277,38 @@ class ModelStore:
         return (text.startswith(("/", "./", "../", "~")) or os.sep in text or "/" in text
                 or text.lower().endswith(".gguf"))
 
+    @staticmethod
+    def plainly_a_path(text: str) -> bool:
+        return text.startswith(("/", "./", "../", "~")) or text.lower().endswith(".gguf")
+
+    def may_read_path(self, path: str) -> bool:
+        """Whether this caller may name ``path`` (absolute): the user's own callers anywhere,
+        others only inside ``path_folders``. Decided without looking at the file."""
+        if local_caller.get() is not False or self.path_folders is None:
+            return True
+        real = os.path.realpath(path)
+        return any(real == f or real.startswith(f.rstrip(os.sep) + os.sep) for f in self.path_folders)
+
+    def server_file(self, text: str) -> str:
+        """``text`` as an absolute path this caller may read, or :class:`PathNotAllowed`
+        (which says nothing of whether the file exists)."""
+        path = os.path.abspath(os.path.expanduser(text))
+        if not self.may_read_path(path):
+            where = (f"only files under {', '.join(self.path_folders)} may be named by path"
+                     if self.path_folders else "HTTP clients may not name files on the server by their path")
+            raise PathNotAllowed(
+                f'"{text}" is a file path, and on this server {where} (JUPYTER_LLAMA_MODEL_PATHS). Register the '
+                "file as a model from this machine's own jupyter-llama CLI or %llama (`jupyter-llama create NAME "
+                "--from PATH`), upload it (POST api/blobs, then api/create with files), or pull it by URL")
+        return path
+
     def _resolve_path(self, text: str) -> ModelRef | None:
         if not self.allow_paths or not self._looks_like_path(text):
             return None
+        if not self.may_read_path(os.path.abspath(os.path.expanduser(text))):
+            if self.plainly_a_path(text):
+                self.server_file(text)  # raises, saying why
+            return None  # a name such as "owner/model" that is not in the store: not found
         path = os.path.abspath(os.path.expanduser(text))
         if not os.path.isfile(path):
             return None
@@ -1198,7 +1327,8 @@ class ModelStore:
             ref = self._resolve_path(text)
             if ref is not None:
                 return ref
-            if self.allow_paths and text.startswith(("/", "./", "../", "~")):
+            if self.allow_paths and text.startswith(("/", "./", "../", "~")) and self.may_read_path(
+                    os.path.abspath(os.path.expanduser(text))):
                 raise ModelNotFound(text, f"no such file: {os.path.abspath(os.path.expanduser(text))}") from None
             raise
         e = self._find(mname)

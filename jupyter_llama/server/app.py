@@ -82,7 +82,7 @@ class CachedResolver:
         try:
             paths.append(str(self.store.entry(ref.name).manifest_path))
         except (SchedulerError, ValueError, OSError):
-            pass  # a GGUF path, not a named model
+            return ref, None  # a GGUF path, not a named model: who may read it is decided per request
         return ref, self._stamps(paths)
 
     async def __call__(self, name: str):
@@ -96,6 +96,8 @@ class CachedResolver:
                 pass
             self._cache.pop(name, None)
         ref, stamps = await asyncio.to_thread(self._resolve, name)
+        if stamps is None:
+            return ref
         if len(self._cache) > 256:
             self._cache.clear()
         self._cache[name] = (time.monotonic(), ref, stamps)
@@ -103,6 +105,12 @@ class CachedResolver:
 
     def forget(self) -> None:
         self._cache.clear()
+
+
+def path_folders(setting: str) -> list[str] | None:
+    """``model_paths`` as the store takes it: None for '*' (anywhere), else the folders."""
+    setting = setting.strip()
+    return None if setting == "*" else [p.strip() for p in setting.split(os.pathsep) if p.strip()]
 
 
 class _FromEnv:
@@ -206,6 +214,14 @@ class LlamaExtension(ExtensionApp):
         "MODELS", "", help="The model registry's directory (empty: <jupyter data dir>/llama/models).",
     ).tag(config=True)
 
+    model_paths = _FromEnv.text(
+        "MODEL_PATHS", "",
+        help="Where HTTP clients may name a GGUF file by its path instead of a model name: folders "
+             "separated by ':' ('*' for anywhere). Empty (the default): nowhere. This user's own CLI, "
+             "magics and widgets on this machine may always name their files (they prove who they are "
+             "with a key file only this user can read).",
+    ).tag(config=True)
+
     server_binary = _FromEnv.text(
         "SERVER", "",
         help="Path of the llama-server binary (empty: the project's own cached build, else llama-server on PATH).",
@@ -277,7 +293,7 @@ class LlamaExtension(ExtensionApp):
     def initialize_settings(self) -> None:
         from ..models.store import ModelStore
 
-        self.store = ModelStore(self.models_dir or None)
+        self.store = ModelStore(self.models_dir or None, path_folders=path_folders(self.model_paths))
         self._scheduler_lock = None
         self.scheduler = None
         self._find_engine_and_build()
@@ -312,8 +328,35 @@ class LlamaExtension(ExtensionApp):
             return
         self._started = True
         self.export_url()
+        self._write_local_key()
         self._activity_pc = PeriodicCallback(self._tick_activity, max(0.05, self.activity_interval) * 1000)
         self._activity_pc.start()
+
+    local_key: str | None = None
+    local_key_file: str | None = None
+
+    def _write_local_key(self) -> None:
+        """A secret in a file only this user can read (in Jupyter's runtime folder, 0600): a
+        client that sends it back runs as this user on this machine (see store.local_caller)."""
+        import secrets
+
+        folder = self.serverapp.runtime_dir
+        path = os.path.join(folder, f"jupyter-llama-local-{os.getpid()}-{secrets.token_hex(4)}.key")
+        key = secrets.token_urlsafe(32)
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(key)
+        except OSError as e:
+            self.log.warning("jupyter-llama: no local key file (%s): file paths are refused for every client", e)
+            return
+        self.local_key, self.local_key_file = key, path
+
+    def is_local_caller(self, sent: str | None) -> bool:
+        import hmac
+
+        return bool(sent and self.local_key and hmac.compare_digest(sent, self.local_key))
 
     @property
     def url(self) -> str:
@@ -367,6 +410,10 @@ class LlamaExtension(ExtensionApp):
             if os.environ.get(k) == v:
                 os.environ.pop(k, None)
         self._exported = {}
+        if self.local_key_file:
+            with contextlib.suppress(OSError):
+                os.unlink(self.local_key_file)
+            self.local_key = self.local_key_file = None
         self._started = False
 
     # ------------------------------------------------------------------ activity

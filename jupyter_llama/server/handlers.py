@@ -34,6 +34,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import queue
 import time
 from http.client import responses
@@ -56,6 +57,7 @@ from ..engine.runner import EngineError, RequestError, RunnerCrashed
 from ..models.gguf_info import GGUFError
 from ..errors import NoSuchRoute, NotLoaded, NotSupported
 from ..models.names import same_model
+from ..models.store import LOCAL_KEY_FILE_HEADER, LOCAL_KEY_HEADER, PathNotAllowed, local_caller
 from ..models.pull import PullError, derive_name, pull_stream
 from ..scheduler import BadRequest, ModelNotFound, SchedulerError
 
@@ -157,6 +159,8 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
     async def prepare(self):
         await super().prepare()
         self.ext.ensure_started()
+        # Who may name server files by path, for everything this request does (see store.local_caller).
+        local_caller.set(self.ext.is_local_caller(self.request.headers.get(LOCAL_KEY_HEADER)))
 
     # ------------------------------------------------------------------ bodies
 
@@ -194,6 +198,8 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             self.finish()
             return
         self.clear()
+        if isinstance(exc, PathNotAllowed) and self.ext.local_key_file:
+            self.set_header(LOCAL_KEY_FILE_HEADER, self.ext.local_key_file)  # for this user's own clients
         self.set_status(status)
         self.finish(json.dumps(self.error_payload(status, message)))
 
@@ -623,10 +629,9 @@ class CreateHandler(LlamaHandler):
                 statuses.append({"status": f"using existing model {src}"})
                 entry = await asyncio.to_thread(store.copy, src, req.model)
             else:
-                import os
-
-                path = os.path.abspath(os.path.expanduser(src))
-                if not os.path.isfile(path):
+                # a path only where this caller may name server files (else a 400 saying so)
+                path = store.server_file(src) if store.plainly_a_path(src) else ""
+                if not path or not os.path.isfile(path):
                     raise BadRequest(f'from: "{src}" is neither a model in the store nor a GGUF file on the server')
                 entry = await asyncio.to_thread(store.create, req.model, path)
         await self.ext.name_changed(req.model)

@@ -512,6 +512,7 @@ async def test_openai_answers_name_the_model_as_asked(http):
         await http.request("DELETE", "api/delete", json={"model": "tiny-copy"})
 
 
+@pytest.mark.llama_config(model_paths="*")  # it creates from a file path over HTTP
 async def test_a_name_pointed_at_another_file_leaves_no_stale_runner(http, make_model, ext, store):
     """Issue 17 item 6: creating or copying over a loaded model's name retires its runner (it
     held a slot and answered `stop`/`rm` for the wrong file); the next request loads the new one."""
