@@ -48,6 +48,31 @@ def error_text(body: str, status: int) -> str:
     return str(err)
 
 
+# What llama-server (b11434) throws as a plain runtime error, hence a 500 "server_error", while
+# checking a request body: each is the client's mistake, so it is our 400 with the child's text.
+# (Its invalid_argument and JSON type errors are already 400.)
+_REQUEST_MISTAKES = (
+    "image input is not supported", "audio input is not supported", "video input is not supported",
+    "Multimodal data provided, but model does not support", "tools param requires --jinja",
+    "tool_choice param requires --jinja", "Cannot use both json_schema and grammar", "Unsupported param:",
+    '"prompt" is required', "Only no echo is supported", "Failed to load image or audio file",
+    "Invalid base64 value", "Failed to download image", "Failed to tokenize prompt",
+)
+
+
+def child_error(status: int, body: str) -> RequestError:
+    """The child's error answer as ours: its message, and its status, but for a 500 that is
+    one of llama-server's request-checking errors (:data:`_REQUEST_MISTAKES`), which is a 400."""
+    message = error_text(body, status)
+    if message.startswith("Failed to initialize samplers"):  # its words, with no reason given
+        return RequestError(400, "llama-server could not set up sampling for this request (\"" + message + "\"): "
+                                 "check its grammar and its format or response_format (a JSON schema it cannot turn "
+                                 "into a grammar, or a grammar and a schema together) and its sampler options")
+    if status >= 500 and any(m in message for m in _REQUEST_MISTAKES):
+        return RequestError(400, f"llama-server refused the request: {message}")
+    return RequestError(status, message)
+
+
 def request_bytes(host: str, port: int, path: str, body: bytes | None, headers: dict[str, str] | None) -> bytes:
     """A POST of ``body`` (JSON), or a GET when ``body`` is None; the connection closes after it."""
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
@@ -218,7 +243,7 @@ class _LineProtocol(asyncio.Protocol):
     def _finish(self) -> None:
         if self._error_body is not None:
             text = b"".join(self._error_body).decode("utf-8", "replace")
-            self._fail(RequestError(self._status, error_text(text, self._status)))
+            self._fail(child_error(self._status, text))
             return
         try:
             if self._pending:

@@ -35,7 +35,7 @@ from ..memory.report import MemoryReport
 from ..errors import BadRequest, EngineError, RequestError
 from ..load_options import LoadOptions
 from . import http1
-from .http1 import BadResponse, error_text as _error_text, sse_events
+from .http1 import BadResponse, child_error, sse_events
 from .launch import build_argv
 from .process import ChildProcess
 from .logparse import LogParser
@@ -420,7 +420,7 @@ class Runner:
         except httpx.HTTPError as e:
             raise await self._after_transport_error(e) from None
         if r.status_code >= 400:
-            raise RequestError(r.status_code, _error_text(r.text, r.status_code))
+            raise child_error(r.status_code, r.text)
         return r.json()
 
     async def get(self, path: str) -> Any:
@@ -430,7 +430,7 @@ class Runner:
         except httpx.HTTPError as e:
             raise await self._after_transport_error(e) from None
         if r.status_code >= 400:
-            raise RequestError(r.status_code, _error_text(r.text, r.status_code))
+            raise child_error(r.status_code, r.text)
         return r.json()
 
     def stream_sse(self, path: str, payload: dict) -> AsyncIterator[dict]:
