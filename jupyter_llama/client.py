@@ -360,6 +360,10 @@ class _Routes:
     def delete(self, model: str):
         return self._do(_Call("DELETE", "api/delete", {"model": model}))
 
+    def prune(self):
+        """Drop partial downloads that no pull is working on: ``{"removed": [...], "freed": bytes}``."""
+        return self._do(_Call("POST", "api/prune", {}))
+
     def create(self, model: str, *, files: dict[str, str] | None = None, from_: str | None = None,
                stream: bool = False):
         return self._do(_Call("POST", "api/create", _clean({"model": model, "files": files, "from": from_,

@@ -266,6 +266,9 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
     p = add("rm", cmd_rm, "remove models (a loaded one is unloaded first)")
     p.add_argument("models", nargs="+")
 
+    p = add("prune", cmd_prune, "drop partial downloads that no pull is working on (their resume is lost)")
+    p.add_argument("--json", action="store_true")
+
     p = add("estimate", cmd_estimate, "predict memory for a model (or GGUF file) under load options")
     p.add_argument("model")
     _model_options(p, sampling=False)
@@ -689,6 +692,17 @@ def cmd_rm(args, fe: Frontend):
     for m in args.models:
         _call(fe, fe.client().delete, m, model=m)
         fe.note(f"deleted {m}")
+    return EXIT_OK
+
+
+def cmd_prune(args, fe: Frontend):
+    data = _call(fe, fe.client().prune)
+    if args.json:
+        fe.json(data)
+        return EXIT_OK
+    for r in data["removed"]:
+        fe.out(f"removed {r['file']} ({_mib(r['bytes'])}{', from ' + r['url'] if r.get('url') else ''})")
+    fe.out(f"freed {_mib(data['freed'])}" if data["removed"] else "no partial downloads to drop")
     return EXIT_OK
 
 

@@ -95,7 +95,7 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_QUANT_ORDER = ("Q4_K_M", "Q4_0", "Q8_0")
 PROJECTOR_PREFERENCE = ("f16", "bf16", "f32", "q8_0")
 MAX_REDIRECTS = 10
-DISK_MARGIN = 64 << 20  # keep this much free beyond the download
+DISK_MARGIN = 1 << 20  # beyond the download itself: its manifest and sidecars (landing it is a rename)
 BUFFER = 1 << 20
 _USER_AGENT = "jupyter-llama/0.1 (+python http.client)"
 
@@ -521,6 +521,7 @@ class _Sink:
         self.to_hash: queue.SimpleQueue = queue.SimpleQueue()
         self.to_write: queue.SimpleQueue = queue.SimpleQueue()
         self.error: OSError | None = None
+        self._converted: BaseException | None = None
         for _ in range(buffers):
             self.free.put(bytearray(size))
         self.threads = [threading.Thread(target=self._hash, name="jupyter-llama-pull-hash", daemon=True),
@@ -554,9 +555,14 @@ class _Sink:
                     self.error = e
             self.free.put(buf)
 
+    def _raise(self):
+        if self._converted is None:  # converted once: the conversion may clean up after the failure
+            self._converted = self.make_error(self.error)
+        raise self._converted
+
     def buffer(self) -> bytearray:
         if self.error is not None:
-            raise self.make_error(self.error)
+            self._raise()
         return self.free.get()
 
     def give_back(self, buf: bytearray) -> None:
@@ -571,7 +577,7 @@ class _Sink:
         for t in self.threads:
             t.join()
         if self.error is not None:
-            raise self.make_error(self.error)
+            self._raise()
 
 
 # ----------------------------------------------------------------------------- in-flight registry
@@ -807,7 +813,7 @@ class Puller:
 
     def _lead(self, rf: RemoteFile, key: str, inf: _Inflight) -> tuple[str, int, dict | None]:
         partial = self.store.partial_dir / f"{key}.partial"
-        lock = self.store.lock(f"dl-{key}")
+        lock = self.store.removable_lock(f"dl-{key}")  # gone when this pull ends, however it ends
         tick = _Throttle(self.emit, self._status_base(rf), rf.size)
         # another process may be fetching the same blob: wait for it, showing its progress
         while True:
@@ -1070,8 +1076,15 @@ class Puller:
         import errno
 
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return DiskFull(f"the disk filled up while downloading into {partial}; free some space and pull again "
-                            f"(the partial download is kept for resume)")
+            # a partial download that filled the disk is not worth keeping for a resume
+            try:
+                size = partial.stat().st_size
+            except OSError:
+                size = 0
+            _unlink(partial)
+            _unlink(partial.with_suffix(".json"))
+            return DiskFull(f"the disk filled up while downloading into {partial}; the {_fmt_bytes(size)} written "
+                            "were removed again: free some space and pull again")
         return PullError(f"cannot write {partial}: {e.strerror or e}")
 
     def _check_response(self, rf: RemoteFile, r: _Response) -> None:

@@ -35,6 +35,7 @@ wrong size, which the size check catches. Manifests and the small state files ar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import datetime as _dt
@@ -494,6 +495,67 @@ class ModelEntry:
 # ----------------------------------------------------------------------------- store
 
 
+class RemovableLock:
+    """An exclusive lock on a file that is deleted on release, so a finished job leaves nothing.
+
+    Deleting a lock file is safe only if a waiter checks, once it holds the lock, that the file
+    it locked is still the one at the path (the holder may have removed it meanwhile, and a
+    third process made a new one); if not, it locks the new file instead.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self, timeout: float = -1, poll: float = 0.05) -> None:
+        import fcntl
+        import time as _time
+
+        from filelock import Timeout
+
+        deadline = None if timeout < 0 else _time.monotonic() + timeout
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if deadline is not None and _time.monotonic() >= deadline:
+                            raise Timeout(str(self.path)) from None
+                        _time.sleep(poll)
+                try:
+                    same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+            except BaseException:
+                os.close(fd)
+                raise
+            if same:
+                self._fd = fd
+                return
+            os.close(fd)  # we locked a file its holder had removed: lock the one there now
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        import fcntl
+
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # while still holding it: waiters on this file will look again
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "RemovableLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class ModelStore:
     """The registry. Sync methods do file I/O; ``resolve``, ``remove`` and the pulls are async.
 
@@ -546,6 +608,41 @@ class ModelStore:
         """A file lock named ``key`` (a blob key such as ``sha256-<hex>``, or ``manifests``)."""
         self.locks_dir.mkdir(parents=True, exist_ok=True)
         return FileLock(str(self.locks_dir / f"{key}.lock"), timeout=timeout)
+
+    def removable_lock(self, key: str) -> "RemovableLock":
+        """A lock whose file is gone once it is released (for one-off work such as a download)."""
+        self.locks_dir.mkdir(parents=True, exist_ok=True)
+        return RemovableLock(self.locks_dir / f"{key}.lock")
+
+    def prune_partials(self) -> list[dict]:
+        """Drop partial downloads that no pull is working on (their resume is lost); each
+        removed one as ``{"file", "bytes", "url"}``. One in progress (its lock held) is kept."""
+        from filelock import Timeout
+
+        removed = []
+        for part in sorted(self.partial_dir.glob("*.partial")) if self.partial_dir.is_dir() else []:
+            key = part.name[: -len(".partial")]
+            lock = self.removable_lock(f"dl-{key}")
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                continue
+            try:
+                meta = self.partial_dir / f"{key}.json"
+                try:
+                    url = json.loads(meta.read_text(encoding="utf-8")).get("url")
+                except (OSError, ValueError):
+                    url = None
+                try:
+                    size = part.stat().st_size
+                except OSError:
+                    continue
+                _unlink(part)
+                _unlink(meta)
+                removed.append({"file": str(part), "bytes": size, "url": url})
+            finally:
+                lock.release()
+        return removed
 
     def _blob_lock(self, hexd: str) -> FileLock:
         return self.lock(f"sha256-{hexd}")

@@ -11,7 +11,7 @@ Routes (Ollama-compatible unless noted):
     POST   api/blobs/sha256:<hex>        streamed upload, 201
     POST   v1/chat/completions  v1/completions  v1/embeddings     (OpenAI; SSE when streaming)
     GET    v1/models  v1/models/<name>                            (OpenAI)
-    GET    api/devices  api/events       POST api/estimate        (ours)
+    GET    api/devices  api/events       POST api/estimate  api/prune (ours)
 
 Every method requires Jupyter authentication (token in ``Authorization: token|Bearer``,
 or the login cookie plus XSRF, exactly as jupyter_server's own API) and authorization on
@@ -588,6 +588,17 @@ class CopyHandler(LlamaHandler):
         self.finish_json({"status": "success"})
 
 
+class PruneHandler(LlamaHandler):
+    """``POST api/prune``: drop partial downloads no pull is working on (ours; Ollama prunes at start)."""
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def post(self):
+        removed = await asyncio.to_thread(self.ext.store.prune_partials)
+        self.finish_json({"removed": removed, "freed": sum(r["bytes"] for r in removed)})
+
+
 class DeleteHandler(LlamaHandler):
     @web.authenticated
     @authorized
@@ -1056,6 +1067,7 @@ def default_handlers() -> list[tuple]:
         (p + r"/api/pull", PullHandler),
         (p + r"/api/copy", CopyHandler),
         (p + r"/api/delete", DeleteHandler),
+        (p + r"/api/prune", PruneHandler),
         (p + r"/api/create", CreateHandler),
         (p + r"/api/blobs/(?P<digest>[^/]+)", BlobHandler),
         (p + r"/api/version", VersionHandler),

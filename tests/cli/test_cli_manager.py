@@ -93,3 +93,19 @@ def test_estimate_of_a_file_needs_no_manager(tiny_model):
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert {"coarse", "detailed"} <= set(data["estimates"])
+
+
+def test_prune_drops_partial_downloads(manager):
+    """`jupyter-llama prune` through the manager's api/prune (issue 17 item 10)."""
+    env = manager["env"]
+    partial = manager["models"] / "partial"
+    partial.mkdir(exist_ok=True)
+    (partial / "url-cli-prune.partial").write_bytes(b"GGUF" + b"\0" * 4096)
+    (partial / "url-cli-prune.json").write_text(json.dumps({"url": "http://example.invalid/m.gguf"}))
+    r = cli(env, "prune")
+    assert r.returncode == 0, r.stderr
+    assert "url-cli-prune.partial (4.0 KiB, from http://example.invalid/m.gguf)" in r.stdout and "freed 4.0 KiB" in r.stdout
+    assert not (partial / "url-cli-prune.partial").exists() and not (partial / "url-cli-prune.json").exists()
+    again = json.loads(cli(env, "prune", "--json").stdout)
+    assert again == {"removed": [], "freed": 0}
+    assert "no partial downloads to drop" in cli(env, "prune").stdout

@@ -403,9 +403,12 @@ async def test_closing_the_stream_cancels_and_keeps_the_partial(repo, ggufs, tmp
 
 
 def _assert_clean(store: ModelStore):
+    """Nothing left behind by a failed pull: no blob, manifest, temporary or partial file, and
+    no lock file (issue 17 item 10: every failed pull used to leave one in locks/ for good)."""
     for d in (store.blobs_dir, store.manifests_dir, store.tmp_dir):
         assert not d.exists() or not any(d.rglob("*")), list(d.rglob("*"))
-    assert not store.partial_dir.exists() or not list(store.partial_dir.glob("*.partial"))
+    assert not store.partial_dir.exists() or not list(store.partial_dir.iterdir()), list(store.partial_dir.iterdir())
+    assert not store.locks_dir.exists() or not list(store.locks_dir.glob("dl-*")), list(store.locks_dir.iterdir())
 
 
 def test_hash_mismatch_discards_the_download(repo, tmp_path):
@@ -469,10 +472,67 @@ def test_disk_filling_up_during_the_download(hf, ggufs, tmp_path, monkeypatch):
     monkeypatch.setattr(pull_mod._Sink, "__init__", lambda self, fh, *a, **k: real_init(self, Full(fh), *a, **k))
     hf.add_file("big.gguf", ggufs["big"])
     store = ModelStore(tmp_path / "store")
-    with pytest.raises(DiskFull, match="disk filled up.*partial download is kept"):
+    with pytest.raises(DiskFull, match=r"disk filled up.*the [\d.]+ [KM]B written were removed again"):
         pull_mod.pull(hf.file_url("big.gguf"), retries=3, backoff=0.01, store=store)
     assert len(file_requests(hf, "big.gguf")) == 1  # not retried
     assert not store.blob_path(hf.files["big.gguf"].sha256).exists() and store.list() == []
+    _assert_clean(store)  # what it wrote is freed: a full disk is not kept full by a partial
+
+
+def test_the_space_check_asks_for_what_the_download_needs(repo, tmp_path, monkeypatch):
+    """A 1.2 MB pull was refused with 29 MB free (it asked for the size plus 64 MiB)."""
+    store = ModelStore(tmp_path / "store")
+    f = repo.repo_file(REPO, "tiny-Q8_0.gguf")
+    monkeypatch.setattr(pull_mod.shutil, "disk_usage",
+                        lambda p: shutil._ntuple_diskusage(10**12, 10**12 - f.size - (3 << 20), f.size + (3 << 20)))
+    e = pull_mod.pull(f"hf.co/{REPO}:Q8_0", store=store)
+    assert e.model_digest == f.sha256
+
+
+def test_prune_drops_partial_downloads_but_not_one_in_progress(repo, tmp_path):
+    store = ModelStore(tmp_path / "store")
+    f = repo.repo_file("owner/big-GGUF", "big-F32.gguf")
+    f.drop_after, f.drop_times = f.size // 2, 1
+    with pytest.raises(PullError, match="partial download is kept"):
+        pull_mod.pull("hf.co/owner/big-GGUF", retries=0, store=store)
+    partial = store.partial_dir / f"sha256-{f.sha256}.partial"
+    assert partial.stat().st_size == f.size // 2
+    assert not list(store.locks_dir.glob("dl-*"))  # the partial is kept, its lock file is not
+    busy = store.partial_dir / "sha256-busy.partial"
+    busy.write_bytes(b"GGUF" + b"\0" * 100)
+    with store.removable_lock("dl-sha256-busy"):  # a pull is writing this one
+        removed = store.prune_partials()
+    assert [(r["file"], r["bytes"]) for r in removed] == [(str(partial), f.size // 2)]
+    assert "big-F32.gguf" in removed[0]["url"]
+    assert not partial.exists() and not partial.with_suffix(".json").exists() and busy.exists()
+    assert [r["file"] for r in store.prune_partials()] == [str(busy)] and not busy.exists()
+    _assert_clean(store)
+
+
+def test_a_removable_lock_is_exclusive_and_leaves_no_file(tmp_path):
+    import threading
+
+    from filelock import Timeout
+
+    store = ModelStore(tmp_path / "store")
+    a, b = store.removable_lock("dl-x"), store.removable_lock("dl-x")
+    a.acquire()
+    with pytest.raises(Timeout):
+        b.acquire(timeout=0.05)
+    got = threading.Event()
+    t = threading.Thread(target=lambda: (b.acquire(), got.set()))
+    t.start()
+    assert not got.wait(0.2)  # b waits while a holds it
+    a.release()  # removes the file b was waiting on: b must lock the file at the path, not the old one
+    t.join(10)
+    assert got.is_set() and (store.locks_dir / "dl-x.lock").exists()
+    c = store.removable_lock("dl-x")
+    with pytest.raises(Timeout):
+        c.acquire(timeout=0.05)  # b really holds the lock at the path
+    b.release()
+    assert not (store.locks_dir / "dl-x.lock").exists()
+    c.acquire(timeout=1)
+    c.release()
 
 
 def test_connection_refused(tmp_path):
