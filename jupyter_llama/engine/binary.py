@@ -207,7 +207,7 @@ def find_engine(setting: str | None = None) -> Engine:
                 passed_over.append(f"{d.name}: {e}")
                 continue
             if backend == "cpu":
-                eng.reason = "the CPU build" + (" (" + "; ".join(passed_over) + ")" if passed_over else "")
+                eng.reason = "the CPU build" + (", because " + "; ".join(passed_over) if passed_over else "")
                 eng.passed_over = passed_over
                 return eng
             devices = gpu_devices(eng.path, backend)
@@ -215,7 +215,7 @@ def find_engine(setting: str | None = None) -> Engine:
                 eng.reason = f"the {_BACKEND_WORDS[backend]} build, which sees {devices[0]}"
                 eng.passed_over = passed_over
                 return eng
-            why = f"{d.name} lists no {_BACKEND_WORDS[backend]} device ({_why_no_gpu(backend)})"
+            why = f"the {_BACKEND_WORDS[backend]} build {d.name} sees no {_BACKEND_WORDS[backend]} device: {_why_no_gpu(backend)}"
             passed_over.append(why)
             gpu_build = gpu_build or eng
     if gpu_build is not None:
@@ -299,7 +299,8 @@ def _build_summary(d: Path, in_use: bool) -> dict:
     tk = stamp.get("cuda_toolkit") or {}
     words = stamp.get("backend", "?")
     if tk:
-        words += f" (CUDA {tk.get('version', '?')} from {tk.get('source', '?')}, for {';'.join(stamp.get('cuda_archs', []))})"
+        archs = ", ".join("sm_" + a.split("-")[0] for a in stamp.get("cuda_archs", []))
+        words += f" (CUDA {tk.get('version', '?')} from {tk.get('source', '?')}, for {archs})"
     return {"dir": str(d), "backend": stamp.get("backend"), "in_use": in_use, "built_at": stamp.get("built_at"),
             "description": words, "cuda": tk.get("version"), "cuda_archs": stamp.get("cuda_archs")}
 

@@ -97,7 +97,7 @@ def probe_gpus() -> GpuProbe:
     try:
         pynvml.nvmlInit()
     except Exception as exc:  # no libnvidia-ml.so.1: no driver
-        return GpuProbe(error=f"no NVIDIA driver ({exc})")
+        return GpuProbe(error=f"no NVIDIA driver here (NVML: {exc})")
     try:
         driver = pynvml.nvmlSystemGetDriverVersion()
         driver = driver.decode() if isinstance(driver, bytes) else str(driver)
