@@ -467,6 +467,7 @@ class Scheduler:
         self._in_flight = 0
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
+        self._stopping: set[asyncio.Task] = set()  # evicted runners stopping while the next one starts
 
     # -------------------------------------------------------------- public API
 
@@ -651,7 +652,7 @@ class Scheduler:
             if lo.timer:
                 lo.timer.cancel()
         await asyncio.gather(*(self._stop_runner(lo, "manager shutting down", rule="shutdown") for lo in los),
-                             return_exceptions=True)
+                             *list(self._stopping), return_exceptions=True)
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -1044,7 +1045,13 @@ class Scheduler:
             self.events.emit(EventKind.EVICT, victim.name, f"evicting {victim.name} to make room for {ref.name}: {reason}; "
                              f"chosen because {rule}", victim=victim.name, for_model=ref.name, rule=rule,
                              devices=numbers, over_cap=plan.over_cap)
-            await self._unload(victim, f"evicted for {ref.name}", rule="evict")
+            if plan.over_cap and not short and victim.refcount == 0 and set(victim.charge.by_device()) <= {HOST}:
+                # Only the count cap is in the way, and the memory fit counted the victim as
+                # loaded: its process can exit while the new one starts (a swap pays one start,
+                # not a stop and a start). Host memory only: a GPU's must be back before a fit.
+                self._stop_behind(victim, f"evicted for {ref.name}")
+            else:
+                await self._unload(victim, f"evicted for {ref.name}", rule="evict")
 
     def _refuse_if_only_pinned_help(self, ref: ModelRef, short: dict[str, int], reason: str) -> None:
         """Don't evict unpinned models for nothing: if freeing all of them still leaves a
@@ -1100,6 +1107,15 @@ class Scheduler:
             await lo.gone.wait()
             return
         await self._stop_runner(lo, reason, rule)
+
+    def _stop_behind(self, lo: Loaded, reason: str) -> None:
+        """Take an idle runner off the loaded models now and stop it in the background;
+        :meth:`shutdown` waits for it."""
+        if self.loaded.get(lo.ref.key) is lo:
+            self.loaded.pop(lo.ref.key)
+        task = asyncio.ensure_future(self._stop_runner(lo, reason, rule="evict"))
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
     async def _stop_runner(self, lo: Loaded, reason: str, rule: str) -> None:
         if lo.state in (ModelState.UNLOADING, ModelState.GONE):
