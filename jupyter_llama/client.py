@@ -365,9 +365,14 @@ class _Routes:
         return self._do(_Call("POST", "api/prune", {}))
 
     def create(self, model: str, *, files: dict[str, str] | None = None, from_: str | None = None,
-               stream: bool = False):
-        return self._do(_Call("POST", "api/create", _clean({"model": model, "files": files, "from": from_,
-                                                            "stream": stream}), stream=stream))
+               stream: bool = False, system: str | None = None, template: str | None = None,
+               parameters: dict | None = None, messages: list[dict] | None = None,
+               license: str | list[str] | None = None):
+        """Ollama's create: from uploaded ``files`` or a model (``from_``), with an optional preset."""
+        return self._do(_Call("POST", "api/create", _clean({
+            "model": model, "files": files, "from": from_, "stream": stream, "system": system or None,
+            "template": template or None, "parameters": parameters or None, "messages": messages or None,
+            "license": license or None}), stream=stream))
 
     def version(self):
         return self._do(_Call("GET", "api/version"))

@@ -248,9 +248,13 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
     p.add_argument("source")
     p.add_argument("--name", help="name to register it under")
 
-    p = add("create", cmd_create, "register a local GGUF file under a name")
+    p = add("create", cmd_create, "register a local GGUF file under a name, or make a model from a Modelfile")
     p.add_argument("name")
-    p.add_argument("--from", dest="from_file", required=True, metavar="FILE")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--from", dest="from_file", metavar="FILE", help="a GGUF file")
+    g.add_argument("--file", "-f", dest="modelfile", metavar="MODELFILE",
+                   help="an Ollama Modelfile (FROM, PARAMETER, SYSTEM, TEMPLATE, MESSAGE, LICENSE); "
+                        "default: ./Modelfile when neither is given")
 
     p = add("synth", cmd_synth, "make a synthetic llama GGUF: register it as NAME, or write it to --output")
     p.add_argument("name", nargs="?")
@@ -620,8 +624,30 @@ def cmd_show(args, fe: Frontend):
         lines.append(f"{'file:':<26}{f.get('role', '')} {f.get('digest', '')[:19]} {_mib(f.get('size'))}{state}")
     if "verified" in data:
         lines.append(f"{'verified:':<26}{data['verified']}")
+    lines += _preset_lines(data.get("preset") or {}, data.get("parameters") or "")
     fe.out("\n".join(lines))
     return EXIT_OK
+
+
+def _preset_lines(preset: dict, parameters: str) -> list[str]:
+    """A model's preset for ``show``: its parameters (as Ollama prints them), system message,
+    template, messages and licenses; multi-line texts indented under their heading."""
+    def block(title: str, text: str) -> list[str]:
+        rows = str(text).splitlines() or [""]
+        return [f"{title + ':':<26}{rows[0]}"] + [" " * 26 + r for r in rows[1:]]
+
+    out: list[str] = []
+    if parameters:
+        out += ["preset parameters:"] + ["  " + ln for ln in parameters.splitlines()]
+    if preset.get("system"):
+        out += block("system", preset["system"])
+    if preset.get("template"):
+        out += block("template", preset["template"])
+    for m in preset.get("messages") or []:
+        out += block(f"message ({m.get('role', '')})", m.get("content", ""))
+    for lic in preset.get("license") or []:
+        out += block("license", lic)
+    return out
 
 
 def cmd_pull(args, fe: Frontend):
@@ -636,6 +662,13 @@ def cmd_create(args, fe: Frontend):
 
     from .models.gguf_info import GGUFError, read_gguf_info
 
+    modelfile = getattr(args, "modelfile", None)
+    if not args.from_file and not modelfile:
+        if not os.path.isfile("Modelfile"):
+            raise CommandError("create: give --from FILE.gguf or -f MODELFILE (there is no ./Modelfile)", EXIT_USAGE)
+        modelfile = "Modelfile"
+    if modelfile:
+        return _create_from_modelfile(args.name, modelfile, fe)
     path = os.path.abspath(os.path.expanduser(args.from_file))
     try:
         read_gguf_info(path)  # a clear error before uploading anything
@@ -649,6 +682,27 @@ def cmd_create(args, fe: Frontend):
         files[os.path.basename(proj)] = _call(fe, client.create_blob, proj)
     _call(fe, client.create, args.name, files=files)
     fe.note(f"created {args.name} from {path} ({digest[:19]})" + (f" with the projector {proj}" if proj else ""))
+    return EXIT_OK
+
+
+def _create_from_modelfile(name: str, modelfile: str, fe: Frontend) -> int:
+    """``create NAME -f Modelfile``: read it (the core's parser), upload its FROM files, create."""
+    import os
+
+    from .api.modelfile import ModelfileError, read_modelfile
+
+    try:
+        mf = read_modelfile(os.path.expanduser(modelfile))
+    except ModelfileError as e:
+        raise CommandError(str(e), EXIT_USAGE) from None
+    for w in mf.warnings:
+        fe.note(f"warning: {w}")
+    client = fe.client()
+    files = {os.path.basename(f): _call(fe, client.create_blob, f) for f in mf.from_files} or None
+    body = mf.create_body(name, files)
+    body.pop("model")
+    _call(fe, client.create, name, from_=body.pop("from", None), **body, model=mf.from_model)
+    fe.note(f"created {name} from {mf.from_model or ', '.join(mf.from_files)}")
     return EXIT_OK
 
 

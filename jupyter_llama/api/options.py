@@ -36,6 +36,11 @@ __all__ = [
     "load_options",
     "parse_keep_alive",
     "format_to_schema",
+    "parameter_kind",
+    "parse_parameters",
+    "parameter_from_text",
+    "parameters_text",
+    "format_parameter",
 ]
 
 # Ollama name -> LoadOptions field. Ours (num_parallel, cache types, flash_attn ...) too.
@@ -229,3 +234,164 @@ def format_to_schema(fmt) -> dict | None:
     if isinstance(fmt, dict):
         return fmt
     raise BadRequest(f'format must be "json" or a JSON schema object, got {fmt!r}')
+
+
+# ----------------------------------------------------------------------------- presets
+
+# The kind of each load option's value (sampling options carry theirs in SAMPLING_OPTIONS).
+_LOAD_KINDS = {"use_mmap": "bool", "kv_unified": "bool", "flash_attn": "flash_attn", "cache_type_k": "cache",
+               "cache_type_v": "cache", "kv_cache_type": "cache"}
+_TRUE = ("1", "t", "T", "true", "TRUE", "True")  # what a Modelfile may write for true/false (Go's spellings)
+_FALSE = ("0", "f", "F", "false", "FALSE", "False")
+
+
+def parameter_kind(name: str) -> str | None:
+    """The kind of a model parameter's value (``int``, ``float``, ``bool``, ``stop``,
+    ``flash_attn``, ``cache``), or None for a name that is not a parameter."""
+    if name in SAMPLING_OPTIONS:
+        return SAMPLING_OPTIONS[name][1]
+    if name in LOAD_OPTIONS:
+        return _LOAD_KINDS.get(name, "int")
+    return None
+
+
+def _shown(value) -> str:
+    """A value as a person reads it in a message (JSON, not Python, spelling; cut when long)."""
+    import json
+
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _unknown_parameter(name: str, where: str) -> BadRequest:
+    import difflib
+
+    known = sorted(set(LOAD_OPTIONS) | set(SAMPLING_OPTIONS))
+    close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+    hint = f' (did you mean "{close[0]}"?)' if close else ""
+    return BadRequest(f'{where}: unknown parameter "{name}"{hint}; the parameters a model can carry are '
+                      f"{', '.join(known)}")
+
+
+def _typed_value(name: str, kind: str, value, where: str):
+    """A JSON value checked (and normalised) for its kind; BadRequest saying what was expected."""
+    def wrong(expected: str) -> BadRequest:
+        return BadRequest(f"{where}: parameter {name} must be {expected}, not {_shown(value)}")
+
+    if kind == "stop":
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return list(value)
+        raise wrong("a string or a list of strings")
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise wrong("true or false")
+        return value
+    if kind == "flash_attn":
+        if isinstance(value, bool) or value in FLASH_ATTN:
+            return value
+        raise wrong(f"true, false or one of {', '.join(FLASH_ATTN)}")
+    if kind == "cache":
+        if value not in KV_CACHE_TYPES:
+            raise wrong(f"a KV cache type ({', '.join(KV_CACHE_TYPES)})")
+        return value
+    if not _is_number(value) or (isinstance(value, float) and not math.isfinite(value)):
+        raise wrong("a whole number" if kind == "int" else "a number")
+    if kind == "int":
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise wrong("a whole number")
+            value = int(value)
+        return value
+    return float(value)
+
+
+def parse_parameters(raw, where: str = "parameters") -> dict:
+    """A model's ``parameters`` (``/api/create``, a Modelfile's PARAMETER lines) checked: Ollama's
+    option names (and ours, such as ``num_parallel``), each value of its kind; ``stop`` always a
+    list. Options Ollama no longer uses (:data:`IGNORED_OPTIONS`) are dropped. BadRequest, in
+    words, for an unknown name or a value of the wrong kind or out of range."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise BadRequest(f'{where} must be an object of parameter names and values, such as {{"temperature": 0.7}}')
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        if value is None or name in IGNORED_OPTIONS:
+            continue
+        kind = parameter_kind(name)
+        if kind is None:
+            raise _unknown_parameter(name, where)
+        out[name] = _typed_value(name, kind, value, where)
+    try:  # the ranges requests are held to (num_ctx at least 16, ...), checked now rather than at first use
+        split_options(out).load_options()
+    except BadRequest as e:
+        raise BadRequest(f"{where}: {e}".replace("bad option: ", "")) from None
+    return out
+
+
+def parameter_from_text(name: str, text: str, where: str = "PARAMETER"):
+    """The value a Modelfile line ``PARAMETER name text`` means (typed as the API takes it)."""
+    kind = parameter_kind(name)
+    if kind is None:
+        raise _unknown_parameter(name, where)
+    t = text.strip()
+
+    def wrong(expected: str) -> BadRequest:
+        return BadRequest(f"{where} {name}: {_shown(text)} is not {expected}")
+
+    if kind == "stop":
+        return text
+    if kind in ("bool", "flash_attn"):
+        if t in _TRUE:
+            return True
+        if t in _FALSE:
+            return False
+        if kind == "flash_attn" and t in FLASH_ATTN:
+            return t
+        raise wrong("true or false" + (f" or one of {', '.join(FLASH_ATTN)}" if kind == "flash_attn" else ""))
+    if kind == "cache":
+        if t not in KV_CACHE_TYPES:
+            raise wrong(f"a KV cache type ({', '.join(KV_CACHE_TYPES)})")
+        return t
+    if kind == "int":
+        try:
+            return int(t, 10)
+        except ValueError:
+            raise wrong("a whole number") from None
+    try:
+        v = float(t)
+    except ValueError:
+        raise wrong("a number") from None
+    if not math.isfinite(v):
+        raise wrong("a finite number")
+    return v
+
+
+def format_parameter(value, quoted: bool = True) -> str:
+    """One parameter value as text: strings quoted (``show``'s ``parameters``) or not (a
+    Modelfile's PARAMETER line), numbers without a needless ``.0``, booleans as true/false."""
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        text = repr(value)
+        return text[:-2] if text.endswith(".0") else text
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False) if quoted else value
+    return str(value)
+
+
+def parameters_text(params: dict) -> str:
+    """Ollama's ``parameters`` text of ``/api/show``: one ``name value`` line each (one per stop
+    sequence), the name padded to 30 columns."""
+    lines = []
+    for name, value in (params or {}).items():
+        for v in (value if isinstance(value, list) else [value]):
+            lines.append(f"{name:<30} {format_parameter(v)}")
+    return "\n".join(lines)

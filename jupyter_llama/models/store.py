@@ -11,7 +11,9 @@ Layout under the root (``JUPYTER_LLAMA_MODELS``, else ``<jupyter data dir>/llama
     tmp/                                     imports and synthetic models before they land
 
 A manifest lists its layers (the model GGUF, and an optional multimodal projector GGUF with
-Ollama's media type ``application/vnd.ollama.image.projector``), the model's GGUF summary
+Ollama's media type ``application/vnd.ollama.image.projector``, and the preset layers Ollama
+keeps beside the weights: system, template, params, license, messages; see ``models.preset``),
+the model's GGUF summary
 (``GGUFInfo.to_dict(tensors=False)``, so ``list`` and ``show`` never reopen a blob), its
 created/modified times and where it came from (a file, a URL, a Hugging Face repo and
 file, a synthetic shape, or a copy).
@@ -348,6 +350,15 @@ def _projector_summary(path: str) -> dict:
         "tensor_count": n_tensors,
         "metadata": keep,
     }
+
+
+def _role(media_type: str) -> str:
+    """What a layer is, in a word: model, projector, or a preset part (system, template ...)."""
+    if media_type == MODEL_MEDIA_TYPE:
+        return "model"
+    if media_type == PROJECTOR_MEDIA_TYPE:
+        return "projector"
+    return PRESET_MEDIA_TYPES.get(media_type, media_type)
 
 
 def _info_from_dict(d: dict, path: str) -> GGUFInfo:
@@ -945,8 +956,12 @@ class ModelStore:
         hexes = [normalize_digest(ly["digest"]) for ly in layers]
         land = land or {}
         with self._blob_locks(hexes):
+            landed: set[str] = set()
             for ly, hexd in zip(layers, hexes):
+                if hexd in landed:  # the same bytes twice (a template that is also the system text)
+                    continue
                 if hexd in land:
+                    landed.add(hexd)
                     existed = self.blob_path(hexd).exists()
                     self.land_blob(land[hexd], hexd)
                     if progress:
@@ -1051,8 +1066,9 @@ class ModelStore:
         return name if isinstance(name, ModelName) else parse_name(name)
 
     def create(self, name: str | ModelName, from_file: os.PathLike | str, projector: os.PathLike | str | None = None,
-               progress: Progress | None = None, *, link: str = "auto", source: dict | None = None) -> ModelEntry:
-        """Import a GGUF (and an optional projector GGUF) under ``name``.
+               progress: Progress | None = None, *, link: str = "auto", source: dict | None = None,
+               preset: Preset | None = None) -> ModelEntry:
+        """Import a GGUF (and an optional projector GGUF) under ``name`` (with a ``preset``, if given).
 
         The file is validated first (``InvalidGGUF``, a GGUFError, for anything else). It is
         hard-linked into the store when it is on the same filesystem (``link="auto"``),
@@ -1091,17 +1107,18 @@ class ModelStore:
             if proj_src is not None and not source:
                 src_rec["projector_path"] = proj_src
             src_rec.setdefault("import", hows)
-            entry = self._commit(mname, layers, self._summary(info), src_rec, proj_info, land, progress)
+            entry = self._commit(mname, layers, self._summary(info), src_rec, proj_info, land, progress, preset)
         finally:
             for t in land.values():
                 _unlink(t)
         emit({"status": "success"})
         return entry
 
-    def create_from_files(self, name: str | ModelName, files: Mapping[str, str]) -> ModelEntry:
+    def create_from_files(self, name: str | ModelName, files: Mapping[str, str],
+                          preset: Preset | None = None) -> ModelEntry:
         """Name uploaded blobs by Ollama's ``files`` map (file name -> digest): one GGUF is the
         model; with two, the other must be the multimodal projector (told by its name, or by
-        not being a language model)."""
+        not being a language model). ``preset``: what the model carries besides its weights."""
         digests = {}
         for fname, digest in files.items():
             hexd = normalize_digest(digest)
@@ -1109,7 +1126,7 @@ class ModelStore:
                 raise BadRequest(f"files: {fname} (sha256:{hexd}) has not been uploaded; POST it to api/blobs first")
             digests[fname] = hexd
         if len(digests) == 1:
-            return self.create_from_blobs(name, next(iter(digests.values())))
+            return self.create_from_blobs(name, next(iter(digests.values())), preset=preset)
 
         def is_projector(fname: str, hexd: str) -> bool:
             if "mmproj" in fname.lower() or "projector" in fname.lower():
@@ -1125,10 +1142,10 @@ class ModelStore:
             raise BadRequest("files: give one GGUF (the model), or two: the model and its multimodal projector "
                              "(mmproj); could not tell which is which")
         model = next(d for f, d in digests.items() if f != proj[0])
-        return self.create_from_blobs(name, model, digests[proj[0]])
+        return self.create_from_blobs(name, model, digests[proj[0]], preset=preset)
 
     def create_from_blobs(self, name: str | ModelName, model_digest: str, projector_digest: str | None = None,
-                          source: dict | None = None) -> ModelEntry:
+                          source: dict | None = None, preset: Preset | None = None) -> ModelEntry:
         """Name blobs already in the store (``POST /api/create`` after ``POST /api/blobs``)."""
         mname = self._name(name)
         hexd = normalize_digest(model_digest)
@@ -1148,7 +1165,8 @@ class ModelStore:
                 raise BadRequest(f"blob sha256:{phex} is not in the store; upload it first")
             proj_info = _projector_summary(str(ppath))
             layers.append({"mediaType": PROJECTOR_MEDIA_TYPE, "digest": f"sha256:{phex}", "size": ppath.stat().st_size})
-        return self._commit(mname, layers, self._summary(info), source or {"type": "blobs"}, proj_info)
+        return self._commit(mname, layers, self._summary(info), source or {"type": "blobs"}, proj_info,
+                            preset=preset)
 
     def receive_blob(self, digest: str, chunks: Iterable[bytes]) -> Path:
         """Store uploaded bytes as blob ``digest`` (``POST /api/blobs/sha256:...``); BadRequest on mismatch."""
@@ -1191,15 +1209,18 @@ class ModelStore:
             _unlink(tmp)
             _unlink(proj)
 
-    def copy(self, src: str | ModelName, dst: str | ModelName) -> ModelEntry:
-        """Give model ``src`` a second name (no bytes copied); an existing ``dst`` is replaced."""
+    def copy(self, src: str | ModelName, dst: str | ModelName, preset: Preset | None = None) -> ModelEntry:
+        """Give model ``src`` a second name (no bytes copied); an existing ``dst`` is replaced.
+        With a ``preset``, the new name carries ``src``'s preset merged with it (Ollama's create
+        ``from`` a model): the weights are shared, only the small preset layers are new."""
         sname, dname = self._name(src), self._name(dst)
         entry = self._find(sname)
         if entry is None:
             raise self._not_found(str(src), sname)
         source = dict(entry.source)
         source.setdefault("from_model", entry.display)
-        return self._commit(dname, entry.layers, entry.info, source, entry.manifest.get("projector_info"))
+        return self._commit(dname, entry.layers, entry.info, source, entry.manifest.get("projector_info"),
+                            preset=preset)
 
     # -- public: list, show, entry ---------------------------------------------------
 
@@ -1240,8 +1261,7 @@ class ModelStore:
         problems = []
         for ly in e.layers:
             hexd = normalize_digest(ly["digest"])
-            role = "projector" if ly["mediaType"] == PROJECTOR_MEDIA_TYPE else (
-                "model" if ly["mediaType"] == MODEL_MEDIA_TYPE else ly["mediaType"])
+            role = _role(ly["mediaType"])
             path = self.blob_path(hexd)
             rec = {"role": role, "media_type": ly["mediaType"], "digest": f"sha256:{hexd}",
                    "size": int(ly["size"]), "path": str(path), "present": path.exists()}
@@ -1252,6 +1272,11 @@ class ModelStore:
                     rec["problem"] = problem
                     problems.append(f"{role} blob sha256:{hexd[:12]}: {problem}")
             files.append(rec)
+        try:
+            preset = self._read_preset(e.layers, e.display).to_dict()
+        except StoreError as err:  # BlobCorrupt too: show what can be shown, and say what is wrong
+            preset = Preset().to_dict()
+            problems.append(str(err))
         out = {
             "name": e.display,
             "model": e.name.full,
@@ -1271,6 +1296,7 @@ class ModelStore:
             "model_info": dict(info.get("metadata") or {}),
             "template": (info.get("metadata") or {}).get("tokenizer.chat_template", ""),
             "projector_info": e.manifest.get("projector_info"),
+            "preset": preset,  # system, template (Ollama's), parameters, messages, license
         }
         if verify:
             out["verify"] = {"ok": not problems, "problems": problems,
@@ -1438,7 +1464,7 @@ class ModelStore:
             hexd = normalize_digest(ly["digest"])
             problem = self.check_blob(hexd, int(ly["size"]))
             if problem:
-                role = "projector" if ly["mediaType"] == PROJECTOR_MEDIA_TYPE else "model"
+                role = _role(ly["mediaType"])
                 raise BlobCorrupt(
                     f'model "{e.display}": the {role} file (blob sha256:{hexd[:12]}) is damaged: {problem}. '
                     f"To repair it, {e.repair_hint()}.",

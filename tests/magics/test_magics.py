@@ -196,3 +196,18 @@ def test_run_stops_at_the_default_length_unless_asked(shell, registered):
     r = shell.run_line_magic("llama", f"run {registered} 'Once upon a time'")
     assert r.tokens <= DEFAULT_NUM_PREDICT
     assert f"default {DEFAULT_NUM_PREDICT}" in build_parser()._llama_sub.choices["run"].format_help()
+
+
+def test_create_from_a_modelfile_and_show_its_preset(shell, registered, tmp_path, capsys):
+    (tmp_path / "Modelfile").write_text(f'FROM {registered}\nSYSTEM """You are Mario.\nOnly Mario."""\n'
+                                        "PARAMETER temperature 0.25\nPARAMETER stop ###\n")
+    shell.run_line_magic("llama", f"create magic-mario -f {tmp_path / 'Modelfile'}")
+    capsys.readouterr()
+    shell.run_line_magic("llama", "show magic-mario")
+    out = capsys.readouterr().out
+    assert "system:                   You are Mario.\n                          Only Mario." in out
+    assert "temperature                    0.25" in out and 'stop                           "###"' in out
+    (tmp_path / "Bad").write_text(f"FROM {registered}\nADAPTER ./lora.gguf\n")
+    with pytest.raises(UsageError, match="Modelfile line 2: LoRA adapters"):
+        shell.run_line_magic("llama", f"create magic-bad -f {tmp_path / 'Bad'}")
+    shell.run_line_magic("llama", "rm magic-mario")
