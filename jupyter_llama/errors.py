@@ -63,8 +63,15 @@ class EngineError(RuntimeError):
 
 
 class RequestError(EngineError):
-    """The child answered a request with an HTTP error; ``status`` is its status code."""
+    """The child answered a request with an HTTP error; ``status`` is its status code and
+    ``kind`` the type it gave the error (llama-server's ``error.type``), when it gave one."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, kind: str | None = None):
         self.status = status
+        self.kind = kind
         super().__init__(message)
+
+    @property
+    def context_exceeded(self) -> bool:
+        """The request's prompt is longer than the context the child has for it."""
+        return self.kind == "exceed_context_size_error"

@@ -13,12 +13,26 @@ Two translators turn llama-server's streamed events into Ollama chunks:
 (OpenAI-style ``/v1/chat/completions`` events, where llama-server applies the model's
 chat template).
 
+A model's preset (``models.preset``: what ``/api/create`` and a Modelfile add to the weights)
+is applied while a request is parsed, as Ollama applies it: its parameters are the request's
+default options (the request's own values win; load options among them are the model's
+default load options), its system message is the default one, its messages come before the
+request's, and its template (a Go template, ``api.gotemplate``) formats the prompt.
+
+Templates, decided: llama-server runs only the GGUF's Jinja chat template, so a preset (or
+per-request) TEMPLATE is rendered here and the text goes to ``/completion``, as Ollama
+renders its Go templates. When a template uses Go-template features our interpreter does
+not run, or a chat request carries tools or images (which llama-server's chat route
+handles), the model's own chat template is used instead; the template is still stored and
+shown as written. ``create`` says so in its status lines.
+
 No I/O and no HTTP here: the handlers call these.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import math
 import re
@@ -28,7 +42,10 @@ from typing import Any, Callable, Iterable
 
 from ..load_options import LoadOptions
 from ..errors import BadRequest
-from .options import format_to_schema, parse_keep_alive, split_options
+from ..models.preset import Preset
+from .gotemplate import GoTemplate, TemplateUnsupported
+from .modelfile import write_modelfile
+from .options import format_to_schema, parameters_text, parse_keep_alive, parse_parameters, split_options
 
 __all__ = [
     "OLLAMA_VERSION",
@@ -147,11 +164,26 @@ class GenerateRequest:
     options: LoadOptions = field(default_factory=LoadOptions)
     sampling: dict = field(default_factory=dict)  # llama-server /completion fields
     truncate: bool = True  # a prompt longer than the context keeps its end (Ollama's default)
+    default_system: str = ""  # the preset's system message, used when the request gives none
+    history: list[dict] = field(default_factory=list)  # the preset's messages, before the prompt
+    template: GoTemplate | None = None  # renders the prompt (the request's template, else the preset's)
+    suffix: str = ""  # fill in the middle: the text after the gap (the prompt is the text before it)
 
     @property
     def is_load_only(self) -> bool:
         """Ollama: an empty prompt loads (or, with keep_alive 0, unloads) the model."""
-        return not self.prompt and not self.system
+        return not self.prompt and not self.system and not self.suffix
+
+    @property
+    def needs(self) -> list[str]:
+        """The capabilities this request asks of the model (see :func:`check_capabilities`)."""
+        return ["insert"] if self.suffix else []
+
+    def prompt_messages(self) -> list[dict]:
+        """The conversation a template (or the model's chat template) turns into the prompt."""
+        system = self.system or self.default_system
+        return ([{"role": "system", "content": system}] if system else []) + [dict(m) for m in self.history] + [
+            {"role": "user", "content": self.prompt}]
 
     @property
     def unloads(self) -> bool:
@@ -167,10 +199,45 @@ class ChatRequest:
     options: LoadOptions = field(default_factory=LoadOptions)
     sampling: dict = field(default_factory=dict)  # llama-server fields (OpenAI endpoint reads them)
     tools: list | None = None
+    prefix: list[dict] = field(default_factory=list)  # the preset's system message and messages
+    template: GoTemplate | None = None  # the preset's template, when it is to render the prompt
+    think: bool | str | None = None  # Ollama's think: true, false, or a level (low, medium, high); None: unset
+    truncate: bool = True  # a chat longer than the context drops its oldest messages (Ollama's default)
 
     @property
     def is_load_only(self) -> bool:
         return not self.messages
+
+    @property
+    def needs(self) -> list[str]:
+        """The capabilities this request asks of the model (see :func:`check_capabilities`)."""
+        return (["tools"] if self.tools else []) + (["thinking"] if self.think else [])
+
+    @property
+    def chat_params(self) -> dict:
+        """What goes to llama-server's chat route besides the messages: the sampling fields,
+        the tools, and ``think`` as the template's ``enable_thinking`` (and
+        ``reasoning_effort`` for a level), which is how llama-server's Jinja templates take it."""
+        params = dict(self.sampling)
+        if self.tools:
+            params["tools"] = self.tools
+        if self.think is not None:
+            kwargs: dict[str, Any] = {"enable_thinking": bool(self.think)}
+            if isinstance(self.think, str):
+                kwargs["reasoning_effort"] = self.think
+            params["chat_template_kwargs"] = kwargs
+        return params
+
+    @property
+    def all_messages(self) -> list[dict]:
+        """What the model sees: the preset's part, then the request's messages."""
+        return self.prefix + self.messages
+
+    @property
+    def templated(self) -> GoTemplate | None:
+        """The template to render this chat with ourselves; None: llama-server's chat route (the
+        model's own chat template), which also handles tools and images."""
+        return None if self.template is None or self.tools or self.has_images else self.template
 
     @property
     def has_images(self) -> bool:
@@ -206,6 +273,8 @@ class CreateRequest:
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256:<hex>
     from_: str | None = None
     stream: bool = True
+    preset: Preset = field(default_factory=Preset)
+    notes: list[str] = field(default_factory=list)  # status lines to add (a template we cannot run ...)
 
 
 def _sampling_from(body: dict, split) -> dict:
@@ -218,28 +287,93 @@ def _sampling_from(body: dict, split) -> dict:
 
 _UNSUPPORTED_GENERATE = {
     "images": "images are not supported yet (multimodal input)",
-    "suffix": "suffix (fill-in-the-middle) is not supported yet",
-    "template": "a per-request template is not supported; the model's own chat template is used",
 }
 
+_THINK_LEVELS = ("low", "medium", "high")
 
-def parse_generate(body: dict) -> GenerateRequest:
-    """``POST /api/generate``."""
+
+def _think(body: dict) -> bool | str | None:
+    """Ollama's ``think``: true, false or a level (``max`` is its word for ``high``)."""
+    v = body.get("think")
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in (*_THINK_LEVELS, "max", "true", "false"):
+        v = v.strip().lower()
+        return {"max": "high", "true": True, "false": False}.get(v, v)
+    raise BadRequest(f'think must be true, false, "low", "medium" or "high", got {json.dumps(v)}')
+
+
+def _tools(body: dict) -> list | None:
+    """``tools``: function schemas as Ollama (and OpenAI) write them, passed on as they are."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise BadRequest("tools must be a list")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]
+                or t.get("type", "function") != "function"
+                or not isinstance(fn.get("parameters", {}), dict)):
+            raise BadRequest(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "description": '
+                             '..., "parameters": {a JSON schema}}}}')
+    return tools or None
+
+
+@functools.lru_cache(maxsize=64)
+def _preset_template(text: str) -> GoTemplate | None:
+    """A preset's template, parsed once; None when it uses what our interpreter does not run
+    (the model's own chat template is used then) or is no template at all."""
+    if not text:
+        return None
+    try:
+        return GoTemplate.parse(text)
+    except (TemplateUnsupported, BadRequest):
+        return None
+
+
+def _options_with(preset: Preset | None, options) -> dict | None:
+    """The request's ``options`` over the preset's parameters (the request's values win)."""
+    if not preset or not preset.parameters:
+        return options
+    if options is not None and not isinstance(options, dict):
+        return options  # split_options says what is wrong with it
+    return {**preset.parameters, **(options or {})}
+
+
+def parse_generate(body: dict, preset: Preset | None = None) -> GenerateRequest:
+    """``POST /api/generate``; ``preset``: the model's (see the module docstring)."""
     model = model_name(body)
     for key, why in _UNSUPPORTED_GENERATE.items():
         if body.get(key):
             raise BadRequest(why)
-    split = split_options(body.get("options"))
+    raw = _bool(body, "raw", False)
+    template = None
+    asked = _str(body, "template")
+    if asked and not raw:
+        try:
+            template = GoTemplate.parse(asked)
+        except TemplateUnsupported as e:
+            raise BadRequest(f"template: it uses {e}, which jupyter-llama cannot run; leave template out to use "
+                             "the model's own chat template") from None
+    preset = preset or Preset()
+    if template is None and not raw:
+        template = _preset_template(preset.template)
+    split = split_options(_options_with(preset, body.get("options")))
     return GenerateRequest(
         model=model,
         prompt=_str(body, "prompt"),
         system=_str(body, "system"),
-        raw=_bool(body, "raw", False),
+        raw=raw,
         stream=_bool(body, "stream", True),
         keep_alive=parse_keep_alive(body.get("keep_alive")),
         options=split.load_options(),
         sampling=_sampling_from(body, split),
         truncate=_bool(body, "truncate", True),
+        default_system="" if raw else preset.system,
+        history=[] if raw else [dict(m) for m in preset.messages],
+        template=template,
+        suffix=_str(body, "suffix"),
     )
 
 
@@ -307,38 +441,47 @@ def _image_type(b64: str, i: int) -> str:
     return next((t for magic, t in _IMAGE_MAGIC if head.startswith(magic)), "image/jpeg")
 
 
-def parse_chat(body: dict) -> ChatRequest:
-    """``POST /api/chat``."""
+def parse_chat(body: dict, preset: Preset | None = None) -> ChatRequest:
+    """``POST /api/chat``; ``preset``: the model's (see the module docstring)."""
     model = model_name(body)
     messages = body.get("messages", [])
     if messages is None:
         messages = []
     if not isinstance(messages, list):
         raise BadRequest("messages must be a list")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise BadRequest("tools must be a list")
-    split = split_options(body.get("options"))
+    tools = _tools(body)
+    preset = preset or Preset()
+    split = split_options(_options_with(preset, body.get("options")))
+    msgs = [_chat_message(i, m) for i, m in enumerate(messages)]
+    # Ollama: the preset's messages go first; its system message before them, unless the
+    # request opens with a system message of its own
+    prefix = [{"role": m["role"], "content": m["content"]} for m in preset.messages]
+    if preset.system and msgs and msgs[0]["role"] != "system":
+        prefix.insert(0, {"role": "system", "content": preset.system})
     return ChatRequest(
         model=model,
-        messages=[_chat_message(i, m) for i, m in enumerate(messages)],
+        messages=msgs,
         stream=_bool(body, "stream", True),
         keep_alive=parse_keep_alive(body.get("keep_alive")),
         options=split.load_options(),
         sampling=_sampling_from(body, split),
-        tools=tools or None,
+        tools=tools,
+        prefix=prefix if msgs else [],
+        template=_preset_template(preset.template),
+        think=_think(body),
+        truncate=_bool(body, "truncate", True),
     )
 
 
-def _embed_common(body: dict) -> tuple[str, LoadOptions, float | None]:
+def _embed_common(body: dict, preset: Preset | None = None) -> tuple[str, LoadOptions, float | None]:
     model = model_name(body)
-    split = split_options(body.get("options"))
+    split = split_options(_options_with(preset, body.get("options")))
     return model, split.load_options(embedding=True), parse_keep_alive(body.get("keep_alive"))
 
 
-def parse_embed(body: dict) -> EmbedRequest:
-    """``POST /api/embed``: ``input`` is a string or a list of strings."""
-    model, opts, ka = _embed_common(body)
+def parse_embed(body: dict, preset: Preset | None = None) -> EmbedRequest:
+    """``POST /api/embed``: ``input`` is a string or a list of strings (a preset's load options apply)."""
+    model, opts, ka = _embed_common(body, preset)
     inp = body.get("input", "")
     if isinstance(inp, str):
         inputs = [inp] if inp else []
@@ -353,9 +496,9 @@ def parse_embed(body: dict) -> EmbedRequest:
                         options=opts, dimensions=dims)
 
 
-def parse_embeddings(body: dict) -> EmbedRequest:
+def parse_embeddings(body: dict, preset: Preset | None = None) -> EmbedRequest:
     """``POST /api/embeddings`` (Ollama's older endpoint): one ``prompt``."""
-    model, opts, ka = _embed_common(body)
+    model, opts, ka = _embed_common(body, preset)
     prompt = _str(body, "prompt")
     return EmbedRequest(model=model, inputs=[prompt] if prompt else [], keep_alive=ka, options=opts, legacy=True)
 
@@ -385,15 +528,65 @@ def parse_delete(body: dict) -> str:
     return model_name(body)
 
 
-_UNSUPPORTED_CREATE = ("quantize", "adapters", "template", "system", "parameters", "messages")
+_UNSUPPORTED_CREATE = {
+    "quantize": "create: quantize is not supported; quantise the GGUF with llama.cpp's llama-quantize first",
+    "adapters": "create: adapters (LoRA) are not supported; merge the adapter into the GGUF "
+                "(llama.cpp's llama-export-lora) and create from that file",
+}
+
+
+def _create_messages(raw) -> list[dict]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise BadRequest('messages must be a list of {"role": ..., "content": ...} objects')
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object with role and content")
+        role, content = m.get("role"), m.get("content", "")
+        if role not in ("system", "user", "assistant"):
+            raise BadRequest(f"messages[{i}].role must be system, user or assistant, not "
+                             f"{json.dumps(role) if role is not None else 'missing'}")
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string")
+        if m.get("images"):
+            raise BadRequest(f"messages[{i}]: a model's messages cannot carry images")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _create_license(raw) -> list[str]:
+    if raw is None or raw == "":
+        return []
+    if isinstance(raw, str):
+        return [raw]
+    if isinstance(raw, list) and all(isinstance(x, str) for x in raw):
+        return [x for x in raw if x]
+    raise BadRequest("license must be a string or a list of strings")
 
 
 def parse_create(body: dict) -> CreateRequest:
-    """``POST /api/create`` from uploaded blobs (``files``) or an existing model (``from``)."""
+    """``POST /api/create`` from uploaded blobs (``files``) or an existing model or GGUF file
+    (``from``), with Ollama's preset fields: ``system``, ``template``, ``parameters`` (an
+    object; ``stop`` may be a list), ``messages``, ``license`` (a string or a list)."""
     model = model_name(body)
-    for key in _UNSUPPORTED_CREATE:
+    for key, why in _UNSUPPORTED_CREATE.items():
         if body.get(key):
-            raise BadRequest(f"create: {key} is not supported")
+            raise BadRequest(why)
+    notes: list[str] = []
+    template = _str(body, "template")
+    if template:
+        try:
+            GoTemplate.parse(template)  # TemplateSyntaxError (a 400) for text that is no template
+        except TemplateUnsupported as e:
+            notes.append(f"the template uses {e}, which jupyter-llama cannot run: it is kept as written, and "
+                         "requests use the model's own chat template")
+    preset = Preset(system=_str(body, "system"), template=template,
+                    parameters=parse_parameters(body.get("parameters")),
+                    messages=_create_messages(body.get("messages")), license=_create_license(body.get("license")))
     files = body.get("files") or {}
     if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
         raise BadRequest('files must be an object like {"model.gguf": "sha256:<hex>"}')
@@ -405,7 +598,7 @@ def parse_create(body: dict) -> CreateRequest:
     if not files and not from_:
         raise BadRequest("create needs files (uploaded GGUF blobs) or from (an existing model)")
     return CreateRequest(model=model, files=dict(files), from_=from_.strip() if from_ else None,
-                         stream=_bool(body, "stream", True))
+                         stream=_bool(body, "stream", True), preset=preset, notes=notes)
 
 
 # ----------------------------------------------------------------------------- chunks
@@ -539,6 +732,29 @@ class GenerateTranslator(_Lines):
         return d
 
 
+class TemplatedChatTranslator(GenerateTranslator):
+    """llama-server ``/completion`` events -> Ollama ``/api/chat`` chunks: a chat whose prompt
+    was rendered with the model's preset template (see the module docstring)."""
+
+    _text_key = b'","message":{"role":"assistant","content":'
+    _text_tail = b'},"done":false}\n'
+
+    @staticmethod
+    def _as_chat(d: dict) -> dict:
+        out = {k: v for k, v in d.items() if k != "response"}
+        out["message"] = {"role": "assistant", "content": d.get("response", "")}
+        return out
+
+    def chunk(self, text: str) -> dict:
+        return self._as_chat(super().chunk(text))
+
+    def feed(self, event: dict) -> list[dict]:
+        return [c if "message" in c else self._as_chat(c) for c in super().feed(event)]
+
+    def combined(self) -> dict:
+        return self._as_chat(super().combined())
+
+
 class ChatTranslator(_Lines):
     """llama-server ``/v1/chat/completions`` stream events -> Ollama ``/api/chat`` chunks."""
 
@@ -563,14 +779,21 @@ class ChatTranslator(_Lines):
         return {"model": self.model, "created_at": rfc3339(), "message": msg, "done": False}
 
     def _calls(self) -> list[dict]:
+        """The tool calls in Ollama's shape (``arguments`` an object). A call whose arguments
+        are not a JSON object was cut short (the length limit ended it mid-call) and is left
+        out: Ollama's clients read ``arguments`` as an object."""
         out = []
         for _, c in sorted(self.tool_calls.items()):
-            args = c["arguments"]
             try:
-                args = json.loads(args) if args else {}
+                args = json.loads(c["arguments"]) if c["arguments"] else {}
             except ValueError:
-                pass
-            out.append({"function": {"name": c["name"], "arguments": args}})
+                continue
+            if not isinstance(args, dict):
+                continue
+            call: dict[str, Any] = {"function": {"name": c["name"], "arguments": args}}
+            if c["id"]:
+                call["id"] = c["id"]
+            out.append(call)
         return out
 
     def feed(self, event: dict) -> list[dict]:
@@ -582,7 +805,9 @@ class ChatTranslator(_Lines):
         think = delta.get("reasoning_content") or ""
         for tc in delta.get("tool_calls") or []:
             idx = tc.get("index", len(self.tool_calls))
-            slot = self.tool_calls.setdefault(idx, {"name": "", "arguments": ""})
+            slot = self.tool_calls.setdefault(idx, {"id": "", "name": "", "arguments": ""})
+            if tc.get("id"):
+                slot["id"] = tc["id"]
             fn = tc.get("function") or {}
             if fn.get("name"):
                 slot["name"] += fn["name"]
@@ -595,8 +820,9 @@ class ChatTranslator(_Lines):
         finish = ch.get("finish_reason")
         if finish:
             msg: dict[str, Any] = {"role": "assistant", "content": ""}
-            if self.tool_calls:
-                msg["tool_calls"] = self._calls()
+            calls = self._calls()
+            if calls:  # the parsed calls, once complete: on the last chunk
+                msg["tool_calls"] = calls
             self.final = {"model": self.model, "created_at": rfc3339(), "message": msg, "done": True,
                           "done_reason": "length" if finish == "length" else "stop",
                           **stats_from_timings(event.get("timings"), time.monotonic() - self.started, self.load_s)}
@@ -691,11 +917,14 @@ def tags_body(entries: Iterable) -> dict:
 
 
 def _modelfile(show: dict) -> str:
-    lines = ["# Modelfile generated by jupyter-llama", "# To build a new Modelfile based on this, replace FROM with:",
-             f"# FROM {show.get('name')}", ""]
-    for f in show.get("files") or []:
-        lines.append(("FROM " if f.get("role") == "model" else "ADAPTER ") + str(f.get("path")))
-    return "\n".join(lines) + "\n"
+    """A Modelfile that recreates the model: FROM its weights (the model's GGUF, and its
+    projector's), then its preset."""
+    preset = Preset.from_dict(show.get("preset"))
+    header = ["# Modelfile generated by jupyter-llama", "# To build a new Modelfile based on this, replace FROM with:",
+              f"# FROM {show.get('name')}", ""]
+    froms = [str(f.get("path")) for f in show.get("files") or [] if f.get("role") in ("model", "projector")]
+    return write_modelfile(froms, system=preset.system, template=preset.template, parameters=preset.parameters,
+                           messages=preset.messages, license=preset.license, header=header)
 
 
 def capabilities_of(show: dict, arch: str) -> list[str]:
@@ -718,6 +947,26 @@ def capabilities_of(show: dict, arch: str) -> list[str]:
     return caps
 
 
+def model_capabilities(ref) -> list[str]:
+    """:func:`capabilities_of` a resolved model (a ``models.ref.ModelRef``): its GGUF's
+    metadata and chat template (the one llama-server runs), and its projector."""
+    meta = dict(getattr(ref.info, "metadata", None) or {})
+    return capabilities_of({"model_info": meta, "projector_info": bool(ref.mmproj)},
+                           getattr(ref.info, "architecture", "") or "")
+
+
+def check_capabilities(name: str, ref, wanted: Iterable[str]) -> None:
+    """Ollama's answer to a request for what the model cannot do: a 400 naming the model
+    and what it lacks (``"tiny" does not support tools``)."""
+    wanted = list(wanted)
+    if not wanted:
+        return
+    have = model_capabilities(ref)
+    missing = [c for c in wanted if c not in have]
+    if missing:
+        raise BadRequest(f"{json.dumps(name)} does not support {' or '.join(missing)}")
+
+
 def show_body(show: dict, verbose: bool = False) -> dict:
     """``/api/show`` from ``ModelStore.show(name)``'s dict."""
     info = show.get("info") or {}
@@ -732,11 +981,15 @@ def show_body(show: dict, verbose: bool = False) -> dict:
     if not verbose:
         model_info.pop("tokenizer.chat_template", None)
     capabilities = capabilities_of(show, arch)
+    preset = Preset.from_dict(show.get("preset"))
     return {
-        "license": str((show.get("model_info") or {}).get("general.license", "") or ""),
+        "license": "\n".join(preset.license) or str((show.get("model_info") or {}).get("general.license", "") or ""),
         "modelfile": _modelfile(show),
-        "parameters": "",
-        "template": show.get("template") or "",
+        "parameters": parameters_text(preset.parameters),
+        # the preset's (Ollama Go) template as written; else the GGUF's own chat template
+        "template": preset.template or show.get("template") or "",
+        "system": preset.system,
+        "messages": [dict(m) for m in preset.messages],
         "details": show.get("details") or details_from_info(info),
         "model_info": model_info,
         "modified_at": show.get("modified_at") or "",
@@ -747,6 +1000,7 @@ def show_body(show: dict, verbose: bool = False) -> dict:
         "size": show.get("size"),
         "files": show.get("files"),
         "source": show.get("source"),
+        "preset": preset.to_dict(),  # what the model carries besides its weights, as stored
     }
 
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible wire format: ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/embeddings``, ``/v1/models``.
+``/v1/embeddings``, ``/v1/responses`` (stateless: no ``previous_response_id``), ``/v1/models``.
 
 Requests are scheduled like Ollama's (the ``model`` field names the model to acquire) and
 then passed through to the child's own OpenAI-compatible endpoints, which speak this
@@ -23,6 +23,7 @@ __all__ = [
     "error_body",
     "sse",
     "SSE_DONE",
+    "stream_error",
     "models_body",
     "model_object",
 ]
@@ -32,6 +33,7 @@ ENDPOINTS = {
     "chat/completions": "/v1/chat/completions",
     "completions": "/v1/completions",
     "embeddings": "/v1/embeddings",
+    "responses": "/v1/responses",
 }
 
 _ERROR_TYPES = {
@@ -54,22 +56,58 @@ class OpenAIRequest:
     stream: bool = False
     keep_alive: float | None = None
     options: LoadOptions = field(default_factory=LoadOptions)
+    named: bool = False  # the child's stream names its events (Responses, Anthropic): no [DONE] at its end
+    needs: list[str] = field(default_factory=list)  # capabilities asked of the model (tools)
 
 
-def parse_request(route: str, body: dict) -> OpenAIRequest:
-    """Validate the little we read; the child validates the rest (and answers 400 itself)."""
-    if route not in ENDPOINTS:
-        raise BadRequest(f"unknown endpoint v1/{route}")
+def tool_needs(body: dict) -> list[str]:
+    """``["tools"]`` for a request that offers the model tools, else nothing."""
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("tools must be a list")
+    return ["tools"] if tools else []
+
+
+def without_ours(body: dict) -> tuple[dict, float | None]:
+    """The body for the child (no ``stream``: the relay sets it) and our ``keep_alive``."""
+    out = dict(body)
+    ka = parse_keep_alive(out.pop("keep_alive", None))  # ours (as Ollama's OpenAI layer accepts it)
+    out.pop("stream", None)
+    return out, ka
+
+
+def request_basics(body: dict) -> tuple[str, bool]:
+    """``model`` and ``stream``, checked."""
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise BadRequest("model is required" if not model else f"model must be a string, got {model!r}")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"stream must be true or false, got {stream!r}")
-    if route == "chat/completions":
+    return model.strip(), stream
+
+
+def parse_request(route: str, body: dict) -> OpenAIRequest:
+    """Validate the little we read; the child validates the rest (and answers 400 itself)."""
+    if route not in ENDPOINTS:
+        raise BadRequest(f"unknown endpoint v1/{route}")
+    model, stream = request_basics(body)
+    needs: list[str] = []
+    if route == "responses":
+        inp = body.get("input")
+        if inp is None:
+            raise BadRequest("input is required: a string, or a list of input items")
+        if not isinstance(inp, (str, list)):
+            raise BadRequest(f"input must be a string or a list of input items, got {type(inp).__name__}")
+        if body.get("previous_response_id"):
+            raise BadRequest("previous_response_id is not supported: responses are not stored; send the "
+                             "conversation in input")
+        needs = tool_needs(body)
+    elif route == "chat/completions":
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise BadRequest("messages must be a non-empty list")
+        needs = tool_needs(body)
     elif route == "completions":
         if "prompt" not in body:
             raise BadRequest("prompt is required")
@@ -77,12 +115,10 @@ def parse_request(route: str, body: dict) -> OpenAIRequest:
         if "input" not in body:
             raise BadRequest("input is required")
         stream = False
-    out = dict(body)
-    ka = parse_keep_alive(out.pop("keep_alive", None))  # ours (as Ollama's OpenAI layer accepts it)
-    out.pop("stream", None)
+    out, ka = without_ours(body)
     options = LoadOptions(embedding=True) if route == "embeddings" else LoadOptions()
-    return OpenAIRequest(endpoint=ENDPOINTS[route], model=model.strip(), body=out, stream=stream,
-                         keep_alive=ka, options=options)
+    return OpenAIRequest(endpoint=ENDPOINTS[route], model=model, body=out, stream=stream,
+                         keep_alive=ka, options=options, named=route == "responses", needs=needs)
 
 
 def error_body(status: int, message: str) -> dict:
@@ -97,6 +133,17 @@ def sse(obj) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+def stream_error(message: str, named: bool = False) -> bytes:
+    """An error that ends a stream: ``data: {"error": ...}`` (what OpenAI's client raises on);
+    in a stream of named events (Responses) an ``error`` event that carries the same, with
+    the Responses API's own ``type``/``code``/``message`` fields beside it."""
+    body = error_body(500, message)
+    if not named:
+        return sse(body)
+    event = {"type": "error", "code": "api_error", "message": message, "param": None, **body}
+    return b"event: error\n" + sse(event)
 
 
 def model_object(name: str, created: int = 0, owned_by: str = "library") -> dict:

@@ -70,7 +70,17 @@ def child_error(status: int, body: str) -> RequestError:
                                  "into a grammar, or a grammar and a schema together) and its sampler options")
     if status >= 500 and any(m in message for m in _REQUEST_MISTAKES):
         return RequestError(400, f"llama-server refused the request: {message}")
-    return RequestError(status, message)
+    return RequestError(status, message, _error_kind(body))
+
+
+def _error_kind(body: str) -> str | None:
+    """llama-server's ``error.type`` in an error body (``exceed_context_size_error``, ...)."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    kind = err.get("type") if isinstance(err, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def request_bytes(host: str, port: int, path: str, body: bytes | None, headers: dict[str, str] | None) -> bytes:
@@ -279,11 +289,18 @@ async def post(port: int, path: str, body: bytes | None, headers: dict[str, str]
         raise
 
 
-def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"]) -> LineSink:
+def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"], named: bool = False) -> LineSink:
     """A line sink that passes on the data of each server-sent event (JSON bytes, untouched)
-    and raises RequestError for an error event; ``[DONE]`` and other lines are dropped."""
+    and raises RequestError for an error event; ``[DONE]`` and other lines are dropped.
+
+    ``named``: the stream names its events (``event: NAME`` before its ``data:``, as
+    llama-server's Responses and Anthropic Messages streams do), and each event goes on as
+    its lines, ``event: NAME\ndata: DATA`` (or ``data: DATA`` for an unnamed one), without
+    the blank line that ends it; an ``error`` event raises."""
+    name: bytes | None = None  # a named event's name, until its data line (which may come in a later read)
 
     def sink(lines: list[bytes]):
+        nonlocal name
         data = []
         for line in lines:
             if line.startswith(b"data: "):
@@ -292,6 +309,9 @@ def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"]) -> LineSink:
                 d = line[5:].strip()
             elif line.startswith(b"error:"):
                 raise _failed(data, error_text(line[6:].strip().decode("utf-8", "replace"), 500))
+            elif named and line.startswith(b"event:"):
+                name = line[6:].strip()
+                continue
             else:
                 continue
             if d == b"[DONE]":
@@ -301,6 +321,14 @@ def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"]) -> LineSink:
                 event = json.loads(d)
                 if isinstance(event, dict) and len(event) == 1:
                     raise _failed(data, error_text(d.decode("utf-8", "replace"), 500))
+            if named:
+                if name == b"error":
+                    raise _failed(data, error_text(d.decode("utf-8", "replace"), 500))
+                if name is not None:
+                    d = b"event: " + name + b"\ndata: " + d
+                    name = None
+                else:
+                    d = b"data: " + d
             data.append(d)
         return on_data(data) if data else None
 
@@ -320,11 +348,12 @@ def sse_request(payload: dict, api_key: str) -> tuple[bytes, dict[str, str]]:
 
 
 async def relay_sse(port: int, path: str, payload: dict, api_key: str,
-                    on_data: Callable[[list[bytes]], "Awaitable | None"]) -> None:
+                    on_data: Callable[[list[bytes]], "Awaitable | None"], named: bool = False) -> None:
     """POST ``payload`` (with ``stream: true``) to a llama-server on 127.0.0.1:``port``; each
-    batch of events' data goes to ``on_data`` as it arrives (see the module's docstring)."""
+    batch of events' data goes to ``on_data`` as it arrives (see the module's docstring);
+    ``named``: events with their names (see :func:`sse_sink`)."""
     body, headers = sse_request(payload, api_key)
-    await post(port, path, body, headers, sse_sink(on_data))
+    await post(port, path, body, headers, sse_sink(on_data, named))
 
 
 async def _iterate(start: Callable[[LineSink], Awaitable[None]], backlog: int = 256) -> AsyncIterator[bytes]:

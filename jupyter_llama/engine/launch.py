@@ -39,6 +39,8 @@ def build_argv(binary: str | os.PathLike, model: str | os.PathLike, options: Loa
         argv += ["-fit", "on" if o.fit else "off"]
     if o.fit_target_mib is not None and o.gpu_automatic and o.fit is not False:
         argv += ["--fit-target", ",".join(str(x) for x in o.fit_target_mib)]
-    # No web UI in a managed child; the manager is the front end.
-    argv += ["--no-webui", *LOG_ARGS]
+    # No web UI in a managed child; the manager is the front end. The Jinja chat templates
+    # (tools, reasoning, the model's own template) are this build's default; said anyway, so
+    # an older llama-server found on PATH runs them too.
+    argv += ["--no-webui", "--jinja", *LOG_ARGS]
     return argv

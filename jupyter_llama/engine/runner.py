@@ -455,11 +455,13 @@ class Runner:
         except _TRANSPORT_ERRORS as e:
             raise await self._after_transport_error(e) from None
 
-    async def relay_sse(self, path: str, payload: dict, on_data) -> None:
+    async def relay_sse(self, path: str, payload: dict, on_data, named: bool = False) -> None:
         """POST with ``stream: true``; each batch of events' data (JSON bytes, as the child
         wrote them) goes to ``on_data`` from the event loop's read callback, with no task
         switch per token (see :mod:`.http1`; a pending future it returns pauses reading).
-        Returns when the stream ends; cancelling it closes the child's connection."""
+        ``named``: a stream of named events (Responses, Anthropic Messages), each passed on
+        with its ``event:`` line (see :func:`.http1.sse_sink`). Returns when the stream
+        ends; cancelling it closes the child's connection."""
         self._check_ready()
         loop = asyncio.get_running_loop()
         last = [loop.time()]
@@ -469,7 +471,7 @@ class Runner:
             return on_data(batch)
 
         try:
-            await self._watched(http1.relay_sse(self.port, path, payload, self.api_key, progressing), last)
+            await self._watched(http1.relay_sse(self.port, path, payload, self.api_key, progressing, named), last)
         except _TRANSPORT_ERRORS as e:
             raise await self._after_transport_error(e) from None
 
@@ -514,15 +516,19 @@ class Runner:
 
     # ------------------------------------------------------------------ the child's protocol
 
-    async def prompt(self, prompt: str, system: str = "", *, raw: bool = False, templated: bool = True) -> str:
-        """The text for ``/completion``: ``prompt`` as given (``raw``), or a system and user turn
-        through the model's own chat template (llama-server's ``/apply-template``); a model
-        without a template gets the system text and the prompt, a blank line apart."""
+    async def prompt(self, prompt: str, system: str = "", *, raw: bool = False, templated: bool = True,
+                     history: list[dict] | None = None) -> str:
+        """The text for ``/completion``: ``prompt`` as given (``raw``), or a system turn, the
+        ``history`` turns (a model preset's messages) and the user turn through the model's own
+        chat template (llama-server's ``/apply-template``); a model without a template gets
+        their texts, a blank line apart."""
         if raw:
             return prompt
+        history = list(history or [])
         if not templated:
-            return (system + "\n\n" if system else "") + prompt
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            return "".join(t + "\n\n" for t in [system] + [m.get("content", "") for m in history] if t) + prompt
+        messages = ([{"role": "system", "content": system}] if system else []) + history + [
+            {"role": "user", "content": prompt}]
         res = await self.post("/apply-template", {"messages": messages})
         return res.get("prompt", prompt)
 
@@ -538,14 +544,21 @@ class Runner:
         tokens = (await self.post("/tokenize", {"content": text, "add_special": True})).get("tokens") or []
         return tokens if len(tokens) > most else None
 
+    def _prompt_room(self, reserve: int) -> tuple[int | None, int]:
+        """(the request's context, the most prompt tokens that leave ``reserve`` of it, at most
+        half of it, to generate in); (None, 0) while the context is not known."""
+        n_ctx = self._request_ctx()
+        if not n_ctx:
+            return None, 0
+        return n_ctx, max(1, n_ctx - max(0, min(reserve, n_ctx // 2))) - 1
+
     async def fit_to_context(self, prompt: str, reserve: int, truncate: bool = True) -> str | list[int]:
         """``prompt`` as it fits a request's context with ``reserve`` tokens left to generate
         in: unchanged when it fits, else (as Ollama does) its first token and its end, as
         token ids; with ``truncate`` False, a 400 that says how long it is."""
-        n_ctx = self._request_ctx()
+        n_ctx, most = self._prompt_room(reserve)
         if not n_ctx:
             return prompt
-        most = max(1, n_ctx - max(0, min(reserve, n_ctx // 2))) - 1
         tokens = await self._tokens_over(prompt, most)
         if tokens is None:
             return prompt
@@ -608,9 +621,57 @@ class Runner:
         """:meth:`completion` through :meth:`relay_sse`: its events' JSON to ``on_data``."""
         return self.relay_sse("/completion", {"prompt": prompt, **params}, on_data)
 
-    def relay_chat(self, messages: list[dict], on_data, **params) -> Awaitable[None]:
-        """:meth:`chat` through :meth:`relay_sse`."""
-        return self.relay_sse("/v1/chat/completions", {"messages": messages, **params}, on_data)
+    async def relay_chat(self, messages: list[dict], on_data, *, truncate: bool = True, **params) -> None:
+        """:meth:`chat` through :meth:`relay_sse`. A chat longer than the context (the child
+        refuses it before it answers) is sent again with what :meth:`fit_chat` keeps, as
+        Ollama does; with ``truncate`` False it is a 400 that says so."""
+        try:
+            await self.relay_sse("/v1/chat/completions", {"messages": messages, **params}, on_data)
+            return
+        except RequestError as e:
+            if not e.context_exceeded:
+                raise
+            if not truncate:
+                raise BadRequest(f"the chat is longer than the context of {self.name} ({e}); shorten it, load the "
+                                 "model with a larger num_ctx, or allow truncate (which drops the oldest messages "
+                                 "but the system ones)") from None
+        kept = await self.fit_chat(messages, reserve_for(params), **params)
+        if len(kept) == len(messages):
+            raise BadRequest(f"what a cut chat keeps, its last message and the system messages, is longer than the "
+                             f"context of {self.name}: shorten them, or load the model with a larger num_ctx")
+        await self.relay_sse("/v1/chat/completions", {"messages": kept, **params}, on_data)
+
+    async def fit_chat(self, messages: list[dict], reserve: int, **params) -> list[dict]:
+        """What Ollama keeps of a chat longer than the context (its ``chatPrompt``): the
+        newest messages that fit with ``reserve`` tokens left to generate in, never fewer than
+        the last one (with the assistant turn whose tool calls it answers, for a tool
+        result), and the system messages from before them. The prompt of each candidate is
+        the model's template applied by the child (``/apply-template``, with the request's
+        tools and template options), counted as :meth:`fit_to_context` counts."""
+        _n_ctx, most = self._prompt_room(reserve)
+        template = {k: params[k] for k in ("tools", "chat_template_kwargs", "tool_choice") if k in params}
+        starts = sorted({_turn_start(messages, i) for i in range(len(messages))})
+
+        def kept(start: int) -> list[dict]:
+            return [m for m in messages[:start] if m.get("role") == "system"] + messages[start:]
+
+        async def fits(start: int) -> bool:
+            prompt = (await self.post("/apply-template", {"messages": kept(start), **template})).get("prompt", "")
+            return await self._tokens_over(prompt, most) is None
+
+        lo, hi = 0, len(starts) - 1  # the oldest start that fits, by bisection (fewer messages, fewer tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if await fits(starts[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return kept(starts[lo])
+
+    def relay_infill(self, prefix: str, suffix: str, on_data, **params) -> Awaitable[None]:
+        """Fill in the middle (llama-server's ``/infill``, with the model's FIM tokens): native
+        ``/completion`` events, as :meth:`relay_completion`."""
+        return self.relay_sse("/infill", {"input_prefix": prefix, "input_suffix": suffix, **params}, on_data)
 
     async def complete_text(self, prompt: str, **params) -> tuple[str, dict]:
         """Convenience: the whole completion text and the final chunk's timings."""
@@ -677,6 +738,29 @@ class Runner:
     def kill_now(self) -> None:
         """Synchronous last resort (atexit, finalisers): SIGKILL the child's group."""
         self._signal(signal.SIGKILL)
+
+
+DEFAULT_RESERVE = 256  # tokens a prompt cut to the context leaves to generate in, when the request sets no limit
+
+
+def reserve_for(params: dict) -> int:
+    """Tokens a prompt cut to the context leaves to generate in: the request's ``n_predict``
+    when it sets one, else :data:`DEFAULT_RESERVE`."""
+    n = params.get("n_predict")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else DEFAULT_RESERVE
+
+
+def _turn_start(messages: list[dict], i: int) -> int:
+    """Where a chat cut before message ``i`` may start: ``i``, or for a tool result, the
+    assistant turn whose tool calls it answers (a result never loses its call)."""
+    if not 0 < i < len(messages) or messages[i].get("role") != "tool":
+        return i
+    start = i
+    while start > 0 and messages[start - 1].get("role") == "tool":
+        start -= 1
+    if start > 0 and messages[start - 1].get("role") == "assistant" and messages[start - 1].get("tool_calls"):
+        return start - 1
+    return i
 
 
 class _PortTaken(Exception):

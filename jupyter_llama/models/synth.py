@@ -21,6 +21,20 @@ How it stays usable with random weights
   Generation ends at ``n_predict``/``max_tokens`` or the context size, not at EOS.
 * ``tokenizer.chat_template`` is a small ChatML template, so ``/v1/chat/completions``
   works; ``<|im_end|>`` is recognised by llama.cpp as an end-of-generation token.
+* ``template="tools"``: a ChatML template that also renders tools, tool calls (Hermes
+  style: ``<tool_call>`` + JSON ``{"name", "arguments"}``), tool results and reasoning
+  (``<think>``, opened by the generation prompt when ``enable_thinking`` is true), which
+  llama.cpp's chat parser reads back as ``tool_calls`` and ``reasoning_content``. Random
+  weights never choose a tool, so the model is made to: the template ends its generation
+  prompt with a control token ``<|tool_turn|>`` when tools are offered (and thinking is
+  off), and more residual elements that no layer writes (like element 0) hard-wire a few
+  next tokens (see ``_channels``): after ``<|tool_turn|>`` the single token
+  ``<tool_call>``, after ``}`` a ``<``, after ``>`` the end of the turn. So, offered
+  tools, it opens a call; llama-server's tool grammar writes the JSON (a tool whose
+  arguments are enums is called the same way every time), closes it and the turn ends:
+  one call. Float types only (the channels need exact weights).
+* ``fim=True``: fill-in-the-middle tokens (``<|fim_prefix|>``, ``<|fim_suffix|>``,
+  ``<|fim_middle|>``, named in the metadata), so llama-server's ``/infill`` answers.
 
 Speed: weights are produced straight from raw PCG64 output with bit masks (no normal
 sampling, no float quantisation): float types get random mantissas and signs under a
@@ -37,11 +51,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+from gguf import GGMLQuantizationType, GGUFWriter, Keys, LlamaFileType, TokenType
 
-__all__ = ["SynthShape", "write_synthetic", "MIN_VOCAB", "TYPES", "CHAT_TEMPLATE", "special_token_ids"]
+__all__ = ["SynthShape", "write_synthetic", "MIN_VOCAB", "TYPES", "TEMPLATES", "CHAT_TEMPLATE", "TOOLS_TEMPLATE",
+           "special_token_ids"]
 
 TYPES = ("f32", "f16", "q8_0", "q4_0")
+TEMPLATES = ("chatml", "tools")
 
 _GGML_TYPE = {
     "f32": GGMLQuantizationType.F32,
@@ -63,6 +79,52 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+# Tools, tool calls (Hermes style, on one line), tool results and reasoning, for llama.cpp's
+# chat parser (see the module's docstring); the generation prompt ends with <|tool_turn|>
+# when tools are offered and thinking is off.
+TOOLS_TEMPLATE = """\
+{%- set thinking = enable_thinking is defined and enable_thinking %}
+{%- if tools %}<|im_start|>system
+{% if messages and messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}You can call these tools:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+To call one, answer with <tool_call>{"name": NAME, "arguments": ARGUMENTS}</tool_call><|im_end|>
+{% elif messages and messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}{% if not loop.first %}<|im_start|>system
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- elif message.role == 'assistant' %}<|im_start|>assistant
+{% if message.reasoning_content %}<think>
+{{ message.reasoning_content }}
+</think>
+
+{% endif %}{% if message.content %}{{ message.content }}{% endif %}
+{%- for call in message.tool_calls or [] %}
+<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if thinking %}<think>
+{% elif tools %}<|tool_turn|>{% endif %}
+{%- endif %}"""
+TOOL_TURN = "<|tool_turn|>"
+TOOL_CALL = "<tool_call>"
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+_CHANNEL_LOGIT = 128.0  # weight of the tool channels in the output layer (beats the -64 of control tokens)
 
 _SPECIALS = [
     ("<unk>", TokenType.UNKNOWN),
@@ -137,15 +199,20 @@ def _pieces():
         i += 1
 
 
-def _vocabulary(n: int) -> tuple[list[str], list[float], list[int]]:
+def _vocabulary(n: int, extra: list[tuple[str, TokenType]] = ()) -> tuple[list[str], list[float], list[int]]:
+    """``n`` tokens; the ``extra`` ones (tool and fill-in-the-middle tokens) take the last ids."""
     tokens = [t for t, _ in _SPECIALS] + [f"<0x{b:02X}>" for b in range(256)]
     types = [int(tt) for _, tt in _SPECIALS] + [int(TokenType.BYTE)] * 256
     scores = [0.0] * len(tokens)
     gen = _pieces()
-    for i in range(n - len(tokens)):
+    for i in range(n - len(tokens) - len(extra)):
         tokens.append(next(gen))
         types.append(int(TokenType.NORMAL))
         scores.append(float(-i))
+    for text, ttype in extra:
+        tokens.append(text)
+        types.append(int(ttype))
+        scores.append(0.0)
     return tokens, scores, types
 
 
@@ -160,9 +227,26 @@ class SynthShape:
     ctx: int = 2048
     type: str = "f32"  # f32 | f16 | q8_0 | q4_0
     seed: int = 0
+    template: str = "chatml"  # chatml | tools (tool calls and reasoning; see the module's docstring)
+    fim: bool = False  # fill-in-the-middle tokens (llama-server's /infill)
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def extra_tokens(self) -> list[tuple[str, TokenType]]:
+        """Tokens beyond the base vocabulary, at its end (none by default)."""
+        out = []
+        if self.template == "tools":
+            out += [(TOOL_TURN, TokenType.CONTROL), (TOOL_CALL, TokenType.USER_DEFINED)]
+        if self.fim:
+            out += [(t, TokenType.CONTROL) for t in FIM_TOKENS]
+        return out
+
+    def token_id(self, text: str) -> int:
+        """The id of one of :attr:`extra_tokens`."""
+        extra = [t for t, _ in self.extra_tokens]
+        return self.vocab - len(extra) + extra.index(text)
 
     @property
     def n_ff(self) -> int:
@@ -198,8 +282,18 @@ class SynthShape:
             raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
         if self.head_dim % 2:
             raise ValueError(f"head dimension embd/heads = {self.head_dim} must be even (rotary embedding)")
-        if self.vocab < MIN_VOCAB:
-            raise ValueError(f"vocab must be at least {MIN_VOCAB} (control, byte and character tokens), got {self.vocab}")
+        if not isinstance(self.template, str) or self.template.lower() not in TEMPLATES:
+            raise ValueError(f"unknown template {self.template!r}; choose one of {', '.join(TEMPLATES)}")
+        self.template = self.template.lower()
+        if not isinstance(self.fim, bool):
+            raise ValueError(f"fim must be true or false, got {self.fim!r}")
+        if self.template == "tools" and self.type not in ("f32", "f16"):
+            raise ValueError(f"template 'tools' needs a float type (f32 or f16), got {self.type}")
+        least = MIN_VOCAB + len(self.extra_tokens)
+        if self.vocab < least:
+            raise ValueError(f"vocab must be at least {least} (control, byte and character tokens"
+                             + (", and the tool and fill-in-the-middle tokens" if least > MIN_VOCAB else "")
+                             + f"), got {self.vocab}")
         if self.type in ("q8_0", "q4_0"):
             for name, v in (("embd", self.embd), ("ff", self.n_ff)):
                 if v % _QBLOCK:
@@ -344,6 +438,22 @@ def _nbytes(shape, wtype: str) -> int:
     return n // _QBLOCK * 18
 
 
+def _char_id(c: str) -> int:
+    return _FIRST_PIECE + _CHARS.index(c)
+
+
+def _channels(s: SynthShape) -> list[tuple[int, int]]:
+    """(token, next token) pairs the weights hard-wire: residual element k (1, 2, ...) is set
+    only by the k-th pair's first token, and no layer writes it, so the output layer gives its
+    second token a logit far above the rest wherever the first one is the current token. The
+    ``tools`` template's: <|tool_turn|> opens a tool call, ``}`` (the end of a call's JSON)
+    goes on to ``</tool_call>`` rather than to another call, and ``>`` ends the turn."""
+    if s.template != "tools":
+        return []
+    return [(s.token_id(TOOL_TURN), s.token_id(TOOL_CALL)), (_char_id("}"), _char_id("<")),
+            (_char_id(">"), IM_END_ID)]
+
+
 def _make_tensor(s: SynthShape, index: int, shape, kind: str) -> np.ndarray:
     if kind == "norm":
         return _norm_weight(shape[0])
@@ -355,17 +465,31 @@ def _make_tensor(s: SynthShape, index: int, shape, kind: str) -> np.ndarray:
         # element std 1; element 0 carries a constant sqrt(E) that no layer touches
         m = _matrix(rng, rows, cols, 1.0, wtype)
         _set_col0(m, np.full(rows, math.sqrt(E), dtype=np.float32), wtype)
+        channels = _channels(s)
+        if channels:  # element k: "this token is the k-th channel's trigger"
+            m[:, 1:1 + len(channels)] = 0
+            for k, (src, _dst) in enumerate(channels, 1):
+                m[src, k] = math.sqrt(E)
         return m
     if kind == "output":
         # logits of plain pieces ~ N(0, 3^2); control and byte tokens pushed far down
         m = _matrix(rng, rows, cols, 3.0 / math.sqrt(E), wtype)
         col0 = np.zeros(rows, dtype=np.float32)
         col0[:_FIRST_PIECE] = -64.0
+        for text, ttype in s.extra_tokens:
+            if ttype == TokenType.CONTROL:
+                col0[s.token_id(text)] = -64.0
         _set_col0(m, col0, wtype)
+        channels = _channels(s)
+        if channels:  # after the k-th channel's trigger, its token
+            m[:, 1:1 + len(channels)] = 0
+            for k, (_src, dst) in enumerate(channels, 1):
+                m[dst, k] = _CHANNEL_LOGIT
         return m
     m = _matrix(rng, rows, cols, 0.7 / math.sqrt(cols), wtype)
     if kind == "out":
-        _set_row_zero(m, 0, wtype)  # never write residual element 0
+        for row in range(1 + len(_channels(s))):
+            _set_row_zero(m, row, wtype)  # never write residual element 0 (nor the channels)
     return m
 
 
@@ -416,7 +540,7 @@ def _write(tmp: str, s: SynthShape) -> None:
     w.add_rope_dimension_count(s.head_dim)
     w.add_vocab_size(s.vocab)
 
-    tokens, scores, types = _vocabulary(s.vocab)
+    tokens, scores, types = _vocabulary(s.vocab, s.extra_tokens)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -427,7 +551,15 @@ def _write(tmp: str, s: SynthShape) -> None:
     w.add_unk_token_id(UNK_ID)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    if s.template == "tools":
+        # no space before the text after a control token: the generation prompt, tokenized,
+        # must read back as written (llama-server feeds it to the tool-call grammar)
+        w.add_add_space_prefix(False)
+    if s.fim:
+        for key, text in zip((Keys.Tokenizer.FIM_PRE_ID, Keys.Tokenizer.FIM_SUF_ID, Keys.Tokenizer.FIM_MID_ID),
+                             FIM_TOKENS):
+            w.add_uint32(key, s.token_id(text))
+    w.add_chat_template(TOOLS_TEMPLATE if s.template == "tools" else CHAT_TEMPLATE)
 
     plan = _tensor_plan(s)
     for tname, tshape, kind in plan:

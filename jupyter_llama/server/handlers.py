@@ -10,6 +10,8 @@ Routes (Ollama-compatible unless noted):
     HEAD   api/blobs/sha256:<hex>        200 present / 404 absent
     POST   api/blobs/sha256:<hex>        streamed upload, 201
     POST   v1/chat/completions  v1/completions  v1/embeddings     (OpenAI; SSE when streaming)
+    POST   v1/responses                                           (OpenAI Responses; named SSE events)
+    POST   v1/messages  v1/messages/count_tokens                  (Anthropic; named SSE events)
     GET    v1/models  v1/models/<name>                            (OpenAI)
     GET    api/devices  api/events       POST api/estimate  api/prune (ours)
 
@@ -19,8 +21,9 @@ the resource ``llama``.
 
 Errors: the HTTP status is the core error's ``status`` (404 unknown model, 400 bad
 request, 503 queue full, 507 does not fit, 500 load failure or a crashed runner) and the
-body is ``{"error": "..."}`` (OpenAI routes: ``{"error": {"message": ...}}``). Once a
-stream has started, an error becomes its last line (``{"error": ...}``).
+body is ``{"error": "..."}`` (OpenAI routes: ``{"error": {"message": ...}}``; Anthropic's:
+``{"type": "error", "error": {"type", "message"}}``). Once a stream has started, an error
+becomes its last line (``{"error": ...}``; in a stream of named events, an ``error`` event).
 
 A client that goes away mid-request (``on_connection_close``, or a write that fails)
 cancels the work: the stream from the child is closed (llama-server stops generating for
@@ -50,10 +53,11 @@ from .._version import __version__
 from ..api import ollama as oa
 from ..api.ollama import ndjson
 from ..api import openai as oai
+from ..api import anthropic as anth
 from ..api.options import split_options
 from ..config import ConfigError
 from ..load_options import LoadOptionsError
-from ..engine.runner import EngineError, RequestError, RunnerCrashed
+from ..engine.runner import EngineError, RequestError, RunnerCrashed, reserve_for
 from ..models.gguf_info import GGUFError
 from ..errors import NoSuchRoute, NotLoaded, NotSupported
 from ..models.names import same_model
@@ -356,10 +360,19 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
     def end_stream(self, content_type: str):
         return self.finish(set_content_type=content_type)
 
-    async def acquire(self, name: str, options, keep_alive):
+    async def preset_of(self, body: dict):
+        """The preset of the model a request names (empty for a GGUF path or an unknown name:
+        resolving it later says what is wrong)."""
+        return await asyncio.to_thread(self.ext.store.preset_for, oa.model_name(body))
+
+    async def acquire(self, name: str, options, keep_alive, needs=()):
         """``scheduler.acquire``, never cancelled half-way (a load is not abandoned because one
-        client left): a disconnect meanwhile is acted on once the lease is in hand."""
+        client left): a disconnect meanwhile is acted on once the lease is in hand. ``needs``:
+        the capabilities the request asks of the model (tools, thinking, insert); one it lacks
+        is a 400 before anything loads, as in Ollama."""
         sched = await self.ext.get_scheduler()
+        if needs:
+            oa.check_capabilities(name, await sched.resolver(name), needs)
         self._acquiring = True
         try:
             lease = await sched.acquire(name, options, keep_alive)
@@ -400,7 +413,8 @@ class GenerateHandler(LlamaHandler):
     @authorized
     @api_method
     async def post(self):
-        req = oa.parse_generate(self.json_body())
+        body = self.json_body()
+        req = oa.parse_generate(body, await self.preset_of(body))
         with self.ext.work():
             await self.cancellable(self._generate(req))
 
@@ -410,17 +424,23 @@ class GenerateHandler(LlamaHandler):
             await _unload(self, req.model)
             self.finish_json(oa.load_chunk(req.model, "unload", chat=False, total_s=time.monotonic() - started))
             return
-        lease = await self.acquire(req.model, req.options, req.keep_alive)
+        lease = await self.acquire(req.model, req.options, req.keep_alive, req.needs)
         try:
             if req.is_load_only:
                 self.finish_json(oa.load_chunk(req.model, "load", chat=False, total_s=time.monotonic() - started,
                                                load_s=lease.load_duration))
                 return
-            prompt = await lease.runner.prompt(req.prompt, req.system, raw=req.raw,
-                                               templated=lease.loaded.ref.has_chat_template)
-            n = req.sampling.get("n_predict")
-            prompt = await lease.runner.fit_to_context(prompt, reserve=n if n and n > 0 else 256, truncate=req.truncate)
             tr = oa.GenerateTranslator(req.model, started, lease.load_duration)
+            if req.suffix:  # fill in the middle: the child's /infill puts the model's FIM tokens around both
+                await self.relay(lambda on_data: lease.runner.relay_infill(req.prompt, req.suffix, on_data,
+                                                                           **req.sampling), tr, req.stream)
+                return
+            if req.template is not None:  # the model's preset template, or the request's
+                prompt = req.template.render(req.prompt_messages())
+            else:
+                prompt = await lease.runner.prompt(req.prompt, req.system or req.default_system, raw=req.raw,
+                                                   templated=lease.loaded.ref.has_chat_template, history=req.history)
+            prompt = await lease.runner.fit_to_context(prompt, reserve=reserve_for(req.sampling), truncate=req.truncate)
             await self.relay(lambda on_data: lease.runner.relay_completion(prompt, on_data, **req.sampling),
                              tr, req.stream)
         finally:
@@ -438,7 +458,8 @@ class ChatHandler(LlamaHandler):
     @authorized
     @api_method
     async def post(self):
-        req = oa.parse_chat(self.json_body())
+        body = self.json_body()
+        req = oa.parse_chat(body, await self.preset_of(body))
         with self.ext.work():
             await self.cancellable(self._chat(req))
 
@@ -448,7 +469,7 @@ class ChatHandler(LlamaHandler):
             await _unload(self, req.model)
             self.finish_json(oa.load_chunk(req.model, "unload", chat=True, total_s=time.monotonic() - started))
             return
-        lease = await self.acquire(req.model, req.options, req.keep_alive)
+        lease = await self.acquire(req.model, req.options, req.keep_alive, req.needs)
         try:
             if req.is_load_only:
                 self.finish_json(oa.load_chunk(req.model, "load", chat=True, total_s=time.monotonic() - started,
@@ -457,12 +478,17 @@ class ChatHandler(LlamaHandler):
             if req.has_images and not lease.loaded.ref.mmproj:
                 raise BadRequest(f"{lease.loaded.name} has no multimodal projector, so it cannot read images; "
                                  "use a vision model (one pulled with its mmproj file, or created with a projector)")
-            params = dict(req.sampling)
-            if req.tools:
-                params["tools"] = req.tools
+            if req.templated is not None:  # the model's preset template makes the prompt
+                text = req.templated.render(req.all_messages, think=bool(req.think))
+                prompt = await lease.runner.fit_to_context(text, reserve=reserve_for(req.sampling),
+                                                           truncate=req.truncate)
+                tr = oa.TemplatedChatTranslator(req.model, started, lease.load_duration)
+                await self.relay(lambda on_data: lease.runner.relay_completion(prompt, on_data, **req.sampling),
+                                 tr, req.stream)
+                return
             tr = oa.ChatTranslator(req.model, started, lease.load_duration)
-            await self.relay(lambda on_data: lease.runner.relay_chat(req.messages, on_data, **params),
-                             tr, req.stream)
+            await self.relay(lambda on_data: lease.runner.relay_chat(req.all_messages, on_data, truncate=req.truncate,
+                                                                     **req.chat_params), tr, req.stream)
         finally:
             lease.release()
 
@@ -475,7 +501,8 @@ class EmbedHandler(LlamaHandler):
     @api_method
     async def post(self):
         body = self.json_body()
-        req = oa.parse_embeddings(body) if self.legacy else oa.parse_embed(body)
+        preset = await self.preset_of(body)
+        req = oa.parse_embeddings(body, preset) if self.legacy else oa.parse_embed(body, preset)
         with self.ext.work():
             await self.cancellable(self._embed(req))
 
@@ -632,20 +659,22 @@ class CreateHandler(LlamaHandler):
         store = self.ext.store
         statuses: list[dict] = [{"status": "parsing GGUF"}]
         if req.files:
-            entry = await asyncio.to_thread(store.create_from_files, req.model, req.files)
+            entry = await asyncio.to_thread(store.create_from_files, req.model, req.files, req.preset)
             statuses += [{"status": f"using existing layer {ly['digest']}"} for ly in entry.layers]
         else:
             src = req.from_ or ""
             if await asyncio.to_thread(store.exists, src):
                 statuses.append({"status": f"using existing model {src}"})
-                entry = await asyncio.to_thread(store.copy, src, req.model)
+                entry = await asyncio.to_thread(store.copy, src, req.model, req.preset)
+                statuses += [{"status": f"using layer {ly['digest']}"} for ly in entry.layers]
             else:
                 # a path only where this caller may name server files (else a 400 saying so)
                 path = store.server_file(src) if store.plainly_a_path(src) else ""
                 if not path or not os.path.isfile(path):
                     raise BadRequest(f'from: "{src}" is neither a model in the store nor a GGUF file on the server')
-                entry = await asyncio.to_thread(store.create, req.model, path)
+                entry = await asyncio.to_thread(functools.partial(store.create, req.model, path, preset=req.preset))
         await self.ext.name_changed(req.model)
+        statuses += [{"status": note} for note in req.notes]
         statuses += [{"status": "writing manifest"}, {"status": "success", "model": entry.display}]
         if not req.stream:
             self.finish_json(statuses[-1])
@@ -778,22 +807,28 @@ class BlobHandler(LlamaHandler):
 
 
 class OpenAIHandler(LlamaHandler):
+    """OpenAI's routes (and, below, Anthropic's): scheduled, then relayed to the child's own."""
+
+    parse_request = staticmethod(oai.parse_request)
+    _named = False  # this request's stream is of named events (set once it is parsed)
+
     def error_payload(self, status: int, message: str) -> dict:
         return oai.error_body(status, message)
 
     def error_line(self, message: str) -> bytes:
-        return oai.sse(oai.error_body(500, message))
+        return oai.stream_error(message, self._named)
 
     @web.authenticated
     @authorized
     @api_method
     async def post(self, route: str):
-        req = oai.parse_request(route, self.json_body())
+        req = self.parse_request(route, self.json_body())
+        self._named = req.named
         with self.ext.work():
             await self.cancellable(self._run(req))
 
     async def _run(self, req: oai.OpenAIRequest) -> None:
-        lease = await self.acquire(req.model, req.options, req.keep_alive)
+        lease = await self.acquire(req.model, req.options, req.keep_alive, req.needs)
         try:
             if not req.stream:
                 try:
@@ -811,18 +846,22 @@ class OpenAIHandler(LlamaHandler):
             # framed, never parsed. It names the model by its alias, the name it was loaded
             # under; a request by another name (``tiny`` for ``tiny:latest``, or a copy of the
             # same file) gets its own name back, by a replace of that one JSON string.
+            # A stream of named events (Responses, Anthropic) comes with its ``event:`` lines
+            # (the relay passes them on) and ends without [DONE].
             write = self.stream_writer()
+            head = b"" if req.named else b"data: "
             # spelled as llama-server spells it (UTF-8 as it is, not \u escapes)
             alias = b'"model":' + json.dumps(lease.runner.name, ensure_ascii=False).encode()
             asked = b'"model":' + json.dumps(req.model, ensure_ascii=False).encode()
             if alias == asked:
                 def frame(batch):
-                    return write(b"".join([b"data: " + d + b"\n\n" for d in batch]))
+                    return write(b"".join([head + d + b"\n\n" for d in batch]))
             else:
                 def frame(batch):
-                    return write(b"".join([b"data: " + d.replace(alias, asked, 1) + b"\n\n" for d in batch]))
-            await lease.runner.relay_sse(req.endpoint, req.body, frame)
-            await self.send(oai.SSE_DONE)
+                    return write(b"".join([head + d.replace(alias, asked, 1) + b"\n\n" for d in batch]))
+            await lease.runner.relay_sse(req.endpoint, req.body, frame, named=req.named)
+            if not req.named:
+                await self.send(oai.SSE_DONE)
             self.end_stream(SSE)
         finally:
             lease.release()
@@ -834,6 +873,19 @@ async def _openai_embeddings(lease, req: oai.OpenAIRequest) -> dict:
     raw, tokens = await lease.runner.embed(inputs)
     vectors = await asyncio.to_thread(oa.unit_vectors, raw)
     return oai.embeddings_body(req.model, vectors, tokens)
+
+
+class AnthropicHandler(OpenAIHandler):
+    """``POST v1/messages`` (and ``v1/messages/count_tokens``): Anthropic's Messages API, relayed
+    to the child's own, with Anthropic's error shape."""
+
+    parse_request = staticmethod(anth.parse_request)
+
+    def error_payload(self, status: int, message: str) -> dict:
+        return anth.error_body(status, message)
+
+    def error_line(self, message: str) -> bytes:
+        return anth.stream_error(message)
 
 
 class OpenAIModelsHandler(OpenAIHandler):
@@ -1077,7 +1129,8 @@ def default_handlers() -> list[tuple]:
         (p + r"/api/events", EventsHandler),
         (p + r"/v1/models", OpenAIModelsHandler),
         (p + r"/v1/models/(?P<model>.+)", OpenAIModelsHandler),
-        (p + r"/v1/(?P<route>chat/completions|completions|embeddings)", OpenAIHandler),
+        (p + r"/v1/(?P<route>chat/completions|completions|embeddings|responses)", OpenAIHandler),
+        (p + r"/v1/(?P<route>messages|messages/count_tokens)", AnthropicHandler),
         (p + r"/api/push", PushHandler),
         (p + r"/(?P<path>.+)", UnknownRouteHandler),  # last: anything else is a JSON 404
     ]

@@ -120,6 +120,31 @@ async def test_error_event_mid_stream_ends_it_after_the_events_before():
     assert got == [{"content": "a"}]
 
 
+async def test_named_events_keep_their_names_and_an_error_event_ends_the_stream():
+    """Anthropic's and the Responses API's streams name their events: each goes on with its
+    event line (which may arrive in another read than its data), and an ``error`` event is a
+    RequestError after the events before it."""
+    sse = (b'event: message_start\ndata: {"type":"message_start"}\n\n: ping\n\n'
+           b'data: {"type":"unnamed"}\n\nevent: content_block_delta\ndata: {"delta":"a"}\n\n'
+           b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"it broke"}}\n\n')
+    async with Answer(bytewise(HEAD_CHUNKED + chunked(sse, [7, 30, 1]))) as srv:
+        got: list[bytes] = []
+        with pytest.raises(RequestError, match="it broke"):
+            await http1.relay_sse(srv.port, "/v1/messages", {}, "", got.extend, named=True)
+    assert got == [b'event: message_start\ndata: {"type":"message_start"}', b'data: {"type":"unnamed"}',
+                   b'event: content_block_delta\ndata: {"delta":"a"}']
+
+
+async def test_the_childs_error_type_comes_with_its_error():
+    body = (b'{"error":{"code":400,"message":"request (9 tokens) exceeds the available context size (8 tokens)",'
+            b'"type":"exceed_context_size_error","n_prompt_tokens":9,"n_ctx":8}}')
+    answer = b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+    async with Answer([answer]) as srv:
+        with pytest.raises(RequestError) as e:
+            await http1.relay_sse(srv.port, "/v1/chat/completions", {}, "", lambda batch: None)
+    assert e.value.status == 400 and e.value.kind == "exceed_context_size_error" and e.value.context_exceeded
+
+
 async def test_connection_lost_inside_a_chunk_is_a_transport_error():
     async with Answer([HEAD_CHUNKED + b"40\r\ndata: {\"content\":\"a\"}"]) as srv:
         with pytest.raises(ConnectionError):

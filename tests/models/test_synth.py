@@ -89,6 +89,10 @@ def test_write_is_atomic_and_leaves_no_temporary(tmp_path, monkeypatch):
         (dict(ff=100, type="q4_0"), "ff (100) must be a multiple of 32"),
         (dict(embd=12, heads=4, kv_heads=2), "must be even"),
         (dict(seed=-1), "seed must be a non-negative integer"),
+        (dict(template="jinja"), "unknown template 'jinja'"),
+        (dict(template="tools", type="q8_0"), "template 'tools' needs a float type"),
+        (dict(template="tools", fim=True, vocab=MIN_VOCAB + 4), f"vocab must be at least {MIN_VOCAB + 5}"),
+        (dict(fim=1), "fim must be true or false"),
     ],
 )
 def test_shape_errors(kw, needle):
@@ -103,6 +107,16 @@ def test_shape_errors_through_write(tmp_path):
     with pytest.raises(ValueError, match="unknown shape field"):
         write_synthetic(tmp_path / "x.gguf", colour="red")
     assert not list(tmp_path.iterdir())
+
+
+def test_tool_and_fill_in_the_middle_tokens_take_the_last_ids(tmp_path):
+    plain = read_gguf_info(write_synthetic(tmp_path / "plain.gguf", **SMALL)).metadata
+    shape = SynthShape(template="tools", fim=True, **SMALL)
+    meta = read_gguf_info(write_synthetic(tmp_path / "tools.gguf", shape)).metadata
+    assert meta["tokenizer.chat_template"] == synth.TOOLS_TEMPLATE != plain["tokenizer.chat_template"]
+    assert [shape.token_id(t) for t in (synth.TOOL_TURN, synth.TOOL_CALL, *synth.FIM_TOKENS)] == list(range(395, 400))
+    assert [meta[f"tokenizer.ggml.fim_{k}_token_id"] for k in ("pre", "suf", "mid")] == [397, 398, 399]
+    assert meta["tokenizer.ggml.add_space_prefix"] is False and "tokenizer.ggml.fim_pre_token_id" not in plain
 
 
 def test_hundred_megabyte_model_reads_back(tmp_path):
@@ -254,6 +268,29 @@ def test_only_plain_pieces_are_ever_sampled(tmp_path, start_server):
     assert len(texts) == 4  # different seeds, different text
     r = chat(srv, max_tokens=48, seed=1, **hot)
     assert r.status_code == 200 and _printable(r.json()["choices"][0]["message"]["content"])
+
+
+@pytest.mark.engine
+def test_the_tools_model_calls_the_tool_it_is_offered_and_thinks_when_asked(tmp_path, start_server):
+    """What the server tests build on: offered a tool whose argument is an enum, the ``tools``
+    model makes exactly that call, which llama-server parses; asked to think, it thinks; and
+    with neither it answers text. Its FIM tokens make /infill answer."""
+    model = write_synthetic(tmp_path / "agent.gguf", template="tools", fim=True, **SMALL)
+    srv = start_server(model)
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"colour": {"type": "string", "enum": ["red"]}}, "required": ["colour"]}}}
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+    for _ in range(3):
+        r = chat(srv, max_tokens=200, tools=[tool], **no_think).json()["choices"][0]
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in r["message"]["tool_calls"]]
+        assert r["finish_reason"] == "tool_calls" and calls == [("pick", {"colour": "red"})], r
+    r = chat(srv, max_tokens=8, chat_template_kwargs={"enable_thinking": True}).json()["choices"][0]["message"]
+    assert r["reasoning_content"] and not r.get("content"), r
+    r = chat(srv, max_tokens=8, **no_think).json()["choices"][0]["message"]
+    assert r["content"] and not r.get("tool_calls"), r
+    r = httpx.post(srv.url + "/infill", json={"input_prefix": "def f(", "input_suffix": "):", "n_predict": 4},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["content"], r.text
 
 
 @pytest.mark.engine
