@@ -299,6 +299,10 @@ class Loaded:
             want = getattr(requested, f.name)
             if want is None:
                 continue
+            if f.name == "embedding" and not want and self.options.embedding:
+                # A child started with --embeddings also completes (b11434 turns embeddings on
+                # per batch), so generate after embed needs no reload: no ping-pong between them.
+                continue
             if want != getattr(self.options, f.name):
                 diffs.append(f.name)
         return diffs

@@ -97,6 +97,26 @@ async def test_reload_only_when_a_load_option_changes(make_scheduler, small_mode
     assert lo2.actual.n_ctx == 512
 
 
+async def test_generate_and_embed_on_one_model_reload_once_not_on_every_switch(make_scheduler, small_models):
+    """Issue 16 item 9: embed then generate then embed ... reloaded the model every time
+    ("load options changed: embedding False -> True" and back)."""
+    sched = make_scheduler()
+    a = small_models[0]
+    lo = await sched.load(a, OPTS)
+    emb = await sched.load(a, OPTS.replace(embedding=True))  # the one reload: --embeddings
+    assert emb.runner.pid != lo.runner.pid and "--embedding" in emb.runner.argv
+    for _ in range(2):
+        gen = await sched.load(a, OPTS)
+        assert gen.runner.pid == emb.runner.pid
+        async with sched.use(a, OPTS) as lease:
+            text, timings = await lease.runner.complete_text("Once upon a time", n_predict=4)
+        assert timings.get("predicted_n") == 4
+        async with sched.use(a, OPTS.replace(embedding=True)) as lease:
+            vectors, tokens = await lease.runner.embed(["hello there"])
+        assert lease.runner.pid == emb.runner.pid and len(vectors) == 1 and tokens > 0
+    assert len([e for e in sched.events.history if e.kind == "reload"]) == 1
+
+
 async def test_concurrent_requests_for_a_loading_model_share_one_load(make_scheduler, small_models):
     sched = make_scheduler()
     leases = await asyncio.gather(*(sched.acquire(small_models[1], OPTS) for _ in range(6)))
