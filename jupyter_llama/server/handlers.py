@@ -161,6 +161,10 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         return self.extensionapp  # type: ignore[return-value]
 
     async def prepare(self):
+        # Anthropic's clients send their key as x-api-key: it is the Jupyter token, as a Bearer would be.
+        key = self.request.headers.get("x-api-key")
+        if key and "Authorization" not in self.request.headers:
+            self.request.headers["Authorization"] = f"Bearer {key}"
         await super().prepare()
         self.ext.ensure_started()
         # Who may name server files by path, for everything this request does (see store.local_caller).
@@ -225,7 +229,7 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             self.set_header("WWW-Authenticate", 'Bearer realm="jupyter-llama"')
             message = ("not authenticated: send the Jupyter server's token as 'Authorization: Bearer TOKEN' "
                        "(or 'token TOKEN'); kernels started by the server have it in JUPYTER_LLAMA_TOKEN, "
-                       "OLLAMA_API_KEY and OPENAI_API_KEY")
+                       "OLLAMA_API_KEY, OPENAI_API_KEY and ANTHROPIC_API_KEY (sent as x-api-key)")
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(self.error_payload(status_code, message)))
 

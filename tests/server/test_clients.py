@@ -191,6 +191,14 @@ async def test_clients_work_unconfigured_with_what_the_server_exports(http, ext,
     assert r.eval_count == 2
     r = await run(openai.OpenAI(max_retries=0).completions.create, model="tiny", prompt="Once", max_tokens=2)
     assert r.usage.completion_tokens == 2
+    anthropic = pytest.importorskip("anthropic")  # it sends the key as x-api-key
+    assert os.environ["ANTHROPIC_BASE_URL"] == ext.url.rstrip("/") and os.environ["ANTHROPIC_API_KEY"] == token
+    r = await run(anthropic.Anthropic(max_retries=0).messages.create, model="tiny", max_tokens=2,
+                  messages=[{"role": "user", "content": "hi"}])
+    assert r.usage.output_tokens == 2 and r.model == "tiny"
+    wrong = anthropic.Anthropic(max_retries=0, api_key="not-the-token")
+    with pytest.raises(anthropic.AuthenticationError):
+        await run(wrong.messages.create, model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
 
 
 def test_a_users_own_client_settings_are_left_alone(monkeypatch):
@@ -199,7 +207,8 @@ def test_a_users_own_client_settings_are_left_alone(monkeypatch):
     from jupyter_llama.server.app import LlamaExtension
 
     monkeypatch.setenv("OPENAI_BASE_URL", "https://api.openai.com/v1")
-    for k in ("OLLAMA_HOST", "OPENAI_API_KEY", "OLLAMA_API_KEY", "JUPYTER_LLAMA_TOKEN", "JUPYTER_LLAMA_URL"):
+    for k in ("OLLAMA_HOST", "OPENAI_API_KEY", "OLLAMA_API_KEY", "JUPYTER_LLAMA_TOKEN", "JUPYTER_LLAMA_URL",
+              "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY"):
         monkeypatch.delenv(k, raising=False)
     ext = LlamaExtension()
     ext.serverapp = SimpleNamespace(connection_url="http://127.0.0.1:9/", identity_provider=SimpleNamespace(token="t"))
