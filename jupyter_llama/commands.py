@@ -518,14 +518,27 @@ def cmd_status(args, fe: Frontend):
     version = _call(fe, client.version)
     loaded = _call(fe, client.ps).get("models", [])
     info = client.server
+    others = [p for p in _other_managers() if p.pid != info.pid]
     data = {"url": info.url, "source": info.source, "pid": info.pid, "version": version.get("version"),
-            "loaded": [m.get("name") for m in loaded]}
+            "loaded": [m.get("name") for m in loaded],
+            "others": [{"pid": p.pid, "url": p.url, "models": p.models} for p in others]}
     if args.json:
         fe.json(data)
         return EXIT_OK
     fe.out(f"manager: {info.url}\nfound:   {info.source}\nversion: {data['version']}\n"
            f"loaded:  {', '.join(data['loaded']) or 'nothing'}")
+    for p in others:  # they share this machine's memory and this user's budgets with it
+        fe.out(f"also:    another manager of yours, {p.describe()}")
     return EXIT_OK
+
+
+def _other_managers():
+    """This user's managers on this machine, from what each publishes (memory.peers)."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    from .memory.peers import PeerBoard
+
+    return PeerBoard(jupyter_runtime_dir(), pid=-1).others()
 
 
 def cmd_ps(args, fe: Frontend):

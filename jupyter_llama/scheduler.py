@@ -36,6 +36,7 @@ from .errors import BadRequest, DoesNotFit, LoadFailed, ModelNotFound, PinnedInT
 from .load_options import LoadOptions
 from .engine.runner import EngineError, LoadError, Runner
 from .memory import devices as devmod
+from .memory import peers as peermod
 from .memory import rpc
 from .memory.estimate import estimate_coarse, estimate_detailed, estimate_layer_counts, fit_layers
 from .memory.report import (ACTUAL, COARSE, COMPUTE, DETAILED, HOST, KV, OTHER, WEIGHTS, MemoryReport, MiB,
@@ -189,6 +190,8 @@ class SchedulerSettings:
     recovery_poll: float = 0.25
     rpc_workers: tuple[str, ...] = ()  # llama.cpp RPC workers (HOST:PORT), each a device
     worker_timeout: float = 2.0  # a probe of a worker gives up after this (never a hang)
+    peers_dir: str = ""  # where this user's managers publish what they hold (memory.peers); "" = alone
+    manager_url: str = ""  # this manager's API root, for the others' messages
 
     # The settings a person sets (an environment variable each, or a LlamaExtension trait).
     SETTABLE = ("keep_alive", "max_loaded_models", "max_queue", "load_timeout", "fit_estimator", "evict_pinned",
@@ -404,8 +407,9 @@ class FitPlan:
     keeps each accelerator within the room it was given, so only the host is checked) and
     ``fits``. ``verdict`` is ``fits``, ``evict`` (``evict`` names the models a load now would
     unload, in order), ``first`` (it may not fit but nothing else is loaded, so it gets to
-    try), ``over_budget`` (alone it needs more than a budget: refused) or ``refuse`` (nothing
-    that may be evicted would make room).
+    try), ``over_budget`` (alone it needs more than a budget: refused), ``peers`` (it fits the
+    budget alone, but this user's other managers hold the rest of it: refused, naming them;
+    ``peers`` lists them) or ``refuse`` (nothing that may be evicted would make room).
     """
 
     model: str
@@ -417,6 +421,7 @@ class FitPlan:
     verdict: str
     evict: list[str] = field(default_factory=list)
     workers: list[str] = field(default_factory=list)
+    peers: list[str] = field(default_factory=list)  # other managers of this user holding budgeted memory
 
     @property
     def fits(self) -> bool:
@@ -437,6 +442,7 @@ class FitPlan:
         return {"fits": "fits", "evict": "fits after evicting " + ", ".join(self.evict),
                 "first": "may not fit, but nothing else is loaded, so it gets to try",
                 "over_budget": "does not fit: over the budget",
+                "peers": "does not fit: your other jupyter-llama managers hold the rest of the budget",
                 "refuse": "does not fit, and evicting would not make room"}[self.verdict]
 
     def words(self, only: Iterable[str] | None = None) -> str:
@@ -447,7 +453,8 @@ class FitPlan:
         return {"model": self.model, "estimator": self.estimator, "verdict": self.verdict, "fits": self.fits,
                 "verdict_words": self.verdict_words,
                 "devices": self.devices, "cap": self.cap, "loaded": self.others, "over_cap": self.over_cap,
-                "evict": list(self.evict), "workers": list(self.workers), "text": self.words()}
+                "evict": list(self.evict), "workers": list(self.workers), "peers": list(self.peers),
+                "text": self.words()}
 
 
 class Scheduler:
@@ -472,6 +479,8 @@ class Scheduler:
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
         self._stopping: set[asyncio.Task] = set()  # evicted runners stopping while the next one starts
+        self.peers = (peermod.PeerBoard(settings.peers_dir, settings.manager_url) if settings.peers_dir
+                      else None)
 
     # -------------------------------------------------------------- public API
 
@@ -646,7 +655,8 @@ class Scheduler:
             estimates = await est.with_projection_async(planned, engine, ref.path, opts)
             actual = None
         return {"ref": ref, "options": opts, "estimates": estimates, "actual": actual, "loaded": lo,
-                "same_options": same, "fit": self.fit(ref, opts, estimates, inv, used)}
+                "same_options": same,
+                "fit": self.fit(ref, opts, estimates, inv, used, await asyncio.to_thread(self.peer_holdings))}
 
     async def shutdown(self) -> None:
         """Stop every child and wait for them."""
@@ -660,6 +670,8 @@ class Scheduler:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.peers is not None:
+            self.peers.close()
 
     # -------------------------------------------------------------- internals: leasing
 
@@ -827,14 +839,27 @@ class Scheduler:
                 used[dev] += n
         return dict(used)
 
-    def available(self, inv: devmod.Inventory, used: dict[str, int]) -> dict[str, tuple[int, int | None]]:
-        """Per device: (bytes we may still plan with, the budget if one is set)."""
+    def available(self, inv: devmod.Inventory, used: dict[str, int],
+                  peers: dict[str, int] | None = None) -> dict[str, tuple[int, int | None]]:
+        """Per device: (bytes we may still plan with, the budget if one is set). A budget is
+        the user's: what their other managers hold (``peers``) counts against it too; free
+        memory, read live, already has their models taken out."""
         out = {}
         for d in inv.devices():
-            ceiling = d.budget if d.budget is not None else d.total
+            ceiling = d.budget - (peers or {}).get(d.id, 0) if d.budget is not None else d.total
             out[d.id] = (max(0, min(d.free - (d.overhead if is_gpu(d.id) else 0), ceiling - used.get(d.id, 0))),
                          d.budget)
         return out
+
+    def peer_holdings(self) -> list[peermod.Peer]:
+        """This user's other live managers and what their models hold (none without peers_dir)."""
+        return self.peers.others() if self.peers is not None else []
+
+    def _publish(self) -> None:
+        """Tell this user's other managers what our models hold now."""
+        if self.peers is not None:
+            self.peers.publish([{"name": lo.name, "by_device": lo.charge.by_device()} for lo in self.loaded.values()
+                                if lo.state in (ModelState.READY, ModelState.LOADING)])
 
     def _need(self, preds: dict[str, MemoryReport], fit_source: str) -> MemoryReport:
         rep = preds[fit_source]
@@ -881,6 +906,7 @@ class Scheduler:
         self.events.emit(EventKind.LOADED, ref.name, _loaded_message(lo, actual), load_seconds=round(lo.load_duration, 3),
                          pid=lo.runner.pid, predicted={k: v.total() for k, v in preds.items()},
                          actual=actual.to_dict() if actual else None)
+        self._publish()
         try:
             await self._enforce_budgets(lo)
         except DoesNotFit as e:
@@ -959,7 +985,7 @@ class Scheduler:
         return None
 
     def fit(self, ref: ModelRef, placed: LoadOptions, preds: dict[str, MemoryReport], inv: devmod.Inventory,
-            used: dict[str, int]) -> FitPlan:
+            used: dict[str, int], peers: list[peermod.Peer] | None = None) -> FitPlan:
         """The :class:`FitPlan` for loading ``ref`` as ``placed`` with ``preds``, given the
         devices and what loaded models use (this model's own runner not counted). Pure: it
         decides nothing and unloads nothing; the eviction it names is a dry run of the rule."""
@@ -969,8 +995,10 @@ class Scheduler:
         others = [lo for lo in self.loaded.values() if lo.state in (ModelState.READY, ModelState.LOADING) and lo.ref.key != ref.key]
         checked = {HOST} if placed.fit_target_mib is not None else set(need.devices)
 
+        held = peermod.usage(peers or [])
+
         def numbers(usage: dict[str, int]) -> dict[str, dict]:
-            avail = self.available(inv, usage)
+            avail = self.available(inv, usage, held)
             out = {}
             for d in need.devices:
                 n, a = need.total(device=d), avail.get(d, (0, None))
@@ -985,7 +1013,9 @@ class Scheduler:
             return plan
         if not others:
             over = any(n["checked"] and n["budget"] is not None and n["need"] > n["budget"] for n in devices.values())
-            plan.verdict = "over_budget" if over else "first"
+            taken = [d for d in plan.short if devices[d]["budget"] is not None and held.get(d)]
+            plan.verdict = "over_budget" if over else "peers" if taken else "first"
+            plan.peers = [p.describe(taken[0]) for p in peers or [] if taken and p.by_device().get(taken[0])]
             return plan
         # A dry run of the eviction rule: who would go, in order, until the model fits.
         usage, count = dict(used), len(others)
@@ -1019,8 +1049,9 @@ class Scheduler:
         while True:
             inv = await self.inventory()
             used = self.usage()
+            peers = await asyncio.to_thread(self.peer_holdings)
             placed, preds = await asyncio.to_thread(self.plan, ref, options, inv, used)
-            plan = self.fit(ref, placed, preds, inv, used)
+            plan = self.fit(ref, placed, preds, inv, used, peers)
             fit_source = plan.fit_source
             numbers = {d: {k: n[k] for k in ("need", "available", "in_use", "budget")} for d, n in plan.devices.items()}
             if plan.fits:
@@ -1035,6 +1066,16 @@ class Scheduler:
                        f"there is {format_bytes(n['budget'])}; {_what_to_shrink(preds.get(fit_source), d, plan.estimator)}"
                        ", or raise JUPYTER_LLAMA_MEMORY_LIMIT")
                 self.events.emit(EventKind.FIT, ref.name, "does not fit: " + msg, fits=False, devices=numbers)
+                raise DoesNotFit(msg)
+            if plan.verdict == "peers":
+                d, n = next(iter(plan.short.items()))
+                msg = (f"{ref.name} needs {format_bytes(plan.devices[d]['need'])} on {d} ({plan.estimator} estimate); "
+                       f"the budget there is {format_bytes(plan.devices[d]['budget'])}, and your other jupyter-llama "
+                       f"managers hold {format_bytes(peermod.usage(peers).get(d, 0))} of it ("
+                       + "; ".join(plan.peers) + "). Unload models there (their `stop`, or keep_alive 0), "
+                       "or raise JUPYTER_LLAMA_MEMORY_LIMIT")
+                self.events.emit(EventKind.FIT, ref.name, "does not fit: " + msg, fits=False, devices=numbers,
+                                 peers=plan.peers)
                 raise DoesNotFit(msg)
             if plan.verdict == "first":
                 self.events.emit(EventKind.FIT, ref.name, "may not fit (" + plan.words() + "), but no other model is "
@@ -1143,6 +1184,7 @@ class Scheduler:
         self.events.emit(EventKind.UNLOAD, lo.name, f"unloaded {lo.name}: {reason}", rule=rule,
                          freed=lo.charge.to_dict(), workers=workers)
         lo.gone.set()
+        self._publish()
         if self._closed:
             return
         if gpu_used and before is not None:

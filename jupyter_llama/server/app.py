@@ -284,7 +284,9 @@ class LlamaExtension(ExtensionApp):
         values = {k: getattr(self, k) for k in SchedulerSettings.SETTABLE}
         try:
             return SchedulerSettings.from_values(
-                values, lambda k: f"LlamaExtension.{k} ({config.ENV_PREFIX}{k.upper()})", binary=binary)
+                values, lambda k: f"LlamaExtension.{k} ({config.ENV_PREFIX}{k.upper()})", binary=binary,
+                # this user's managers on this machine see each other here (memory.peers)
+                peers_dir=str(self.serverapp.runtime_dir))
         except (ConfigError, ValueError) as e:
             raise ConfigError(f"LlamaExtension settings: {e}") from None
 
@@ -329,6 +331,9 @@ class LlamaExtension(ExtensionApp):
         self._started = True
         self.export_url()
         self._write_local_key()
+        if self.scheduler is not None and self.scheduler.peers is not None:
+            self.scheduler.peers.url = self.url  # known once the server listens
+            self.scheduler._publish()
         self._activity_pc = PeriodicCallback(self._tick_activity, max(0.05, self.activity_interval) * 1000)
         self._activity_pc.start()
 

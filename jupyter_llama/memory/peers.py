@@ -1,0 +1,120 @@
+"""The other managers of this user on this machine, and what their models hold.
+
+A user can have several managers at once: a JupyterLab server's extension, `jupyter-llama
+serve` in a shell, the background manager a plain kernel started. Each writes what its loaded
+models use (per device) to a file of its own in a folder all of them share (the one the
+background manager's state lives in: Jupyter's runtime folder), and reads the others'. So
+their memory is never a surprise: it counts against this user's budgets (a budget is the
+user's, whichever manager loads), and a load that does not fit says which other manager
+holds what. Host and GPU free memory, read live, already reflect the others' models.
+
+Files are ``jupyter-llama-usage-<pid>.json``, mode 0600, written atomically; one whose
+process is gone is removed by whoever reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PREFIX = "jupyter-llama-usage-"
+
+
+@dataclass
+class Peer:
+    pid: int
+    url: str
+    models: list[dict] = field(default_factory=list)  # {"name": ..., "by_device": {device: bytes}}
+
+    def by_device(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in self.models:
+            for d, n in (m.get("by_device") or {}).items():
+                out[d] = out.get(d, 0) + int(n)
+        return out
+
+    def describe(self, device: str | None = None) -> str:
+        """``pid 123 at http://...: tiny:latest 1.2 GiB`` (on ``device`` only, if given)."""
+        from .report import format_bytes
+
+        held = [(m["name"], (m.get("by_device") or {}).get(device, 0) if device else
+                 sum((m.get("by_device") or {}).values())) for m in self.models]
+        parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in held if n)
+        return f"pid {self.pid} at {self.url or '?'}" + (f": {parts}" if parts else "")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class PeerBoard:
+    """This manager's entry in ``folder``, and the other live managers' entries."""
+
+    def __init__(self, folder: str | os.PathLike, url: str = "", pid: int | None = None):
+        self.folder = Path(folder)
+        self.url = url
+        self.pid = os.getpid() if pid is None else pid
+        self.path = self.folder / f"{PREFIX}{self.pid}.json"
+
+    def publish(self, models: list[dict]) -> None:
+        """Write what this manager's models hold now (an empty list when nothing is loaded)."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd, tmp = tempfile.mkstemp(prefix=f".{PREFIX}", dir=self.folder)
+            with os.fdopen(fd, "w") as f:  # mkstemp makes it 0600
+                json.dump({"pid": self.pid, "url": self.url, "models": models}, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only or missing folder: the others just do not see us
+
+    def close(self) -> None:
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+    def others(self) -> list[Peer]:
+        """Live managers other than this one, by PID; files of dead ones are removed."""
+        found = []
+        try:
+            entries = sorted(self.folder.glob(f"{PREFIX}*.json"))
+        except OSError:
+            return []
+        for p in entries:
+            try:
+                pid = int(p.stem[len(PREFIX):])
+            except ValueError:
+                continue
+            if pid == self.pid:
+                continue
+            if not _alive(pid):
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
+                continue
+            try:
+                data = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            models = [m for m in data.get("models") or [] if isinstance(m, dict) and "name" in m]
+            found.append(Peer(pid, str(data.get("url") or ""), models))
+        return found
+
+
+def usage(peers: list[Peer]) -> dict[str, int]:
+    """Bytes per device that ``peers`` hold together."""
+    out: dict[str, int] = {}
+    for p in peers:
+        for d, n in p.by_device().items():
+            out[d] = out.get(d, 0) + n
+    return out

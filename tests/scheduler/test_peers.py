@@ -1,0 +1,86 @@
+"""Two managers of one user know about each other (issue 15): each publishes what its models
+hold; a budget is the user's, so what the other manager holds counts against it, and a load
+that does not fit names the other manager and its models.
+
+The other manager is a real `jupyter-llama serve` process (the embedded manager's code)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jupyter_llama.load_options import LoadOptions
+from jupyter_llama.memory import peers as peermod
+from jupyter_llama.scheduler import DoesNotFit
+
+pytestmark = pytest.mark.engine
+
+SHAPE = dict(layers=2, embd=256, heads=4, kv_heads=4, ctx=2048)
+OPTS = {"num_ctx": 512, "num_parallel": 1, "num_thread": 1}
+
+
+def test_a_board_lists_live_managers_only_and_drops_dead_ones(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        other = peermod.PeerBoard(tmp_path, "http://127.0.0.1:1/llama/", pid=sleeper.pid)
+        other.publish([{"name": "a:latest", "by_device": {"cpu": 3 << 20}}])
+        assert os.stat(other.path).st_mode & 0o777 == 0o600
+        me = peermod.PeerBoard(tmp_path, "http://127.0.0.1:2/llama/")
+        me.publish([])
+        (found,) = me.others()
+        assert found.pid == sleeper.pid and found.by_device() == {"cpu": 3 << 20}
+        assert found.describe("cpu") == f"pid {sleeper.pid} at http://127.0.0.1:1/llama/: a:latest 3.0 MiB"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert me.others() == [] and not other.path.exists()  # its process is gone: so is its entry
+    me.close()
+    assert not me.path.exists()
+
+
+async def test_another_managers_models_count_against_the_users_budget(engine, make_scheduler, make_model, tmp_path):
+    from jupyter_llama.client import LlamaClient
+    from jupyter_llama.embedded import EmbeddedManager
+
+    peers_dir = tmp_path / "runtime"
+    a, b = make_model("peer-a", seed=41, **SHAPE), make_model("peer-b", seed=42, **SHAPE)
+    other = EmbeddedManager(log_path=str(tmp_path / "serve.log"),
+                            env={"JUPYTER_LLAMA_MODELS": str(tmp_path / "models"), "JUPYTER_LLAMA_SERVER": engine.path,
+                                 "JUPYTER_RUNTIME_DIR": str(peers_dir), "JUPYTER_LLAMA_KEEP_ALIVE": "5m"})
+    other.start(timeout=120)
+    try:
+        c = LlamaClient(other.url, other.token)
+        c.create("peer-a", files={"a.gguf": c.create_blob(a)})
+        c.generate("peer-a", "", options=OPTS, stream=False)  # loaded there
+        held = next(m for m in c.ps()["models"] if m["name"] == "peer-a:latest")["by_device"]["cpu"]
+
+        sched = make_scheduler(peers_dir=str(peers_dir), budget=int(held * 1.6))
+        (peer,) = sched.peer_holdings()
+        assert peer.pid == other.proc.pid and peer.by_device()["cpu"] == held
+        with pytest.raises(DoesNotFit) as e:
+            await sched.load(str(b), LoadOptions(**OPTS))
+        msg = str(e.value)
+        assert "your other jupyter-llama managers hold" in msg and f"pid {other.proc.pid}" in msg
+        assert "peer-a:latest" in msg and "Unload models there" in msg
+        assert sched.loaded == {}
+        est = await sched.estimate(str(b), LoadOptions(**OPTS))
+        assert est["fit"].verdict == "peers" and est["fit"].peers
+
+        c.unload("peer-a")  # the other manager lets go: now it fits
+        assert sched.peer_holdings()[0].by_device().get("cpu", 0) == 0
+        lo = await sched.load(str(b), LoadOptions(**OPTS))
+        assert lo.runner.alive
+        # and the other manager sees this one's model in turn
+        board = peermod.PeerBoard(peers_dir, pid=-1)
+        mine = next(p for p in board.others() if p.pid == os.getpid())
+        assert [m["name"] for m in mine.models] == [lo.name] and mine.by_device()["cpu"] > 0
+
+        r = subprocess.run([sys.executable, "-m", "jupyter_llama.cli", "status"], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, **other.client_env(), "JUPYTER_RUNTIME_DIR": str(peers_dir)})
+        assert r.returncode == 0, r.stderr
+        assert f"also:    another manager of yours, pid {os.getpid()}" in r.stdout and lo.name in r.stdout
+    finally:
+        other.stop(timeout=30)
