@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
 from .load_options import LoadOptions
-from .memory.report import ACTUAL, COMPONENTS, SOURCES, GiB, MemoryReport, MiB, format_bytes, format_pct
+from .memory.report import ACTUAL, COARSE, COMPONENTS, OTHER, SOURCES, GiB, MemoryReport, MiB, format_bytes, format_pct
 
 # Okabe-Ito: distinguishable with deuteranopia, protanopia and tritanopia.
 COMPONENT_COLOURS = {
@@ -134,9 +134,13 @@ def plot_memory(reports: Mapping[str, MemoryReport], *, title: str | None = None
     ax.margins(y=0.18)
     if ceiling is not None:
         ax.set_ylim(0, ceiling / scale * 1.25)
-        ax.text(1.01, 0.0, f"cut bars go beyond the axis;\ntheir real size is printed\nabove them ({top_src} is more\n"
-                f"than {OFF_SCALE}x the others)", transform=ax.transAxes, fontsize=7, va="bottom", ha="left",
-                color="#555")
+        note = (f"cut bars go beyond the axis;\ntheir real size is printed\nabove them ({top_src} is more\n"
+                f"than {OFF_SCALE}x the others)")
+        surcharge = reports[top_src].total(component=OTHER) if top_src == COARSE else 0
+        if surcharge:  # say what makes it so large
+            note += (f"\n\nthe grey part of coarse is\nOllama's allowance for large\nbatches ({format_bytes(surcharge)}): "
+                     "room it\nkeeps free, not memory\nllama.cpp allocates")
+        ax.text(1.01, 0.0, note, transform=ax.transAxes, fontsize=7, va="bottom", ha="left", color="#555")
     # The legend sits right of the axes, where no bar or label can be under it.
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False, borderaxespad=0)
     ax.spines[["top", "right"]].set_visible(False)
@@ -153,7 +157,7 @@ def _title(model: str | None, options: LoadOptions | None, engine: str | None, w
         if options.num_ctx:
             opts.append(f"num_ctx {options.num_ctx}")
         if options.num_parallel:
-            opts.append(f"{options.num_parallel} slots")
+            opts.append(f"{options.num_parallel} slot{'' if options.num_parallel == 1 else 's'}")
         if options.num_gpu is not None:
             opts.append(f"num_gpu {options.num_gpu}")
         if options.cache_type_k or options.cache_type_v:
