@@ -117,6 +117,11 @@ async function main() {
     await page.locator(`${card} .jp-Llama-memory[data-device="cpu"] .jp-Llama-fill-actual`).first().waitFor();
     await page.locator(`${card} [data-marker="detailed"]`).first().waitFor({ state: "attached" });
     await page.locator(`${row}[data-loaded="true"]`).waitFor();
+    // the status bar renders from the same state as the panel, in the same update: no lag
+    const statusWithPanel = await status.innerText();
+    if (!statusWithPanel.includes('1 model')) {
+      throw new Error(`the panel shows the model loaded, the status bar says "${statusWithPanel}"`);
+    }
     // every marker in its estimator's legend colour, off-scale arrows too (a border shorthand
     // once turned those black)
     const markerColours = await page.locator(`${card} .jp-Llama-marker`).evaluateAll(els => els.map(el => {
@@ -175,7 +180,10 @@ async function main() {
     await page.locator(`${card} button[data-action="unload"]`).click();
     await page.locator(card).waitFor({ state: 'detached' });
     await page.locator(`${row}[data-loaded="false"]`).waitFor();
-    await status.filter({ hasText: 'Llama: 0 models' }).waitFor();
+    const statusAfter = await status.innerText();  // at once, as the panel
+    if (!statusAfter.includes('0 models')) {
+      throw new Error(`the panel shows the model unloaded, the status bar says "${statusAfter}"`);
+    }
 
     log('another client loads the model through the REST API: the panel shows it');
     await call({ op: 'load' });
