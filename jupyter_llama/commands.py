@@ -554,7 +554,8 @@ def cmd_ps(args, fe: Frontend):
         where = "CPU" if not vram else "GPU" if vram >= size else f"{vram / size:.0%} GPU"
         layers = f"{m['layers_offloaded']}/{m['layers_total']}" if m.get("layers_total") else ""
         devices = ", ".join(f"{d} {_mib(n)}" for d, n in (m.get("by_device") or {}).items())
-        rows.append([m.get("name"), _mib(size), where, layers, devices, m.get("context_length") or "",
+        name = m.get("name") + (f" (also {', '.join(m['also_as'])})" if m.get("also_as") else "")
+        rows.append([name, _mib(size), where, layers, devices, m.get("context_length") or "",
                      _local_time(m.get("expires_at"))])
     if not rows:
         fe.out("no models loaded")

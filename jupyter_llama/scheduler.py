@@ -272,6 +272,7 @@ class Loaded:
     timer: asyncio.TimerHandle | None = None
     last_used: float = field(default_factory=time.monotonic)
     load_duration: float = 0.0
+    also_as: set[str] = field(default_factory=set)  # other names of the same file it has served
 
     @property
     def name(self) -> str:
@@ -325,7 +326,8 @@ class Loaded:
         actual = self.actual
         charge = self.charge
         return {
-            "name": self.name, "path": self.ref.path, "digest": self.ref.digest, "state": self.state,
+            "name": self.name, "also_as": sorted(self.also_as), "path": self.ref.path, "digest": self.ref.digest,
+            "state": self.state,
             "options": self.options.to_dict(), "keep_alive": None if self.pinned else self.keep_alive,
             "pinned": self.pinned, "refcount": self.refcount, "expires_at": self.expires_at,
             "pid": self.runner.pid if self.runner else None,
@@ -508,7 +510,7 @@ class Scheduler:
         lo = self.loaded.get(ref.key)
         if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.matches(options) \
                 and lo.runner is not None and lo.runner.serving:
-            return self._lease(lo, ka, 0.0)  # fast path: no queue, no lock
+            return self._lease(lo, ka, 0.0, ref)  # fast path: no queue, no lock
         if self._pending >= self.settings.max_queue:
             self.events.emit(EventKind.BUSY, ref.name, f"queue full ({self._pending} waiting, limit "
                              f"{self.settings.max_queue}): request refused", pending=self._pending,
@@ -525,7 +527,7 @@ class Scheduler:
                     continue
                 if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.matches(options):
                     if await self._healthy(lo):
-                        return self._lease(lo, ka, time.monotonic() - t0)
+                        return self._lease(lo, ka, time.monotonic() - t0, ref)
                 async with self._lock:
                     if self._closed:
                         raise SchedulerError("the scheduler is shutting down")
@@ -536,7 +538,7 @@ class Scheduler:
                     if lo is not None:
                         await self._retire_for_reload(lo, options)
                     lo = await self._load(ref, options, ka)
-                return self._lease(lo, ka, time.monotonic() - t0)
+                return self._lease(lo, ka, time.monotonic() - t0, ref)
         finally:
             self._pending -= 1
 
@@ -675,7 +677,9 @@ class Scheduler:
 
     # -------------------------------------------------------------- internals: leasing
 
-    def _lease(self, lo: Loaded, keep_alive: float | None, waited: float) -> Lease:
+    def _lease(self, lo: Loaded, keep_alive: float | None, waited: float, ref: ModelRef | None = None) -> Lease:
+        if ref is not None and ref.name != lo.ref.name:  # the same file under another name: ps says so
+            lo.also_as.add(ref.name)
         if keep_alive is not None:
             lo.keep_alive = keep_alive  # a request's own value overrides the runner's
         if lo.timer:

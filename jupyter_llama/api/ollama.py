@@ -895,6 +895,7 @@ def ps_model(info: dict, gguf, now: float | None = None, projector: bool = False
     }
     # ours, beside Ollama's fields: what the scheduler knows
     d["state"] = info.get("state")
+    d["also_as"] = info.get("also_as") or []  # other names of the same file it has answered to
     d["refcount"] = info.get("refcount", 0)
     d["pinned"] = bool(info.get("pinned"))
     d["options"] = info.get("options")

@@ -62,6 +62,10 @@ def test_lifecycle_through_the_cli(manager, tmp_path):
     assert cli(env, "load", "tiny", "--num-ctx", "256", "--keep-alive", "5s").returncode == 0
 
     assert cli(env, "cp", "tiny", "tiny2").returncode == 0
+    # the same file under its second name is served by the loaded runner, and ps says so
+    assert cli(env, "run", "tiny2", "Once", "--num-predict", "2", "--num-ctx", "256").returncode == 0
+    assert loaded() == {"tiny:latest"}
+    assert "tiny:latest (also tiny2:latest)" in cli(env, "ps").stdout
     assert cli(env, "rm", "tiny").returncode == 0  # loaded: unloaded first
     names = {m["name"] for m in json.loads(cli(env, "list", "--json").stdout)["models"]}
     assert "tiny2:latest" in names and "tiny:latest" not in names
