@@ -168,6 +168,7 @@ class GenerateRequest:
     history: list[dict] = field(default_factory=list)  # the preset's messages, before the prompt
     template: GoTemplate | None = None  # renders the prompt (the request's template, else the preset's)
     suffix: str = ""  # fill in the middle: the text after the gap (the prompt is the text before it)
+    think: bool | str | None = None  # as chat's: the answer's reasoning comes apart, as "thinking"
 
     @property
     def is_load_only(self) -> bool:
@@ -177,7 +178,17 @@ class GenerateRequest:
     @property
     def needs(self) -> list[str]:
         """The capabilities this request asks of the model (see :func:`check_capabilities`)."""
-        return ["insert"] if self.suffix else []
+        return (["insert"] if self.suffix else []) + (["thinking"] if self.think else [])
+
+    @property
+    def thinks(self) -> bool:
+        """``think`` given, and the model's own chat template to apply it: the request goes to
+        llama-server's chat route, which separates the reasoning (``/completion`` does not)."""
+        return self.think is not None and not self.raw and self.template is None and not self.suffix
+
+    @property
+    def chat_params(self) -> dict:
+        return {**self.sampling, **_think_params(self.think)}
 
     def prompt_messages(self) -> list[dict]:
         """The conversation a template (or the model's chat template) turns into the prompt."""
@@ -221,12 +232,7 @@ class ChatRequest:
         params = dict(self.sampling)
         if self.tools:
             params["tools"] = self.tools
-        if self.think is not None:
-            kwargs: dict[str, Any] = {"enable_thinking": bool(self.think)}
-            if isinstance(self.think, str):
-                kwargs["reasoning_effort"] = self.think
-            params["chat_template_kwargs"] = kwargs
-        return params
+        return {**params, **_think_params(self.think)}
 
     @property
     def all_messages(self) -> list[dict]:
@@ -290,6 +296,17 @@ _UNSUPPORTED_GENERATE = {
 }
 
 _THINK_LEVELS = ("low", "medium", "high")
+
+
+def _think_params(think: bool | str | None) -> dict:
+    """``think`` as llama-server's Jinja chat templates take it: ``enable_thinking`` (and
+    ``reasoning_effort`` for a level)."""
+    if think is None:
+        return {}
+    kwargs: dict[str, Any] = {"enable_thinking": bool(think)}
+    if isinstance(think, str):
+        kwargs["reasoning_effort"] = think
+    return {"chat_template_kwargs": kwargs}
 
 
 def _think(body: dict) -> bool | str | None:
@@ -374,6 +391,7 @@ def parse_generate(body: dict, preset: Preset | None = None) -> GenerateRequest:
         history=[] if raw else [dict(m) for m in preset.messages],
         template=template,
         suffix=_str(body, "suffix"),
+        think=None if raw else _think(body),
     )
 
 
@@ -753,6 +771,35 @@ class TemplatedChatTranslator(GenerateTranslator):
 
     def combined(self) -> dict:
         return self._as_chat(super().combined())
+
+
+class ThinkingGenerateTranslator(_Lines):
+    """llama-server ``/v1/chat/completions`` events -> Ollama ``/api/generate`` chunks, for a
+    generate with ``think``: ``response`` and ``thinking`` apart, as Ollama answers it."""
+
+    _text_event = _CHAT_TEXT
+    _text_key = b'","response":'
+    _text_tail = b',"done":false}\n'
+
+    def __init__(self, model: str, started: float, load_s: float):
+        self.model = model
+        self.chat = ChatTranslator(model, started, load_s)
+        self._template()
+
+    @staticmethod
+    def _as_generate(d: dict) -> dict:
+        msg = d.get("message") or {}
+        out = {"model": d.get("model"), "created_at": d.get("created_at"), "response": msg.get("content", "")}
+        if msg.get("thinking"):
+            out["thinking"] = msg["thinking"]
+        out.update((k, v) for k, v in d.items() if k not in ("model", "created_at", "message"))
+        return out
+
+    def feed(self, event: dict) -> list[dict]:
+        return [self._as_generate(c) for c in self.chat.feed(event)]
+
+    def combined(self) -> dict:
+        return self._as_generate(self.chat.combined())
 
 
 class ChatTranslator(_Lines):

@@ -434,6 +434,12 @@ class GenerateHandler(LlamaHandler):
                 self.finish_json(oa.load_chunk(req.model, "load", chat=False, total_s=time.monotonic() - started,
                                                load_s=lease.load_duration))
                 return
+            if req.thinks and lease.loaded.ref.has_chat_template:  # the child's chat route separates the reasoning
+                tr = oa.ThinkingGenerateTranslator(req.model, started, lease.load_duration)
+                await self.relay(lambda on_data: lease.runner.relay_chat(req.prompt_messages(), on_data,
+                                                                         truncate=req.truncate, **req.chat_params),
+                                 tr, req.stream)
+                return
             tr = oa.GenerateTranslator(req.model, started, lease.load_duration)
             if req.suffix:  # fill in the middle: the child's /infill puts the model's FIM tokens around both
                 await self.relay(lambda on_data: lease.runner.relay_infill(req.prompt, req.suffix, on_data,

@@ -63,6 +63,15 @@ async def test_ollama_client_tools_thinking_and_insert(llama_url, token):
     chunks = await run(lambda: list(c.chat(model="agent", messages=ASK, think=True, stream=True,
                                            options=dict(OPTS, num_predict=6))))
     assert "".join(ch.message.thinking or "" for ch in chunks) and chunks[-1].done
+    # generate thinks too: through the child's chat route, with the reasoning apart
+    r = await run(c.generate, model="agent", prompt="What is the weather in Paris?", think=True,
+                  options=dict(OPTS, num_predict=6))
+    assert r.thinking and r.done and r.eval_count == 6 and isinstance(r.response, str), r
+    chunks = await run(lambda: list(c.generate(model="agent", prompt="Weather?", think=True, stream=True,
+                                               options=dict(OPTS, num_predict=6))))
+    assert "".join(ch.thinking or "" for ch in chunks) and chunks[-1].done and chunks[-1].done_reason == "length"
+    with pytest.raises(ollama.ResponseError, match="does not support thinking"):
+        await run(c.generate, model="tiny", prompt="hi", think=True)
 
     r = await run(c.generate, model="agent", prompt="def add(a, b):\n    return ", suffix="\n\nprint(add(1, 2))",
                   options=dict(OPTS, num_predict=5))
