@@ -28,6 +28,18 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+def shown(value) -> str:
+    """A value as a person reads it in a message: JSON's spelling (true, null, "text"), not
+    Python's (True, None, 'text'), and cut when long."""
+    import json
+
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def parse_size(text: str | int, what: str = "size") -> int:
     """Bytes from ``"8GiB"``, ``"8G"``, ``"8000MB"``, ``"512MiB"`` or a plain number of bytes.
 
@@ -35,19 +47,19 @@ def parse_size(text: str | int, what: str = "size") -> int:
     ``free -g`` and llama.cpp's MiB figures mean it. ``what`` names the setting in errors.
     """
     if isinstance(text, bool):
-        raise ConfigError(f"{what}: expected a size such as 8GiB, got {text!r}")
+        raise ConfigError(f"{what}: expected a size such as 8GiB, got {shown(text)}")
     if isinstance(text, (int, float)):
         if text < 0:
             raise ConfigError(f"{what}: a size cannot be negative ({text})")
         return int(text)
     m = _SIZE_RE.match(str(text))
     if not m:
-        raise ConfigError(f"{what}: {text!r} is not a size; write bytes or a number with a unit, e.g. 8GiB, 512MiB, 8000MB")
+        raise ConfigError(f"{what}: {shown(text)} is not a size; write bytes or a number with a unit, e.g. 8GiB, 512MiB, 8000MB")
     number, unit = float(m.group(1)), m.group(2).lower()
     if unit in ("k", "m", "g", "t"):  # bare letters: binary, like `free -g` and llama.cpp's MiB figures
         unit += "ib"
     if unit not in _SIZE_UNITS:
-        raise ConfigError(f"{what}: unknown unit {m.group(2)!r} in {text!r}; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")
+        raise ConfigError(f"{what}: unknown unit {shown(m.group(2))} in {shown(text)}; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")
     return int(number * _SIZE_UNITS[unit])
 
 
@@ -73,7 +85,7 @@ def parse_duration(value, what: str = "keep_alive") -> float:
 
 def _parse_duration(value, what: str) -> float:
     if isinstance(value, bool) or value is None:
-        raise ConfigError(f"{what}: expected a number of seconds or a duration like '5m', got {value!r}")
+        raise ConfigError(f"{what}: expected a number of seconds or a duration like '5m', got {shown(value)}")
     if isinstance(value, (int, float)):
         if math.isnan(value):
             raise ConfigError(f"{what}: NaN is not a duration")
@@ -94,7 +106,7 @@ def _parse_duration(value, what: str) -> float:
         total += float(m.group(1)) * _DURATION_SCALE[m.group(2)]
         pos = m.end()
     if pos != len(body) or not body:
-        raise ConfigError(f"{what}: {value!r} is not a duration; use seconds (300), or units like '10m', '1h30m', '-1' for forever")
+        raise ConfigError(f"{what}: {shown(value)} is not a duration; use seconds (300), or units like '10m', '1h30m', '-1' for forever")
     if negative:
         return math.inf
     return total
@@ -132,7 +144,7 @@ def parse_bool(value, what: str) -> bool:
         return True
     if v in ("0", "false", "no", "off"):
         return False
-    raise ConfigError(f"{what}: expected 1/0, true/false, yes/no or on/off, got {value!r}")
+    raise ConfigError(f"{what}: expected 1/0, true/false, yes/no or on/off, got {shown(value)}")
 
 
 def parse_int(value, what: str) -> int:
@@ -141,7 +153,7 @@ def parse_int(value, what: str) -> int:
     try:
         return int(str(value).strip())
     except ValueError:
-        raise ConfigError(f"{what}: expected a whole number, got {value!r}") from None
+        raise ConfigError(f"{what}: expected a whole number, got {shown(value)}") from None
 
 
 def env_bool(name: str, default: bool = False) -> bool:

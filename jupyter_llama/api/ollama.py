@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from ..config import shown
 from ..load_options import LoadOptions
 from ..errors import BadRequest
 from ..models.preset import Preset
@@ -131,7 +132,7 @@ def model_name(body: dict, key: str = "model") -> str:
         name = body.get("name")  # Ollama's older field name
     if not isinstance(name, str) or not name.strip():
         raise BadRequest(f"{key} is required" if name is None or name == "" else
-                         f"{key} must be a string, got {name!r}")
+                         f"{key} must be a string, got {shown(name)}")
     return name.strip()
 
 
@@ -140,7 +141,7 @@ def _bool(body: dict, key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise BadRequest(f"{key} must be true or false, got {v!r}")
+        raise BadRequest(f"{key} must be true or false, got {shown(v)}")
     return v
 
 
@@ -404,7 +405,7 @@ def _chat_message(i: int, m) -> dict:
         raise BadRequest(f"messages[{i}] must be an object with role and content")
     role = m.get("role")
     if role not in _ROLES:
-        raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {role!r}")
+        raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {shown(role)}")
     content = m.get("content", "")
     if content is None:
         content = ""
@@ -509,7 +510,7 @@ def parse_embed(body: dict, preset: Preset | None = None) -> EmbedRequest:
         raise BadRequest("input must be a string or a list of strings")
     dims = body.get("dimensions")
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
-        raise BadRequest(f"dimensions must be a positive whole number, got {dims!r}")
+        raise BadRequest(f"dimensions must be a positive whole number, got {shown(dims)}")
     return EmbedRequest(model=model, inputs=inputs, truncate=_bool(body, "truncate", True), keep_alive=ka,
                         options=opts, dimensions=dims)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..config import shown
 from ..load_options import LoadOptions
 from ..errors import BadRequest
 from .options import parse_keep_alive
@@ -80,10 +81,10 @@ def request_basics(body: dict) -> tuple[str, bool]:
     """``model`` and ``stream``, checked."""
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
-        raise BadRequest("model is required" if not model else f"model must be a string, got {model!r}")
+        raise BadRequest("model is required" if not model else f"model must be a string, got {shown(model)}")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise BadRequest(f"stream must be true or false, got {stream!r}")
+        raise BadRequest(f"stream must be true or false, got {shown(stream)}")
     return model.strip(), stream
 
 

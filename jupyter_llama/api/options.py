@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ConfigError, parse_duration
+from ..config import ConfigError, parse_duration, shown
 from ..load_options import FLASH_ATTN, KV_CACHE_TYPES, LoadOptions, LoadOptionsError
 from ..errors import BadRequest
 
@@ -117,17 +117,17 @@ def _sampling_value(name: str, kind: str, value):
             return [value]
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return list(value)
-        raise BadRequest(f"option stop must be a string or a list of strings, got {value!r}")
+        raise BadRequest(f"option stop must be a string or a list of strings, got {shown(value)}")
     if kind == "bool":
         if not isinstance(value, bool):
-            raise BadRequest(f"option {name} must be true or false, got {value!r}")
+            raise BadRequest(f"option {name} must be true or false, got {shown(value)}")
         return value
     if not _is_number(value) or (isinstance(value, float) and not math.isfinite(value)):
-        raise BadRequest(f"option {name} must be a number, got {value!r}")
+        raise BadRequest(f"option {name} must be a number, got {shown(value)}")
     if kind == "int":
         if isinstance(value, float):
             if not value.is_integer():
-                raise BadRequest(f"option {name} must be a whole number, got {value!r}")
+                raise BadRequest(f"option {name} must be a whole number, got {shown(value)}")
             value = int(value)
         if name == "num_predict" and value < -1:  # Ollama's -2 (fill the context): llama-server's -1
             value = -1
@@ -140,20 +140,20 @@ def _load_value(name: str, value):
         return None
     if name in ("use_mmap", "kv_unified"):
         if not isinstance(value, bool):
-            raise BadRequest(f"option {name} must be true or false, got {value!r}")
+            raise BadRequest(f"option {name} must be true or false, got {shown(value)}")
         return value
     if name == "flash_attn":
         if isinstance(value, bool):
             return "on" if value else "off"
         if value not in FLASH_ATTN:
-            raise BadRequest(f"option flash_attn must be true, false, or one of {', '.join(FLASH_ATTN)}; got {value!r}")
+            raise BadRequest(f"option flash_attn must be true, false, or one of {', '.join(FLASH_ATTN)}; got {shown(value)}")
         return value
     if name in ("cache_type_k", "cache_type_v", "kv_cache_type"):
         if value not in KV_CACHE_TYPES:
-            raise BadRequest(f"option {name} {value!r} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPES)}")
+            raise BadRequest(f"option {name} {shown(value)} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPES)}")
         return value
     if not _is_number(value) or (isinstance(value, float) and not value.is_integer()):
-        raise BadRequest(f"option {name} must be a whole number, got {value!r}")
+        raise BadRequest(f"option {name} must be a whole number, got {shown(value)}")
     return int(value)
 
 
@@ -233,7 +233,7 @@ def format_to_schema(fmt) -> dict | None:
         return {"type": "object"}  # Ollama's JSON mode answers with an object
     if isinstance(fmt, dict):
         return fmt
-    raise BadRequest(f'format must be "json" or a JSON schema object, got {fmt!r}')
+    raise BadRequest(f'format must be "json" or a JSON schema object, got {shown(fmt)}')
 
 
 # ----------------------------------------------------------------------------- presets
@@ -255,17 +255,6 @@ def parameter_kind(name: str) -> str | None:
     return None
 
 
-def _shown(value) -> str:
-    """A value as a person reads it in a message (JSON, not Python, spelling; cut when long)."""
-    import json
-
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _unknown_parameter(name: str, where: str) -> BadRequest:
     import difflib
 
@@ -279,7 +268,7 @@ def _unknown_parameter(name: str, where: str) -> BadRequest:
 def _typed_value(name: str, kind: str, value, where: str):
     """A JSON value checked (and normalised) for its kind; BadRequest saying what was expected."""
     def wrong(expected: str) -> BadRequest:
-        return BadRequest(f"{where}: parameter {name} must be {expected}, not {_shown(value)}")
+        return BadRequest(f"{where}: parameter {name} must be {expected}, not {shown(value)}")
 
     if kind == "stop":
         if isinstance(value, str):
@@ -342,7 +331,7 @@ def parameter_from_text(name: str, text: str, where: str = "PARAMETER"):
     t = text.strip()
 
     def wrong(expected: str) -> BadRequest:
-        return BadRequest(f"{where} {name}: {_shown(text)} is not {expected}")
+        return BadRequest(f"{where} {name}: {shown(text)} is not {expected}")
 
     if kind == "stop":
         return text

@@ -70,3 +70,16 @@ def test_one_parser_for_every_setting_whatever_its_source(monkeypatch):
 def test_a_keep_alive_past_a_century_is_forever():
     assert parse_duration(1e18) == math.inf and parse_duration("9999999999999999999999h") == math.inf
     assert parse_duration("5m") == 300 and parse_duration(-1) == math.inf
+
+
+def test_values_in_messages_are_spelled_as_json_and_cut_when_long():
+    """Client errors quote the value they refuse as the client wrote it (JSON), never Python's
+    repr (True, None, {'': True})."""
+    from jupyter_llama.api import ollama as oa
+    from jupyter_llama.config import shown
+    from jupyter_llama.errors import BadRequest
+
+    assert (shown(True), shown(None), shown("x"), shown({"": True})) == ("true", "null", '"x"', '{"": true}')
+    assert len(shown("y" * 500)) == 60 and shown("y" * 500).endswith("...")
+    with pytest.raises(BadRequest, match=r'raw must be true or false, got \{"": true\}$'):
+        oa.parse_generate({"model": "m", "prompt": "p", "raw": {"": True}})
