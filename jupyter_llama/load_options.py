@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .config import shown
+
 AUTO_SLOTS = 4  # what llama-server's automatic -np gives
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 FLASH_ATTN = ("auto", "on", "off")
@@ -57,7 +59,7 @@ class LoadOptions:
             if v is None:
                 return
             if isinstance(v, bool) or not isinstance(v, int):
-                raise LoadOptionsError(f"{name} must be a whole number, got {v!r}")
+                raise LoadOptionsError(f"{name} must be a whole number, got {shown(v)}")
             if v < 0 or (v == 0 and not allow_zero):
                 raise LoadOptionsError(f"{name} must be {'0 or more' if allow_zero else 'at least 1'}, got {v}")
 
@@ -75,16 +77,21 @@ class LoadOptions:
         for name in ("cache_type_k", "cache_type_v"):
             v = getattr(self, name)
             if v is not None and v not in KV_CACHE_TYPES:
-                raise LoadOptionsError(f"{name} {v!r} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPES)}")
+                raise LoadOptionsError(f"{name} {shown(v)} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPES)}")
         if self.flash_attn is not None:
             fa = {True: "on", False: "off"}.get(self.flash_attn, self.flash_attn)
             if fa not in FLASH_ATTN:
-                raise LoadOptionsError(f"flash_attn must be one of on, off, auto, got {self.flash_attn!r}")
+                raise LoadOptionsError(f"flash_attn must be one of on, off, auto, got {shown(self.flash_attn)}")
             object.__setattr__(self, "flash_attn", fa)
         if self.num_ctx is not None and self.num_ctx < 16:
             raise LoadOptionsError(f"num_ctx {self.num_ctx} is too small; use at least 16 tokens")
         for name, most, why in (("num_ctx", 1 << 27, "128M tokens, far beyond any model's training context"),
-                                ("num_parallel", 512, "512 slots"), ("num_thread", 1024, "1024 threads"),
+                                ("num_parallel", 256, "256 slots, llama.cpp's LLAMA_MAX_SEQ"),
+                                ("num_thread", 1024, "1024 threads"),
+                                # llama-server reads these as C ints: past that it exits at start
+                                ("num_gpu", (1 << 31) - 1, "2147483647; any number from the model's layer count "
+                                                           "up puts every layer on the GPU"),
+                                ("main_gpu", (1 << 31) - 1, "2147483647"),
                                 ("num_batch", 1 << 20, "1M tokens"), ("num_ubatch", 1 << 20, "1M tokens")):
             v = getattr(self, name)
             if v is not None and v > most:
@@ -97,6 +104,11 @@ class LoadOptions:
             # measured: llama-server aborts at start (GGML_ASSERT n_outputs_max) below this
             raise LoadOptionsError(f"num_batch {self.num_batch} is too small for {slots} request slot(s): llama-server "
                                    f"needs at least {max(2, slots)} (its default is 2048)")
+        if self.embedding and self.num_ubatch is not None and self.num_ubatch < max(2, slots):
+            # an embedding load's batch is its micro-batch (llama-server sets -b to -ub): the same limit
+            raise LoadOptionsError(f"num_ubatch {self.num_ubatch} is too small for embeddings with {slots} request "
+                                   f"slot(s): llama-server embeds a batch in one micro-batch and needs at least "
+                                   f"{max(2, slots)}")
         if self.fit_target_mib is not None:
             object.__setattr__(self, "fit_target_mib", tuple(int(x) for x in self.fit_target_mib))
         if self.rpc is not None:

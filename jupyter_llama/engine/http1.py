@@ -57,6 +57,9 @@ _REQUEST_MISTAKES = (
     "tool_choice param requires --jinja", "Cannot use both json_schema and grammar", "Unsupported param:",
     '"prompt" is required', "Only no echo is supported", "Failed to load image or audio file",
     "Invalid base64 value", "Failed to download image", "Failed to tokenize prompt",
+    # common/chat.cpp's checks of messages and tools (each an invalid_argument, rethrown as a runtime_error)
+    "Failed to parse messages:", "Failed to parse tools:", "Failed to parse tool call arguments as JSON",
+    "Cannot specify both content and content_parts", "Cannot specify grammar with tools",
 )
 
 

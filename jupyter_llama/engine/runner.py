@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import enum
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -69,6 +70,34 @@ class LoadError(EngineError):
 
 class RunnerCrashed(EngineError):
     """The child died while serving a request."""
+
+
+# llama.cpp's refusals (src/llama-context.cpp, b11434) of load options that do not suit the
+# model: a quantised KV cache whose blocks do not divide its attention heads, a quantised V
+# cache without flash attention, K and V types a model needs equal.
+_BLOCKS = re.compile(r"\b([KV]) cache type (\w+) with block size (\d+) does not divide n_embd_head_[kv]=(\d+)")
+_V_NEEDS_FA = ("quantized V cache requires flash_attn", "quantized V cache was requested, but this requires Flash")
+_SAME_KV = re.compile(r"model does not support different K \((\w+)\) and V \((\w+)\) cache types")
+
+
+def options_mistake(name: str, lines: list[str]) -> str | None:
+    """What a child's log says was wrong with its load options for this model, as a sentence,
+    followed by llama-server's own line (None when it says nothing of the kind)."""
+    for ln in reversed(lines):
+        said = f' (llama-server: "{ln.strip()[:200]}")'
+        m = _BLOCKS.search(ln)
+        if m:
+            kv, kind, block, head = m.groups()
+            return (f"cache_type_{kv.lower()} {kind} does not suit {name}: its blocks of {block} values do not divide "
+                    f"the model's attention head size of {head}; use f16, bf16 or f32 for it" + said)
+        if any(s in ln for s in _V_NEEDS_FA):
+            return (f"a quantised V cache (cache_type_v) needs flash attention, which {name} cannot use with these "
+                    "options; set flash_attn on, or use cache_type_v f16" + said)
+        m = _SAME_KV.search(ln)
+        if m:
+            return (f"{name} needs the same cache type for K and V (got cache_type_k {m.group(1)} and "
+                    f"cache_type_v {m.group(2)}); set kv_cache_type, or both to one type" + said)
+    return None
 
 
 _LIVE: "weakref.WeakSet[Runner]" = weakref.WeakSet()
@@ -238,7 +267,8 @@ class Runner:
     # ------------------------------------------------------------------ start
 
     async def start(self) -> "Runner":
-        """Start the child and wait until it answers ``/health``; raise :class:`LoadError` if not."""
+        """Start the child and wait until it answers ``/health``; raise :class:`LoadError` if not
+        (BadRequest when its log says the load options do not suit the model: :func:`options_mistake`)."""
         if self.state != RunnerState.NEW:
             raise EngineError(f"runner for {self.name} was already started ({self.state})")
         if not os.path.isfile(self.model_path):
@@ -328,6 +358,9 @@ class Runner:
                     if any("address already in use" in ln.lower() or "couldn't bind" in ln.lower()
                            for ln in list(self.parser.lines)[-20:]):
                         raise _PortTaken()
+                    mistake = options_mistake(self.name, list(self.parser.lines)[-40:])
+                    if mistake:  # the request's load options do not suit this model: the client's to change
+                        raise BadRequest(mistake)
                     raise LoadError(
                         f"llama-server exited while loading {self.name} (exit code {self.returncode})"
                         + self._crash_hint(),
