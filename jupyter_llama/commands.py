@@ -244,7 +244,8 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--json", action="store_true")
 
-    p = add("pull", cmd_pull, "download a model: an http(s) URL or hf.co/OWNER/REPO[:QUANT]")
+    p = add("pull", cmd_pull, "download a model: a registry name (llama3.2:1b, from JUPYTER_LLAMA_REGISTRY, "
+                              "default Ollama's), hf.co/OWNER/REPO[:QUANT] or an http(s) URL")
     p.add_argument("source")
     p.add_argument("--name", help="name to register it under")
 

@@ -42,6 +42,22 @@ class PinnedInTheWay(DoesNotFit):
     pass
 
 
+class StorageFull(SchedulerError):
+    """The disk (or the user's quota) holding the model store filled up during a write: an
+    import, an upload, a copy, a manifest, a download. The message says what filled up, how
+    much was needed when that is known, and what to do; whoever raises it has removed what it
+    had half-written. ``needed`` and ``free`` are in bytes (None when not known)."""
+
+    status = 507
+
+    def __init__(self, message: str, *, path: str | None = None, needed: int | None = None,
+                 free: int | None = None):
+        self.path = path
+        self.needed = needed
+        self.free = free
+        super().__init__(message)
+
+
 class LoadFailed(SchedulerError):
     status = 500
 

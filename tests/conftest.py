@@ -46,6 +46,91 @@ def make_model(tmp_path_factory):
     return make
 
 
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size="8m")`` mounts a small filesystem of its own (a tmpfs) and returns its path,
+    for tests that fill a disk up; it is unmounted when the test ends, pass or fail. Skips,
+    saying why, where mounting is not permitted (it needs root, or CAP_SYS_ADMIN)."""
+    import subprocess
+
+    mounted: list[Path] = []
+    _unmount_stale(tmp_path)
+
+    def mount(size: str = "8m") -> Path:
+        where = tmp_path / f"tmpfs{len(mounted)}"
+        where.mkdir()
+        try:
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
+                               capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"cannot mount a tmpfs to fill up ({e}); these tests need root (or CAP_SYS_ADMIN)")
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs to fill up ({(r.stderr or r.stdout).strip()}); "
+                        "these tests need root (or CAP_SYS_ADMIN)")
+        mounted.append(where)
+        (where / OWNER).write_text(str(os.getpid()))  # see _unmount_stale
+        return where
+
+    yield mount
+    for where in reversed(mounted):
+        r = subprocess.run(["umount", str(where)], capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:  # still busy (a file held open): detach it now, the kernel frees it later
+            subprocess.run(["umount", "-l", str(where)], capture_output=True, text=True, timeout=60)
+
+
+OWNER = ".tmpfs-owner-pid"
+
+
+def _unmount_stale(tmp_path: Path) -> None:
+    """Unmount what this fixture mounted in a test run that was killed before its teardown (a
+    hard timeout): a tmpfs under pytest's temporary root whose owner process is gone."""
+    import subprocess
+
+    root = tmp_path.parent.parent  # /tmp/pytest-of-USER (tmp_path is .../pytest-N/test_x0); only ours have OWNER
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as fh:
+            mounts = [ln.split()[1] for ln in fh if ln.split()[:1] == ["tmpfs"]]
+    except OSError:
+        return
+    for where in mounts:
+        where = where.replace("\\040", " ")
+        if not where.startswith(str(root) + os.sep) or not os.path.basename(where).startswith("tmpfs"):
+            continue
+        try:
+            pid = int(Path(where, OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            subprocess.run(["umount", "-l", where], capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def fill_disk():
+    """``fill_disk(path, leave=0)``: see :func:`_fill_disk`."""
+    return _fill_disk
+
+
+def _fill_disk(path: Path, leave: int = 0) -> Path:
+    """Fill the filesystem holding ``path`` with one file (``path``) until ``leave`` bytes are
+    free (0: completely, until the kernel says ENOSPC). Deleting that file frees the space."""
+    import errno
+    import shutil
+
+    chunk = b"\0" * (1 << 16)
+    with open(path, "ab", buffering=0) as fh:
+        while True:
+            room = shutil.disk_usage(path).free - leave
+            if room <= 0:
+                break
+            try:
+                fh.write(chunk[:room] if room < len(chunk) else chunk)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                break
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A small synthetic llama GGUF (4 blocks, 128 wide, GQA 4/2), made once per session."""
@@ -96,6 +181,9 @@ def pytest_configure(config):
         os.environ.setdefault("JUPYTER_RUNTIME_DIR", os.path.join(root, "runtime"))
         config._jl_background_root = root
     os.environ.setdefault("JUPYTER_LLAMA_MANAGER_IDLE", "60s")
+    # a pull by registry name never leaves this machine: tests that pull one set their own
+    # registry (tests/models/registryserver.py); any other finds a closed loopback port
+    os.environ.setdefault("JUPYTER_LLAMA_REGISTRY", "http://127.0.0.1:9")
 
 
 def pytest_unconfigure(config):

@@ -5,12 +5,14 @@ shows, and what Ollama would show) is ``tiny:latest``. ``hf.co/owner/repo:Q4_K_M
 every part and shows in full.
 
 Defaults: host ``local``, namespace ``library``, tag ``latest``. Ollama's default host is
-``registry.ollama.ai``; we do not use it because nothing here talks to that registry: a
-bare name is a model made on this machine (create, synth, copy), and a manifest filed under
-``registry.ollama.ai`` would claim a provenance it does not have. The namespace stays
-``library`` so that ``library/tiny`` and ``tiny`` are one model, as in Ollama. The short
-form is the same either way (default host and namespace dropped), so Ollama clients see
-the names they expect.
+``registry.ollama.ai``; ours is ``local`` because a bare name given to create, synth or copy
+is a model made on this machine, and a manifest filed under ``registry.ollama.ai`` would
+claim a provenance it does not have. A model pulled from Ollama's registry (``pull
+llama3.2:1b``) is filed under the registry's host, as Ollama files it
+(``registry.ollama.ai/library/llama3.2:1b``), and a bare name finds it when no model of that
+name was made here (:func:`registry_host`; the store looks there second, and
+:func:`same_model` counts both spellings as one model). The namespace stays ``library`` so
+that ``library/tiny`` and ``tiny`` are one model, as in Ollama.
 
 The grammar (each part ASCII):
 
@@ -30,12 +32,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import urllib.parse
+
+from .. import config
 from ..errors import BadRequest
 
 __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_NAMESPACE",
     "DEFAULT_TAG",
+    "DEFAULT_REGISTRY",
+    "registry_url",
+    "registry_host",
+    "also_registry",
     "InvalidName",
     "ModelName",
     "parse_name",
@@ -45,6 +54,7 @@ __all__ = [
 DEFAULT_HOST = "local"
 DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
+DEFAULT_REGISTRY = "https://registry.ollama.ai"  # JUPYTER_LLAMA_REGISTRY overrides it
 
 _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 _ALLOWED = {
@@ -202,17 +212,71 @@ def parse_name(text: str, default_tag: str = DEFAULT_TAG) -> ModelName:
     return ModelName(host, namespace, model, tag)
 
 
+def registry_url() -> str:
+    """The Ollama-protocol registry that names without a host are pulled from:
+    ``JUPYTER_LLAMA_REGISTRY``, default ``https://registry.ollama.ai`` (no trailing ``/``).
+    An ``http://`` registry is used only when it is configured here (tests, a local mirror).
+    BadRequest, in words, for a value that is not an http(s) URL with a host."""
+    text = (config.env("REGISTRY") or DEFAULT_REGISTRY).strip().rstrip("/")
+    u = urllib.parse.urlsplit(text)
+    if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment or u.username:
+        raise BadRequest(f"JUPYTER_LLAMA_REGISTRY must be the http(s) URL of a registry, such as "
+                         f"{DEFAULT_REGISTRY}, not {text!r}")
+    return text
+
+
+def registry_host(url: str | None = None) -> str:
+    """The host part of a registry URL (default :func:`registry_url`) as a model name spells
+    it: ``registry.ollama.ai``, ``127.0.0.1:5000``. BadRequest when no name could hold it."""
+    url = url if url is not None else registry_url()
+    host = urllib.parse.urlsplit(url).netloc.lower()
+    try:
+        _check_part(host, "host", host)
+    except InvalidName:
+        raise BadRequest(f"the registry {url} has a host ({host!r}) that a model name cannot hold; "
+                         f"give it by a name made of letters, digits, '-', '.' and a ':port'") from None
+    if host == DEFAULT_HOST:
+        raise BadRequest(f"the registry {url} has the host {DEFAULT_HOST!r}, which names models made on "
+                         f"this machine; give the registry by another name")
+    return host
+
+
+def _registry_host_or_none() -> str | None:
+    try:
+        return registry_host()
+    except BadRequest:
+        return None
+
+
+def also_registry(name: ModelName) -> ModelName | None:
+    """The registry's spelling of a name without a host (``tiny`` ->
+    ``registry.ollama.ai/library/tiny:latest``), which it also names when no model of that
+    name was made here; None for a name with a host of its own."""
+    if name.host.lower() != DEFAULT_HOST:
+        return None
+    host = _registry_host_or_none()
+    return ModelName(host, name.namespace, name.model, name.tag) if host else None
+
+
 def same_model(a: str | None, b: str | None) -> bool:
     """Whether two names name the same model, as the registry resolves them: ``tiny``,
-    ``tiny:latest``, ``TINY:Latest`` and ``local/library/tiny:latest`` all do. The one place
-    names are compared (the panel's TypeScript mirrors it in ``sameModel``). A text that is
-    not a valid name equals only itself, case-folded."""
+    ``tiny:latest``, ``TINY:Latest`` and ``local/library/tiny:latest`` all do, and so does
+    ``registry.ollama.ai/library/tiny:latest`` (a pull of ``tiny``; see :func:`also_registry`).
+    The one place names are compared (the panel's TypeScript mirrors it in ``sameModel``). A
+    text that is not a valid name equals only itself, case-folded."""
     if not a or not b:
         return False
     try:
-        return parse_name(a).key == parse_name(b).key
+        na, nb = parse_name(a), parse_name(b)
     except InvalidName:
         return a.casefold() == b.casefold()
+    if na.key == nb.key:
+        return True
+    if (na.host.lower() == DEFAULT_HOST) == (nb.host.lower() == DEFAULT_HOST):
+        return False
+    bare, other = (na, nb) if na.host.lower() == DEFAULT_HOST else (nb, na)
+    alias = also_registry(bare)
+    return alias is not None and alias.key == other.key
 
 
 def is_valid_name(text: str) -> bool:

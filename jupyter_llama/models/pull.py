@@ -1,13 +1,23 @@
-"""Downloads into the store: plain http(s) URLs and Hugging Face repos.
+"""Downloads into the store: Ollama's registry, Hugging Face repos and plain http(s) URLs.
 
 Sources (see :func:`parse_source`):
 
+* a registry name, ``[host/][namespace/]model[:tag]`` (``llama3.2:1b``): Ollama's registry
+  protocol (see :mod:`.registry`): the manifest, then its layers as blobs: the GGUF, a
+  projector, and the template, system, params, license and messages layers, which become the
+  model's preset. The registry is ``JUPYTER_LLAMA_REGISTRY`` (default
+  https://registry.ollama.ai); the model is filed under the registry's name
+  (``registry.ollama.ai/library/llama3.2:1b``), which the bare name also finds. Pulling it
+  again fetches the manifest again and downloads only the blobs the store lacks.
 * ``hf.co/OWNER/REPO[:QUANT]``, ``huggingface.co/OWNER/REPO[:QUANT]``, ``hf://OWNER/REPO[:QUANT]``,
   ``https://huggingface.co/OWNER/REPO`` (a repo: the GGUF is chosen by quantisation tag and
   the multimodal projector, ``mmproj*.gguf``, comes along when the repo has one), and
   ``https://huggingface.co/OWNER/REPO/resolve/REV/FILE.gguf`` (that one file).
-  The Hub is ``HF_ENDPOINT`` (default https://huggingface.co); ``HF_TOKEN`` is sent as a
-  bearer token to it, and to nothing else.
+  The Hub is ``HF_ENDPOINT`` (default https://huggingface.co); the token (``HF_TOKEN``, else
+  the one ``huggingface-cli login`` saved) is sent as a bearer token to it, and to nothing
+  else. A file already in the Hugging Face cache (``HF_HOME``; what ``huggingface_hub``
+  downloaded) with the sha256 the Hub states is hard-linked (else copied) into the store
+  instead of downloaded again (see :mod:`.hfcache`).
 * any other ``http://`` or ``https://`` URL of a GGUF file.
 
 How a blob is fetched:
@@ -16,9 +26,13 @@ How a blob is fetched:
   connection, Ctrl-C, a closed stream) keeps the partial file, and the next pull of the same
   blob resumes it with ``Range`` (``If-Range`` guards against a changed file);
 * a dropped connection is retried with ``Range`` a few times before it becomes an error;
-* the sha256 is computed while the bytes arrive, and compared with the one the Hub states
-  (LFS oid); a mismatch discards the download; the GGUF header is checked before the blob
-  lands (atomically, by rename) and the manifest is written;
+* the sha256 is computed while the bytes arrive, and compared with the one the source
+  states (the Hub's LFS oid, the registry's digest); a mismatch discards the download; the
+  GGUF header (or a preset layer's text or JSON) is checked before the blob lands
+  (atomically, by rename) and the manifest is written;
+* a pull that fails after some of its blobs landed puts them back in ``partial/``, whole:
+  nothing but resumable partial files is left behind, and the next pull finishes them
+  without downloading them again;
 * two pulls of the same blob at once download it once: in one process through a registry
   of downloads in flight (the second one follows the first's progress), across processes
   through a file lock per blob (the waiter reports the partial file's growth).
@@ -59,8 +73,11 @@ from typing import AsyncIterator, Callable
 
 from filelock import Timeout as LockTimeout
 
+from ..errors import StorageFull
+from . import hfcache, registry
 from .gguf_info import GGUF_MAGIC, GGUFError, read_gguf_info
-from .names import DEFAULT_TAG, InvalidName, ModelName, parse_name
+from .names import DEFAULT_REGISTRY, DEFAULT_TAG, InvalidName, ModelName, parse_name
+from .preset import Preset, PresetError
 from .store import (
     MODEL_MEDIA_TYPE,
     PROJECTOR_MEDIA_TYPE,
@@ -80,6 +97,9 @@ __all__ = [
     "DiskFull",
     "HashMismatch",
     "NotAModel",
+    "NotInRegistry",
+    "RegistryUnreachable",
+    "BadManifest",
     "Source",
     "parse_source",
     "derive_name",
@@ -114,7 +134,10 @@ class PullCancelled(PullError):
     status = 499
 
 
-class DiskFull(PullError):
+class DiskFull(PullError, StorageFull):
+    """A download that did not fit: the store's one disk-full error (``errors.StorageFull``,
+    HTTP 507), raised by a pull."""
+
     status = 507
 
 
@@ -124,6 +147,25 @@ class HashMismatch(PullError):
 
 class NotAModel(PullError):
     """The URL serves something other than a GGUF file (an HTML page, JSON, text...)."""
+
+
+class NotInRegistry(PullError):
+    """The registry has no such model or tag (it answered 404)."""
+
+    status = 404
+
+
+class RegistryUnreachable(PullError):
+    """The registry did not answer (no connection, DNS, TLS, or it kept failing with 5xx)."""
+
+    status = 502
+
+
+class BadManifest(PullError):
+    """The registry answered the manifest request with something that is not a v2 manifest,
+    or a preset layer that does not hold what its media type says."""
+
+    status = 502
 
 
 class _Dropped(Exception):
@@ -138,7 +180,7 @@ _HF_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 @dataclass
 class Source:
-    kind: str  # "hf" | "url"
+    kind: str  # "hf" | "url" | "registry"
     text: str
     url: str | None = None  # kind == "url"
     repo: str | None = None  # kind == "hf": OWNER/REPO
@@ -146,6 +188,7 @@ class Source:
     file: str | None = None  # an explicit file in the repo
     revision: str = "main"
     endpoint: str = DEFAULT_ENDPOINT
+    ref: registry.RegistryRef | None = None  # kind == "registry"
 
 
 def _endpoint(endpoint: str | None = None) -> str:
@@ -203,10 +246,19 @@ def parse_source(text: str, endpoint: str | None = None) -> Source:
             if len(segs) >= 5 and segs[2] in ("resolve", "blob"):
                 return _hf_source(t, "/".join(segs), ep)
         return Source("url", t, url=t, endpoint=ep)
-    raise PullError(
-        f"cannot pull {t!r}: give an http(s) URL of a GGUF file or a Hugging Face repo "
-        f"(hf.co/OWNER/REPO[:QUANT]); registry names such as 'llama3' are not pulled from Ollama's registry"
-    )
+    if "://" in t:
+        raise PullError(f"cannot pull {t!r}: only http(s) URLs are fetched; give an http(s) URL of a GGUF file, "
+                        f"a Hugging Face repo (hf.co/OWNER/REPO[:QUANT]) or a registry name such as llama3.2:1b")
+    if t.startswith(("/", "./", "../", "~")) or low.endswith(".gguf"):
+        raise PullError(f"{t!r} looks like a file on this machine, which is not pulled: register it with "
+                        f"`create NAME --from {t}`")
+    try:
+        ref = registry.parse_registry_name(t)
+    except InvalidName as e:
+        raise PullError(f"cannot pull {t!r}: {e.reason}; give a registry name ([host/][namespace/]model[:tag], "
+                        f"such as llama3.2:1b), a Hugging Face repo (hf.co/OWNER/REPO[:QUANT]) or an http(s) URL "
+                        f"of a GGUF file") from None
+    return Source("registry", t, url=ref.manifest_url, endpoint=ref.base, ref=ref)
 
 
 _QUANT_TOKEN = re.compile(
@@ -232,6 +284,8 @@ def derive_name(src: Source | str, name: str | None = None) -> ModelName:
         src = parse_source(src)
     if name:
         return parse_name(name)
+    if src.kind == "registry":
+        return src.ref.name
     if src.kind == "hf":
         owner, repo = src.repo.split("/")
         tag = src.quant
@@ -258,11 +312,20 @@ def derive_name(src: Source | str, name: str | None = None) -> ModelName:
 @dataclass
 class RemoteFile:
     url: str
-    path: str  # name in the repo (or the URL's file name)
-    role: str  # "model" | "projector"
+    path: str  # name in the repo (or the URL's file name, or the registry layer's description)
+    role: str  # "model" | "projector" | a preset part: "template", "system", "params", "license", "messages"
     size: int | None = None
     sha256: str | None = None
     auth: bool = False  # send the HF token (to the Hub only)
+    media_type: str | None = None  # the manifest layer's (default: by role, model or projector)
+    hf_repo: str | None = None  # a Hub file: OWNER/REPO, whose Hugging Face cache may already hold it
+
+    @property
+    def gguf(self) -> bool:
+        return self.role in ("model", "projector")
+
+
+_GGUF_ROLES = {"model": MODEL_MEDIA_TYPE, "projector": PROJECTOR_MEDIA_TYPE}
 
 
 def _is_projector(path: str) -> bool:
@@ -620,8 +683,9 @@ class Puller:
         self.emit = emit or (lambda d: None)
         self.retries = max(0, int(retries))
         self.backoff = backoff
-        self.token = token if token is not None else (os.environ.get("HF_TOKEN") or None)
+        self.token = token if token is not None else hfcache.hf_token()
         self.http = _Http(timeout=timeout, max_redirects=max_redirects)
+        self._landed: list[tuple[str, str]] = []  # (hex, url) of the blobs this pull put into blobs/
         self._cancel = threading.Event()
         self._active: _Response | None = None
 
@@ -692,8 +756,74 @@ class Puller:
                 raise PullError(f"listing {src.repo}: too many pages")
         return entries
 
+    def _registry_manifest(self) -> registry.Manifest:
+        """Fetch and check the manifest (retrying a dropped connection or a 5xx as downloads do)."""
+        ref = self.src.ref
+        what = f"the manifest of {ref.text} from {ref.base}"
+        attempts = 0
+        while True:
+            self._check_cancel()
+            try:
+                r = self.http.open(ref.manifest_url, {"Accept": registry.MANIFEST_V2})
+                try:
+                    body = r.read(registry.MAX_MANIFEST_BYTES + 1) if r.status == 200 else r.read(4096)
+                finally:
+                    r.close()
+                if r.status >= 500 or r.status == 429:
+                    raise _Dropped(f"HTTP {r.status} {r.reason}")
+                break
+            except PullError:
+                raise
+            except BaseException as e:
+                if self._cancel.is_set():
+                    self._check_cancel()
+                if not _retryable(e):
+                    raise
+                attempts += 1
+                if attempts > self.retries:
+                    why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+                    raise RegistryUnreachable(
+                        f"cannot reach the registry {ref.base} for {ref.text}: {why} (tried {attempts} "
+                        f"time{'s' if attempts > 1 else ''}); check the network, or set JUPYTER_LLAMA_REGISTRY "
+                        f"to a registry this machine can reach") from None
+                self._sleep(self.backoff * (2 ** (attempts - 1)))
+        if r.status in (404, 410):
+            hint = " (the models and their tags are listed at https://ollama.com/library)" \
+                if ref.base == DEFAULT_REGISTRY else ""
+            raise NotInRegistry(f'model "{ref.text}" not found in registry {ref.base}: no such model or tag{hint}')
+        if r.status in (401, 403):
+            raise PullError(f'the registry {ref.base} refused {ref.text} (HTTP {r.status} {r.reason}): it may be '
+                            f"private; jupyter-llama pulls models that need no login")
+        if r.status != 200:
+            snippet = " ".join(body[:200].decode("utf-8", "replace").split())
+            raise BadManifest(f"{what}: HTTP {r.status} {r.reason}" + (f": {snippet}" if snippet else ""))
+        if len(body) > registry.MAX_MANIFEST_BYTES:
+            raise BadManifest(f"{what} is larger than {registry.MAX_MANIFEST_BYTES:,} bytes: not a model's manifest")
+        try:
+            return registry.parse_manifest(body, r.content_type, what)
+        except registry.ManifestError as e:
+            raise BadManifest(str(e)) from None
+        except registry.UnsupportedModel as e:
+            raise PullError(str(e)) from None
+
+    def _registry_plan(self) -> tuple[list[RemoteFile], dict]:
+        ref = self.src.ref
+        manifest = self._registry_manifest()
+        files = [RemoteFile(url=ref.blob_url(ly.hexd), path=f"{ref.text} ({ly.role} layer sha256:{ly.hexd[:12]})",
+                            role=ly.role, size=ly.size, sha256=ly.hexd, media_type=ly.media_type)
+                 for ly in manifest.layers]
+        record = {"type": "registry", "registry": ref.base, "name": ref.text,
+                  "manifest_digest": f"sha256:{manifest.digest}", "url": ref.manifest_url}
+        if manifest.config:
+            record["config"] = manifest.config
+        if manifest.skipped:
+            record["skipped_layers"] = manifest.skipped
+        return files, record
+
     def _plan(self) -> tuple[list[RemoteFile], dict]:
         src = self.src
+        if src.kind == "registry":
+            return self._registry_plan()
         if src.kind == "url":
             base = urllib.parse.unquote(urllib.parse.urlsplit(src.url).path).rstrip("/").rsplit("/", 1)[-1]
             return [RemoteFile(url=src.url, path=base or src.url, role="model")], {"type": "url", "url": src.url}
@@ -712,7 +842,7 @@ class Puller:
             size = lfs.get("size", e.get("size"))
             url = f"{src.endpoint}/{repo_q}/resolve/{rev_q}/{urllib.parse.quote(e['path'])}"
             return RemoteFile(url=url, path=e["path"], role=role, size=int(size) if size is not None else None,
-                              sha256=sha, auth=True)
+                              sha256=sha, auth=True, hf_repo=src.repo)
 
         files = [remote(model, "model")]
         record = {"type": "hf", "repo": src.repo, "revision": src.revision, "file": model["path"],
@@ -727,18 +857,50 @@ class Puller:
     # -- run --------------------------------------------------------------------------
 
     def run(self) -> ModelEntry:
-        self.emit({"status": "pulling manifest"})
         self.store.ensure_dirs()
+        try:
+            return self._run()
+        except BaseException:
+            self._keep_for_resume()
+            raise
+
+    def _keep_for_resume(self) -> None:
+        """After a failed pull, the blobs it landed that no manifest uses (the model, when a
+        later layer failed) go back to ``partial/``, complete: nothing is left in ``blobs/``,
+        ``prune`` can drop them, and the next pull finishes them without a byte downloaded."""
+        for hexd, url in self._landed:
+            key = f"sha256-{hexd}"
+            try:
+                with self.store._blob_locks([hexd]):
+                    if hexd in self.store._referenced():
+                        continue
+                    blob = self.store.blob_path(hexd)
+                    size = blob.stat().st_size
+                    _atomic_write_json(self.store.partial_dir / f"{key}.json",
+                                       {"url": url, "etag": None, "last_modified": None, "total": size,
+                                        "sha256": hexd}, fsync=False)
+                    os.replace(blob, self.store.partial_dir / f"{key}.partial")
+                    _unlink(self.store._sidecar(hexd))
+            except OSError:
+                pass
+
+    def _run(self) -> ModelEntry:
+        # the manifest (or listing) first: a name the source does not have, or a source that
+        # cannot be reached, fails before the first status, so a server answers it with its
+        # HTTP status (404 for a model the registry lacks) rather than in a stream begun as 200
         files, record = self._plan()
+        self.emit({"status": "pulling manifest"})
+        for mt in record.get("skipped_layers") or ():
+            self.emit({"status": f"skipping a layer of type {mt} (not used here)"})
         for attempt in range(3):
             results = [self._fetch(rf) for rf in files]
             layers, land_info, proj_info = [], None, None
             for rf, (hexd, size, parsed) in zip(files, results):
-                media = MODEL_MEDIA_TYPE if rf.role == "model" else PROJECTOR_MEDIA_TYPE
+                media = rf.media_type or _GGUF_ROLES[rf.role]
                 layers.append({"mediaType": media, "digest": f"sha256:{hexd}", "size": size})
                 if rf.role == "model":
                     land_info = parsed if parsed is not None else self._model_info(hexd)
-                else:
+                elif rf.role == "projector":
                     proj_info = parsed if parsed is not None else _projector_summary(str(self.store.blob_path(hexd)))
             try:
                 entry = self.store._commit(self.name, layers, land_info, record, proj_info, progress=self.emit)
@@ -838,9 +1000,47 @@ class Puller:
                 reused = self._reuse_url(rf, key, tick)
                 if reused is not None:
                     return reused
+            if rf.sha256 and rf.hf_repo:
+                linked = self._from_hf_cache(rf, tick)
+                if linked is not None:
+                    _unlink(partial)  # a resume of it is no longer needed
+                    _unlink(self.store.partial_dir / f"{key}.json")
+                    return linked
             return self._download(rf, key, partial, inf, tick)
         finally:
             lock.release()
+
+    def _from_hf_cache(self, rf: RemoteFile, tick: _Throttle) -> tuple[str, int, dict | None] | None:
+        """The Hub file ``rf`` from the Hugging Face cache, if a cached file has its sha256:
+        hard-linked (else copied) into the store, hashed on the way, checked as a download
+        would be. None when the cache has no such file (or none that hashes right)."""
+        for cached in hfcache.cached_copies(rf.hf_repo, rf.path, rf.sha256, rf.size):
+            self._check_cancel()
+            label = f"{rf.path} from the Hugging Face cache ({cached})"
+            try:
+                hexd, size, _how, tmp = self.store._import_file(str(cached), "auto", self.emit, label,
+                                                                cancel=self._cancel)
+            except (OSError, StoreError):
+                self._check_cancel()
+                continue
+            try:
+                if hexd != rf.sha256:
+                    self.emit({"status": f"{cached} is not {rf.path} (its sha256 differs): downloading it"})
+                    continue
+                try:
+                    parsed = (_projector_summary(str(tmp)) if rf.role == "projector"
+                              else self.store._summary(read_gguf_info(tmp)))
+                except GGUFError:
+                    continue
+                with self.store._blob_locks([hexd]):
+                    self.store.land_blob(tmp, hexd)
+                self._landed.append((hexd, rf.url))
+            finally:
+                _unlink(tmp)
+            tick.total = size
+            tick(size, force=True)
+            return hexd, size, parsed
+        return None
 
     def _reuse_url(self, rf: RemoteFile, key: str, tick: _Throttle) -> tuple[str, int, dict | None] | None:
         """A plain URL fetched before: reuse its blob when the server's validators still match."""
@@ -891,7 +1091,8 @@ class Puller:
             offset = 0
         hasher = hashlib.sha256()
         head = b""
-        if offset:
+        magic = rf.gguf  # check the first bytes are a GGUF's (a preset layer is text or JSON)
+        if offset and magic:
             with open(partial, "rb") as fh:
                 head = fh.read(4)
             if head[:4] != GGUF_MAGIC[: len(head[:4])]:
@@ -968,7 +1169,8 @@ class Puller:
                         total = int(length)
                 if rf.size is not None and total is not None and total != rf.size:
                     r.close()
-                    raise PullError(f"{rf.url}: the server sends {total:,} bytes, the repository listing says {rf.size:,}")
+                    listing = "manifest" if rf.media_type else "repository listing"
+                    raise PullError(f"{rf.url}: the server sends {total:,} bytes, the {listing} says {rf.size:,}")
                 if total is not None:
                     self._check_disk(total - offset)
                 tick.total = total
@@ -993,7 +1195,7 @@ class Puller:
                             writer.give_back(wbuf)
                             break
                         chunk = memoryview(wbuf)[:n]
-                        if len(head) < 4:
+                        if magic and len(head) < 4:
                             head += bytes(chunk[: 4 - len(head)])
                             if head != GGUF_MAGIC[: len(head)]:
                                 bad_start = bytes(chunk[:16])
@@ -1041,7 +1243,7 @@ class Puller:
             finally:
                 self._active = None
         tick(offset, force=True)
-        if offset == 0 or len(head) < 4:
+        if magic and (offset == 0 or len(head) < 4):
             _unlink(partial)
             _unlink(meta_path)
             raise NotAModel(f"{rf.url} sent {offset} bytes: not a GGUF file")
@@ -1054,10 +1256,17 @@ class Puller:
                                f"{hexd}; the download was discarded (try again; if it persists, the file changed "
                                f"upstream)")
         try:
-            if rf.role == "projector":
+            if not rf.gguf:
+                parsed = None
+                self._check_preset_layer(rf, partial)
+            elif rf.role == "projector":
                 parsed = _projector_summary(str(partial))
             else:
                 parsed = self.store._summary(read_gguf_info(partial))
+        except PullError:
+            _unlink(partial)
+            _unlink(meta_path)
+            raise
         except GGUFError as e:
             _unlink(partial)
             _unlink(meta_path)
@@ -1065,11 +1274,23 @@ class Puller:
                             f"{e.reason}") from None
         with self.store._blob_locks([hexd]):
             self.store.land_blob(partial, hexd)
+        self._landed.append((hexd, rf.url))
         _unlink(meta_path)
         if not rf.sha256:
             _atomic_write_json(self.store.urls_dir / f"{key}.json",
                                {"url": rf.url, "digest": f"sha256:{hexd}", "size": offset, **validators}, fsync=False)
         return hexd, offset, parsed
+
+    @staticmethod
+    def _check_preset_layer(rf: RemoteFile, path: Path) -> None:
+        """A downloaded preset layer holds what its media type says (text; params a JSON object;
+        messages a JSON list), or PullError."""
+        data = path.read_bytes()
+        layer = {"mediaType": rf.media_type, "digest": f"sha256:{rf.sha256}", "size": len(data)}
+        try:
+            Preset.from_layers([layer], lambda _ly: data)
+        except PresetError as e:
+            raise BadManifest(f"{rf.path}: {e}; the registry's model is not usable") from None
 
     @staticmethod
     def _write_error(partial: Path, e: OSError) -> PullError:
@@ -1090,7 +1311,7 @@ class Puller:
     def _check_response(self, rf: RemoteFile, r: _Response) -> None:
         if r.status in (200, 206):
             ct = r.content_type
-            if ct in ("text/html", "application/xhtml+xml") or ct == "application/json":
+            if rf.gguf and (ct in ("text/html", "application/xhtml+xml") or ct == "application/json"):
                 try:
                     snippet = r.read(300).decode("utf-8", "replace")
                 except (OSError, http.client.HTTPException):

@@ -48,6 +48,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,10 +57,10 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
 from filelock import FileLock
 
 from .. import config
-from ..errors import BadRequest, ModelNotFound, SchedulerError
+from ..errors import BadRequest, ModelNotFound, SchedulerError, StorageFull
 from .ref import ModelRef
 from .gguf_info import GGUFError, GGUFInfo, read_gguf_info
-from .names import InvalidName, ModelName, parse_name
+from .names import InvalidName, ModelName, also_registry, parse_name
 from .preset import MAX_LAYER_BYTES, PRESET_MEDIA_TYPES, Preset, PresetError
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "PROJECTOR_MEDIA_TYPE",
     "MANIFEST_MEDIA_TYPE",
     "StoreError",
+    "StorageFull",
     "BlobCorrupt",
     "BlobMissing",
     "InvalidGGUF",
@@ -210,6 +212,62 @@ def _unlink(path: Path) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e`` is a write that ran out of disk space or quota (ENOSPC, EDQUOT)."""
+    return isinstance(e, OSError) and e.errno in _FULL_ERRNOS
+
+
+def fmt_bytes(n: float | None) -> str:
+    """``6.2 MB``, ``512 B`` (decimal units, as ``df -H`` and Ollama's progress show them)."""
+    if n is None:
+        return "?"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"  # pragma: no cover
+
+
+def free_bytes(path: os.PathLike | str) -> int | None:
+    """Free bytes (for this user) on the filesystem holding ``path`` (or its nearest existing parent)."""
+    p = Path(path)
+    while True:
+        try:
+            return shutil.disk_usage(p).free
+        except FileNotFoundError:
+            if p.parent == p:
+                return None
+            p = p.parent
+        except OSError:
+            return None
+
+
+def storage_full(root: os.PathLike | str, what: str, needed: int | None = None,
+                 e: BaseException | None = None, *, before: bool = False) -> StorageFull:
+    """The sentence for a person when ``what`` (``"copying model.gguf into the store"``) filled
+    the disk (or the quota) under ``root``: what filled up, how much was needed if known, what to
+    do. ``before``: refused before writing anything (``needed`` is more than is free)."""
+    free = free_bytes(root)
+    quota = isinstance(e, OSError) and e.errno == errno.EDQUOT
+    where = (f"your disk quota on the filesystem holding the model store {root}" if quota
+             else f"the disk holding the model store {root}")
+    have = f"{fmt_bytes(free)} free" if free is not None else ""
+    if before:
+        text = f"{where} has too little free space: {what} needs {fmt_bytes(needed)}" + (
+            f" and it has {have}" if have else "") + ". Nothing was written."
+    else:
+        need = f" (it needed {fmt_bytes(needed)}" + (f", {have} now" if have else "") + ")" if needed else (
+            f" ({have} now)" if have else "")
+        text = f"{where} is full: {what} ran out of space{need}. What it had written was removed again."
+    return StorageFull(
+        f"{text} Free some space (`jupyter-llama rm NAME` removes a model you no longer need, "
+        "`jupyter-llama prune` drops unfinished downloads) or point JUPYTER_LLAMA_MODELS at a larger disk, "
+        "then try again", path=str(root), needed=needed, free=free)
 
 
 def _stamp(st: os.stat_result) -> dict:
@@ -484,6 +542,8 @@ class ModelEntry:
             return f"pull it again: `jupyter-llama pull {text}` (or `%llama pull {text}`)"
         if kind == "url":
             return f"pull it again: `jupyter-llama pull {src.get('url')}`"
+        if kind == "registry":
+            return f"pull it again: `jupyter-llama pull {src.get('name')}` (or `%llama pull {src.get('name')}`)"
         if kind == "synth":
             return "make it again with the store's synth (same shape and seed give the same bytes)"
         path = src.get("path")
@@ -597,15 +657,29 @@ class ModelStore:
 
     def ensure_dirs(self) -> None:
         """The store's folders; those made here are this user's only (0700), whatever the umask."""
+        with self._space("making the store's folders"):
+            try:
+                self.root.mkdir(parents=True, mode=0o700)
+            except FileExistsError:  # an admin's folder, or another process (a concurrent pull) made it
+                pass
+            else:
+                os.chmod(self.root, 0o700)  # mkdir's mode is masked by the umask; this is not
+            for d in (self.blobs_dir, self.manifests_dir, self.verified_dir, self.partial_dir,
+                      self.urls_dir, self.locks_dir, self.tmp_dir):
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    @contextlib.contextmanager
+    def _space(self, what: str, needed: int | None = None, short_writes: bool = False) -> Iterator[None]:
+        """Turn a write that found the disk (or quota) full into :class:`StorageFull`, saying
+        ``what`` was being done; whoever writes under it removes what it half-wrote.
+        ``short_writes``: also an OSError without an errno while the disk has less than a MiB
+        free (numpy's ``tofile``, which the GGUF writer uses, says only "N requested and M written")."""
         try:
-            self.root.mkdir(parents=True, mode=0o700)
-        except FileExistsError:  # an admin's folder, or another process (a concurrent pull) made it
-            pass
-        else:
-            os.chmod(self.root, 0o700)  # mkdir's mode is masked by the umask; this is not
-        for d in (self.blobs_dir, self.manifests_dir, self.verified_dir, self.partial_dir,
-                  self.urls_dir, self.locks_dir, self.tmp_dir):
-            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            yield
+        except OSError as e:
+            if is_disk_full(e) or (short_writes and e.errno is None and (free_bytes(self.root) or 0) < (1 << 20)):
+                raise storage_full(self.root, what, needed, e) from None
+            raise
 
     # -- paths and locks ------------------------------------------------------------
 
@@ -812,8 +886,11 @@ class ModelStore:
                     raise StoreError(f"{src} changed while it was being imported; try again")
             tick(total, force=True)
             size = os.stat(tmp).st_size
-        except BaseException:
+        except BaseException as e:
             _unlink(tmp)
+            if is_disk_full(e):
+                raise storage_full(self.root, f"copying the {label} file {src} into the store",
+                                   total, e) from None
             raise
         return hexd, size, how, tmp
 
@@ -846,6 +923,8 @@ class ModelStore:
         worker.join()
         if errors:
             e = errors[0]
+            if is_disk_full(e):
+                raise e  # the caller says so in a sentence (StorageFull), having removed the copy
             if isinstance(e, OSError):
                 raise StoreError(f"cannot copy {src} into the store: {e.strerror or e}") from None
             raise e
@@ -887,6 +966,17 @@ class ModelStore:
             return None
         return ModelEntry(ModelName(*parts), manifest, path)
 
+    def _lookup(self, name: ModelName) -> ModelEntry | None:
+        """The model a request for ``name`` means: :meth:`_find`, and for a name without a host
+        (``llama3.2:1b``) that no model made here has, the one pulled under it from the
+        registry (``registry.ollama.ai/library/llama3.2:1b``; see ``names.also_registry``)."""
+        e = self._find(name)
+        if e is None:
+            alias = also_registry(name)
+            if alias is not None:
+                e = self._find(alias)
+        return e
+
     def _find(self, name: ModelName) -> ModelEntry | None:
         path = self._manifest_path(name)
         if path.is_file():
@@ -925,7 +1015,15 @@ class ModelStore:
                 old_digests = {normalize_digest(ly["digest"]) for ly in old.layers}
                 manifest["created_at"] = old.created_at or now  # when the name first appeared
             manifest["modified_at"] = now
-            _atomic_write_json(path, manifest)
+            try:
+                _atomic_write_json(path, manifest)
+            except BaseException:
+                # a folder made for this manifest (a copy to a new name on a full disk) goes again
+                d = path.parent
+                while d != self.manifests_dir and self.manifests_dir in d.parents and not d.exists():
+                    d = d.parent
+                self._prune_empty_dirs(d)
+                raise
             if old is not None and old.manifest_path != path:
                 _unlink(old.manifest_path)  # same name, other case
                 self._prune_empty_dirs(old.manifest_path.parent)
@@ -947,7 +1045,8 @@ class ModelStore:
         """Land temporary files (``land``: hex -> tmp path) and write the manifest, blob locks held.
         With a ``preset``, it is merged onto the preset ``layers`` already carry (see models.preset)."""
         if preset:
-            layers, extra = self._with_preset(layers, preset)
+            with self._space(f"writing the preset layers of {name.display}"):
+                layers, extra = self._with_preset(layers, preset)
             try:
                 return self._commit(name, layers, info, source, projector_info, {**(land or {}), **extra}, progress)
             finally:
@@ -955,6 +1054,26 @@ class ModelStore:
                     _unlink(t)
         hexes = [normalize_digest(ly["digest"]) for ly in layers]
         land = land or {}
+        new_blobs: set[str] = set()  # landed here and not there before: removed again if this fails
+        try:
+            with self._space(f"saving model {name.display} (its files and manifest)"):
+                entry, old = self._commit_locked(name, layers, hexes, info, source, projector_info, land,
+                                                 progress, new_blobs)
+        except BaseException:
+            if new_blobs:
+                with contextlib.suppress(OSError):
+                    self.prune(new_blobs)  # no manifest names them now (prune checks that again)
+            raise
+        stale = old - set(hexes)
+        if stale:
+            self.prune(stale)
+        return entry
+
+    def _commit_locked(self, name: ModelName, layers: list[dict], hexes: list[str], info: dict, source: dict,
+                       projector_info: dict | None, land: dict[str, Path], progress: Progress | None,
+                       new_blobs: set[str]) -> tuple[ModelEntry, set[str]]:
+        """:meth:`_commit`'s work under the blob locks; adds to ``new_blobs`` each blob it lands
+        that was not in the store before."""
         with self._blob_locks(hexes):
             landed: set[str] = set()
             for ly, hexd in zip(layers, hexes):
@@ -964,6 +1083,8 @@ class ModelStore:
                     landed.add(hexd)
                     existed = self.blob_path(hexd).exists()
                     self.land_blob(land[hexd], hexd)
+                    if not existed:
+                        new_blobs.add(hexd)
                     if progress:
                         word = "using existing layer" if existed else "creating new layer"
                         progress({"status": f"{word} sha256:{hexd}"})
@@ -984,11 +1105,7 @@ class ModelStore:
             }
             if projector_info is not None:
                 manifest["projector_info"] = projector_info
-            entry, old = self._write_manifest(name, manifest)
-        stale = old - set(hexes)
-        if stale:
-            self.prune(stale)
-        return entry
+            return self._write_manifest(name, manifest)
 
     # -- presets ------------------------------------------------------------------------
 
@@ -1035,7 +1152,7 @@ class ModelStore:
             mname = parse_name(str(name).strip())
         except InvalidName:
             return Preset()
-        e = self._find(mname)
+        e = self._lookup(mname)
         return self._read_preset(e.layers, e.display) if e is not None else Preset()
 
     def _with_preset(self, layers: list[dict], preset: Preset) -> tuple[list[dict], dict[str, Path]]:
@@ -1051,8 +1168,8 @@ class ModelStore:
                 out.append({"mediaType": media_type, "digest": f"sha256:{hexd}", "size": len(data)})
                 if hexd not in land:
                     tmp = self.tmp_dir / f"preset-{os.getpid()}-{secrets.token_hex(6)}"
+                    land[hexd] = tmp  # before writing: a write cut short is removed with the rest
                     tmp.write_bytes(data)
-                    land[hexd] = tmp
         except BaseException:
             for t in land.values():
                 _unlink(t)
@@ -1168,21 +1285,24 @@ class ModelStore:
         return self._commit(mname, layers, self._summary(info), source or {"type": "blobs"}, proj_info,
                             preset=preset)
 
-    def receive_blob(self, digest: str, chunks: Iterable[bytes]) -> Path:
-        """Store uploaded bytes as blob ``digest`` (``POST /api/blobs/sha256:...``); BadRequest on mismatch."""
+    def receive_blob(self, digest: str, chunks: Iterable[bytes], size: int | None = None) -> Path:
+        """Store uploaded bytes as blob ``digest`` (``POST /api/blobs/sha256:...``); BadRequest on mismatch.
+        ``size``: the upload's length when the client said it (for the message if the disk fills up)."""
         hexd = normalize_digest(digest)
         self.ensure_dirs()
         tmp = self.tmp_dir / f"upload-{os.getpid()}-{secrets.token_hex(6)}"
         h = hashlib.sha256()
+        what = f"receiving the upload of blob sha256:{hexd[:12]}" + (f" ({fmt_bytes(size)})" if size else "")
         try:
-            with open(tmp, "wb") as fh:
-                for c in chunks:
-                    h.update(c)
-                    fh.write(c)
-            if h.hexdigest() != hexd:
-                raise BadRequest(f"digest mismatch: the upload hashes to sha256:{h.hexdigest()}, not sha256:{hexd}")
-            with self._blob_locks([hexd]):
-                return self.land_blob(tmp, hexd)
+            with self._space(what, size):
+                with open(tmp, "wb") as fh:
+                    for c in chunks:
+                        h.update(c)
+                        fh.write(c)
+                if h.hexdigest() != hexd:
+                    raise BadRequest(f"digest mismatch: the upload hashes to sha256:{h.hexdigest()}, not sha256:{hexd}")
+                with self._blob_locks([hexd]):
+                    return self.land_blob(tmp, hexd)
         finally:
             _unlink(tmp)
 
@@ -1200,9 +1320,10 @@ class ModelStore:
         stem = self.tmp_dir / f"synth-{os.getpid()}-{secrets.token_hex(6)}"
         tmp, proj = stem.with_suffix(".gguf"), stem.with_name(stem.name + "-mmproj.gguf")
         try:
-            write_synthetic(tmp, s)
-            if projector:
-                write_projector(proj, s.embd, seed=s.seed)
+            with self._space(f"writing the synthetic model {mname.display}", short_writes=True):
+                write_synthetic(tmp, s)
+                if projector:
+                    write_projector(proj, s.embd, seed=s.seed)
             return self.create(mname, tmp, projector=proj if projector else None, progress=progress, link="auto",
                                source={"type": "synth", "shape": dataclasses.asdict(s), "projector": projector})
         finally:
@@ -1214,7 +1335,7 @@ class ModelStore:
         With a ``preset``, the new name carries ``src``'s preset merged with it (Ollama's create
         ``from`` a model): the weights are shared, only the small preset layers are new."""
         sname, dname = self._name(src), self._name(dst)
-        entry = self._find(sname)
+        entry = self._lookup(sname)
         if entry is None:
             raise self._not_found(str(src), sname)
         source = dict(entry.source)
@@ -1239,14 +1360,14 @@ class ModelStore:
     def entry(self, name: str | ModelName) -> ModelEntry:
         """The manifest behind ``name``; ModelNotFound (with suggestions) if there is none."""
         mname = self._name(name)
-        e = self._find(mname)
+        e = self._lookup(mname)
         if e is None:
             raise self._not_found(str(name), mname)
         return e
 
     def exists(self, name: str | ModelName) -> bool:
         try:
-            return self._find(self._name(name)) is not None
+            return self._lookup(self._name(name)) is not None
         except InvalidName:
             return False
 
@@ -1326,7 +1447,7 @@ class ModelStore:
         """Delete a name; delete the blobs no other manifest uses. Returns the removed digests."""
         mname = self._name(name)
         with self.lock("manifests"):
-            e = self._find(mname)
+            e = self._lookup(mname)
             if e is None:
                 raise self._not_found(str(name), mname)
             _unlink(e.manifest_path)
@@ -1454,7 +1575,7 @@ class ModelStore:
                     os.path.abspath(os.path.expanduser(text))):
                 raise ModelNotFound(text, f"no such file: {os.path.abspath(os.path.expanduser(text))}") from None
             raise
-        e = self._find(mname)
+        e = self._lookup(mname)
         if e is None:
             ref = self._resolve_path(text)
             if ref is not None:

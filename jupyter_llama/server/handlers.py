@@ -13,14 +13,17 @@ Routes (Ollama-compatible unless noted):
     POST   v1/responses                                           (OpenAI Responses; named SSE events)
     POST   v1/messages  v1/messages/count_tokens                  (Anthropic; named SSE events)
     GET    v1/models  v1/models/<name>                            (OpenAI)
-    GET    api/devices  api/events       POST api/estimate  api/prune (ours)
+    POST   api/push                      501: not supported
+    GET    api/devices  api/events  api/log    POST api/estimate  api/prune (ours)
+    GET    api/openapi.json              this API's OpenAPI 3.1 description (server/openapi.json)
 
 Every method requires Jupyter authentication (token in ``Authorization: token|Bearer``,
 or the login cookie plus XSRF, exactly as jupyter_server's own API) and authorization on
 the resource ``llama``.
 
 Errors: the HTTP status is the core error's ``status`` (404 unknown model, 400 bad
-request, 503 queue full, 507 does not fit, 500 load failure or a crashed runner) and the
+request, 503 queue full, 507 does not fit in memory or the store's disk is full (create,
+upload, copy, pull: ``errors.StorageFull``), 500 load failure or a crashed runner) and the
 body is ``{"error": "..."}`` (OpenAI routes: ``{"error": {"message": ...}}``; Anthropic's:
 ``{"type": "error", "error": {"type", "message"}}``). Once a stream has started, an error
 becomes its last line (``{"error": ...}``; in a stream of named events, an ``error`` event).
@@ -711,6 +714,7 @@ class BlobHandler(LlamaHandler):
         self._receiver: asyncio.Future | None = None
         self._received = 0
         self._work = None
+        self._refused: Exception | None = None  # answered once the body is in (see prepare)
 
     def _digest(self) -> str:
         from ..models.store import normalize_digest
@@ -735,31 +739,59 @@ class BlobHandler(LlamaHandler):
             hexd = self._digest()
             limit = self.ext.max_upload_size
             length = self.request.headers.get("Content-Length")
-            if length is not None and length.isdigit() and int(length) > limit:
-                raise PayloadTooLarge(f"blob of {int(length):,} bytes is larger than the upload limit of {limit:,} "
+            size = int(length) if length is not None and length.isdigit() else None
+            if size is not None and size > limit:
+                raise PayloadTooLarge(f"blob of {size:,} bytes is larger than the upload limit of {limit:,} "
                                       "bytes (LlamaExtension.max_upload_size)")
         except Exception as e:  # noqa: BLE001
             await self.fail(e)
             return
         self.request.connection.set_max_body_size(limit)
+        if size is not None:
+            # One that cannot fit is refused before a byte is written (a 507). The answer waits
+            # for the body: answering first and closing the connection (as the 413 above does)
+            # resets it under a client still sending, and the client never reads the answer.
+            from ..models.store import free_bytes, storage_full
+
+            root = self.ext.store.root
+            free = await asyncio.to_thread(free_bytes, root)
+            if free is not None and size > free:
+                self._refused = storage_full(root, f"the upload of blob sha256:{hexd[:12]}", size, before=True)
+                return
         self._work = self.ext.work()
         self._work.__enter__()
         self._queue = queue.Queue(maxsize=64)
         store = self.ext.store
-        chunks = self._chunks(self._queue)  # bound now: the generator first runs later, in the thread
-        self._receiver = asyncio.ensure_future(asyncio.to_thread(store.receive_blob, hexd, chunks))
+        # the queue is bound now: the receiver first reads it later, in the thread
+        self._receiver = asyncio.ensure_future(asyncio.to_thread(self._receive, store, hexd, self._queue, size))
         # an aborted upload's error is nobody's to await: mark it seen
         self._receiver.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     @staticmethod
-    def _chunks(q: "queue.Queue"):
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            if item is _ABORT:
-                raise ClientGone("upload aborted")
-            yield item
+    def _receive(store, hexd: str, q: "queue.Queue", size: int | None):
+        """``store.receive_blob`` over the queued chunks. When it stops early (the disk filled
+        up), the rest of the body is still taken from the queue, and dropped: else the request
+        would wait forever to hand over its next chunk, and never be answered (the 507)."""
+        ended = False
+
+        def chunks():
+            nonlocal ended
+            while True:
+                item = q.get()
+                if item is None or item is _ABORT:
+                    ended = True
+                    if item is _ABORT:
+                        raise ClientGone("upload aborted")
+                    return
+                yield item
+
+        try:
+            return store.receive_blob(hexd, chunks(), size)
+        except BaseException:
+            while not ended:
+                item = q.get()
+                ended = item is None or item is _ABORT
+            raise
 
     async def data_received(self, chunk: bytes):
         if self._queue is None:
@@ -802,6 +834,8 @@ class BlobHandler(LlamaHandler):
     @authorized
     @api_method
     async def post(self, digest: str):
+        if self._refused is not None:
+            raise self._refused
         if self._receiver is None:  # prepare refused it (and answered)
             return
         self._end_upload(None)
@@ -900,6 +934,7 @@ class AnthropicHandler(OpenAIHandler):
 
 class OpenAIModelsHandler(OpenAIHandler):
     _track_activity = False
+    post = web.RequestHandler.post  # GET only: a POST is a 405 (in OpenAI's error shape), not OpenAIHandler's
 
     @web.authenticated
     @authorized
@@ -931,6 +966,29 @@ class VersionHandler(LlamaHandler):
         self.finish_json({"version": oa.OLLAMA_VERSION, "jupyter_llama": __version__,
                           "engine": eng.version if eng else None,
                           "engine_error": None if eng else self.ext.engine_error})
+
+
+@functools.lru_cache(maxsize=1)
+def openapi_text() -> str:
+    """The OpenAPI description shipped beside this module, read once."""
+    from importlib.resources import files
+
+    return files(__package__).joinpath("openapi.json").read_text(encoding="utf-8")
+
+
+class OpenAPIHandler(LlamaHandler):
+    """``GET api/openapi.json``: the description, its server URL set to this server's base URL."""
+
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def get(self):
+        spec = json.loads(openapi_text())
+        for server in spec.get("servers", []):
+            server.get("variables", {}).get("base_url", {})["default"] = self.base_url
+        self.finish_json(spec)
 
 
 class RootHandler(LlamaHandler):
@@ -1137,6 +1195,7 @@ def default_handlers() -> list[tuple]:
         (p + r"/api/estimate", EstimateHandler),
         (p + r"/api/log", LogHandler),
         (p + r"/api/events", EventsHandler),
+        (p + r"/api/openapi\.json", OpenAPIHandler),
         (p + r"/v1/models", OpenAIModelsHandler),
         (p + r"/v1/models/(?P<model>.+)", OpenAIModelsHandler),
         (p + r"/v1/(?P<route>chat/completions|completions|embeddings|responses)", OpenAIHandler),

@@ -121,13 +121,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
     });
     commands.addCommand(CommandIDs.pull, {
       label: 'Pull a Model…',
-      caption: 'Download a GGUF model into the registry (URL or hf.co/owner/repo:quant)',
+      caption: 'Download a GGUF model into the registry (a registry name such as llama3.2:1b, hf.co/owner/repo:quant or a URL)',
       execute: async args => {
         let source = args['source'] as string | undefined;
         if (!source) {
           const res = await InputDialog.getText({
             title: 'Pull a model',
-            placeholder: 'URL or hf.co/owner/repo:quant'
+            placeholder: 'llama3.2:1b, hf.co/owner/repo:quant or a URL'
           });
           if (!res.button.accept || !res.value?.trim()) {
             return;

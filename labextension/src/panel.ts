@@ -57,7 +57,7 @@ export class LlamaPanel extends Widget {
     this._pullSource = h('input', {
       class: 'jp-Llama-input',
       type: 'text',
-      placeholder: 'URL or hf.co/owner/repo:quant',
+      placeholder: 'llama3.2:1b, hf.co/owner/repo:quant or a URL',
       'aria-label': 'model to pull',
       onkeydown: (ev: Event) => {
         if ((ev as KeyboardEvent).key === 'Enter') {

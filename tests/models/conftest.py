@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from hfserver import HFServer  # noqa: E402
+from registryserver import RegistryServer  # noqa: E402
 
 from jupyter_llama.models.store import ModelStore  # noqa: E402
 from jupyter_llama.models.synth import SynthShape, write_synthetic  # noqa: E402
@@ -71,12 +72,30 @@ def store(tmp_path) -> ModelStore:
     return ModelStore(tmp_path / "store")
 
 
+def _no_proxies_and_an_empty_hf_home(monkeypatch, home: Path) -> None:
+    """No proxy settings, and a Hugging Face home of the test's own (no login token, an empty
+    cache): what the user has in ~/.cache/huggingface must not change what a test sees."""
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(home))
+
+
 @pytest.fixture
-def hf(monkeypatch):
-    """A local Hugging Face look-alike; HF_ENDPOINT points at it, HF_TOKEN is unset."""
+def hf(monkeypatch, tmp_path):
+    """A local Hugging Face look-alike; HF_ENDPOINT points at it, HF_TOKEN is unset, HF_HOME
+    is ``tmp_path/hf-home`` (empty until a test writes a cache there)."""
     with HFServer() as srv:
         monkeypatch.setenv("HF_ENDPOINT", srv.url)
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-            monkeypatch.delenv(var, raising=False)
+        _no_proxies_and_an_empty_hf_home(monkeypatch, tmp_path / "hf-home")
+        yield srv
+
+
+@pytest.fixture
+def registry(monkeypatch, tmp_path):
+    """A local Ollama registry look-alike; JUPYTER_LLAMA_REGISTRY points at it."""
+    with RegistryServer(tmp_path / "registry-blobs") as srv:
+        monkeypatch.setenv("JUPYTER_LLAMA_REGISTRY", srv.url)
+        _no_proxies_and_an_empty_hf_home(monkeypatch, tmp_path / "hf-home")
         yield srv

@@ -70,6 +70,8 @@ def sha256_file(path: os.PathLike | str) -> str:
 class HFServer:
     """``with HFServer() as srv: srv.url``; a ThreadingHTTPServer in a daemon thread."""
 
+    handler_class: type | None = None  # a subclass of _Handler with more routes (registryserver.py)
+
     def __init__(self, host: str = "127.0.0.1"):
         self.files: dict[str, ServedFile] = {}
         self.repos: dict[str, _Repo] = {}
@@ -80,7 +82,7 @@ class HFServer:
         self._lock = threading.Lock()
         outer = self
 
-        class Handler(_Handler):
+        class Handler(self.handler_class or _Handler):
             server_ref = outer
 
         self._httpd = ThreadingHTTPServer((host, 0), Handler)

@@ -81,7 +81,7 @@ def test_parse_other_sources(monkeypatch):
     s = parse_source("http://127.0.0.1:9/mirror/o/r/resolve/main/f.gguf")
     assert (s.kind, s.repo, s.file, s.endpoint) == ("hf", "o/r", "f.gguf", "http://127.0.0.1:9/mirror")
     assert parse_source("http://127.0.0.1:9/mirror/files/f.gguf").kind == "url"
-    for bad, msg in [("llama3", "Ollama's registry"), ("ftp://x/y.gguf", "cannot pull"), ("hf.co/o", "OWNER/REPO"),
+    for bad, msg in [("./llama3.gguf", "a file on this machine"), ("ftp://x/y.gguf", "cannot pull"), ("hf.co/o", "OWNER/REPO"),
                      ("hf.co/o/r:", "empty quantisation"), ("hf.co/o/../r", "OWNER/REPO"), ("", "nothing to pull"),
                      ("hf.co/o/r:Q4 K", "bad quantisation")]:
         with pytest.raises(PullError, match=msg):
