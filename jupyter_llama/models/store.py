@@ -7,7 +7,7 @@ Layout under the root (``JUPYTER_LLAMA_MODELS``, else ``<jupyter data dir>/llama
     verified/sha256-<hex>.json               when a blob's hash was last checked (size, mtime, inode)
     partial/<key>.partial, <key>.json        downloads in progress (kept for resume)
     urls/<key>.json                          which blob a plain URL gave last time
-    locks/<key>.lock                         one file lock per blob digest, plus ``manifests.lock``
+    locks/<key>.lock                         a lock per blob digest or download while in use, plus ``manifests.lock``
     tmp/                                     imports and synthetic models before they land
 
 A manifest lists its layers (the model GGUF, and an optional multimodal projector GGUF with
@@ -729,11 +729,13 @@ class ModelStore:
                 lock.release()
         return removed
 
-    def _blob_lock(self, hexd: str) -> FileLock:
-        return self.lock(f"sha256-{hexd}")
+    def _blob_lock(self, hexd: str) -> "RemovableLock":
+        """A blob's lock: its file goes when it is released, so a deleted blob leaves no lock
+        file behind (waiters re-check that they hold the file at the path)."""
+        return self.removable_lock(f"sha256-{hexd}")
 
     class _Locks:
-        def __init__(self, locks: list[FileLock]):
+        def __init__(self, locks: list["RemovableLock"]):
             self.locks = locks
 
         def __enter__(self):
