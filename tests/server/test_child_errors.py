@@ -56,3 +56,17 @@ def test_other_child_failures_keep_their_status():
     assert child_error(400, '{"error": {"message": "the request exceeds the available context size"}}').status == 400
     e = child_error(500, '{"error": {"message": "tools param requires --jinja flag", "type": "server_error"}}')
     assert e.status == 400 and str(e) == "llama-server refused the request: tools param requires --jinja flag"
+
+
+async def test_embeddings_inputs_the_child_cannot_take_are_4xx(http):
+    """Issue 17 item 7: a number as /v1/embeddings input, and an input far past the context."""
+    for bad in (5, [1.5, "x"], {"text": "x"}, None):
+        r = await http.post("v1/embeddings", json={"model": "tiny", "input": bad})
+        assert 400 <= r.status_code < 500, (bad, r.status_code, r.text)
+        assert "Traceback" not in r.text and "Error(" not in r.text
+    long = "the quick brown fox " * 5000  # ~20,000 tokens against a 1024-token context
+    r = await http.post("v1/embeddings", json={"model": "tiny", "input": long})
+    assert r.status_code < 500, r.text
+    r = await http.post("api/embed", json={"model": "tiny", "input": long, "truncate": False,
+                                           "options": OPTS})
+    assert r.status_code == 400 and "longer than the context" in r.json()["error"], r.text
