@@ -516,6 +516,15 @@ def read_gguf_info(path: os.PathLike | str) -> GGUFInfo:
         emb = next((t for t in tensors if t.name == "token_embd.weight"), None)
         vocab_size = emb.shape[1] if emb is not None and len(emb.shape) >= 2 else 0
 
+    # Every layer has its tensors in a file llama.cpp can load (it fails at the first missing
+    # one); a table cut short, or metadata that claims more layers than the file holds, is refused.
+    have = {t.layer for t in tensors if t.layer is not None}
+    missing = [i for i in range(block_count) if i not in have]
+    if missing:
+        shown = ", ".join(str(i) for i in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise GGUFError(p, f"{arch}.block_count is {block_count}, but the file has no tensors for layer "
+                           f"{shown}: it is incomplete, or its metadata does not describe it")
+
     name = values.get("general.name")
     return GGUFInfo(
         path=p,

@@ -313,6 +313,7 @@ def test_large_vocabulary_is_summarised(tmp_path):
     w.add_token_types([1] * n)
     w.add_token_merges([f"t{i} t{i + 1}" for i in range(n)])
     w.add_tensor("token_embd.weight", np.zeros((n, 8), dtype=np.float16))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(8, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -352,6 +353,25 @@ def test_real_model_when_present(stories_model):
     assert info.file_type is None and info.quantization == "F32"
     assert info.parameter_count == sum(t.n_elements for t in info.tensors)
     assert info.head_dim_k() == 8
+
+
+def test_a_file_missing_a_layers_tensors_is_refused(tmp_path):
+    """Issue 17 item 9: a file whose tensor table lacks a layer was registered, and only its
+    load failed (llama.cpp stops at the first missing tensor)."""
+    good = write_gguf(tmp_path / "good.gguf", layers=3)
+    assert read_gguf_info(good).block_count == 3
+    w = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "llama")
+    for k, v in (("block_count", 12), ("embedding_length", 64), ("context_length", 512), ("attention.head_count", 4)):
+        w.add_uint32(f"llama.{k}", v)
+    w.add_tensor("token_embd.weight", np.zeros((10, 64), dtype=np.float32))
+    for i in (0, 2):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_gguf_error(tmp_path / "cut.gguf", "block_count is 12, but the file has no tensors for layer "
+                                             "1, 3, 4, 5, 6, 7, 8, 9 and 2 more")
 
 
 @pytest.mark.parametrize("field, value, says", [
