@@ -9,13 +9,14 @@ the error body OpenAI clients understand, Server-Sent Events framing, and the mo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
 from ..config import shown
 from ..load_options import LoadOptions
 from ..errors import BadRequest
-from .options import parse_keep_alive
+from .options import parse_keep_alive, split_options
 
 __all__ = [
     "ENDPOINTS",
@@ -120,6 +121,46 @@ def parse_request(route: str, body: dict) -> OpenAIRequest:
     options = LoadOptions(embedding=True) if route == "embeddings" else LoadOptions()
     return OpenAIRequest(endpoint=ENDPOINTS[route], model=model, body=out, stream=stream,
                          keep_alive=ka, options=options, named=route == "responses", needs=needs)
+
+
+def with_preset(req: OpenAIRequest, preset) -> OpenAIRequest:
+    """The model's preset (``models.preset.Preset``) under an OpenAI or Anthropic request, the
+    request's own values winning, as Ollama applies a Modelfile on every route: its sampling
+    parameters where the body sets none (``num_predict`` as ``max_tokens``), its load-time
+    parameters as the load's defaults, and its system message (when the request has none) and
+    messages before the conversation."""
+    if not preset or not (preset.parameters or preset.system or preset.messages):
+        return req
+    split = split_options(preset.parameters or None)
+    body = dict(req.body)
+    anthropic = req.endpoint.startswith("/v1/messages")
+    for key, value in split.sampling.items():
+        if key == "n_predict":
+            if not anthropic and not any(k in body for k in ("max_tokens", "max_completion_tokens",
+                                                               "max_output_tokens", "n_predict")):
+                body["max_output_tokens" if req.endpoint == "/v1/responses" else "max_tokens"] = value
+        elif key == "stop":
+            if not anthropic and "stop" not in body and req.endpoint != "/v1/responses":
+                body["stop"] = value
+        else:
+            body.setdefault(key, value)
+    prefix = [dict(m) for m in preset.messages]
+    if req.endpoint == "/v1/chat/completions":
+        msgs = list(body.get("messages") or [])
+        has_system = any(isinstance(m, dict) and m.get("role") in ("system", "developer") for m in msgs)
+        body["messages"] = ([{"role": "system", "content": preset.system}] if preset.system and not has_system
+                            else []) + prefix + msgs
+    elif anthropic:  # /v1/messages and its count_tokens
+        if preset.system and not body.get("system"):
+            body["system"] = preset.system
+        body["messages"] = [m for m in prefix if m.get("role") in ("user", "assistant")] + list(body.get("messages")
+                                                                                                  or [])
+    elif req.endpoint == "/v1/responses" and preset.system:
+        body.setdefault("instructions", preset.system)
+    defaults = split.load_options()
+    merged = dataclasses.replace(defaults, **{f.name: getattr(req.options, f.name) for f in dataclasses.fields(
+        req.options) if getattr(req.options, f.name) not in (None, False)})
+    return dataclasses.replace(req, body=body, options=merged)
 
 
 def error_body(status: int, message: str) -> dict:

@@ -866,7 +866,8 @@ class OpenAIHandler(LlamaHandler):
     @authorized
     @api_method
     async def post(self, route: str):
-        req = self.parse_request(route, self.json_body())
+        body = self.json_body()
+        req = oai.with_preset(self.parse_request(route, body), await self.preset_of(body))
         self._named = req.named
         with self.ext.work():
             await self.cancellable(self._run(req))

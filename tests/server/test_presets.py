@@ -180,3 +180,32 @@ async def test_bad_presets_are_a_400_in_words(client, http, kw, words):
     assert e.value.status_code == 400 and words in e.value.error, e.value.error
     assert "Traceback" not in e.value.error
     assert (await http.post("api/show", json={"model": "bad"})).status_code == 404  # nothing was made
+
+
+async def test_a_preset_applies_on_the_openai_and_anthropic_routes(client, llama_url, token):
+    """The OpenAI and Anthropic clients get the preset too (the request's values win)."""
+    openai = pytest.importorskip("openai")
+    r = await run(client.create, model="luigi", from_="tiny", system="You are Luigi",
+                  parameters=dict(OPTS, num_predict=3, temperature=0.0))
+    assert r.status == "success"
+    oa = openai.OpenAI(base_url=llama_url + "/v1", api_key=token, max_retries=0)
+    hello = [{"role": "user", "content": "Hello"}]
+    luigi = await run(oa.chat.completions.create, model="luigi", messages=hello)
+    assert luigi.usage.completion_tokens == 3  # the preset's num_predict
+    assert (await run(oa.chat.completions.create, model="luigi", messages=hello, max_tokens=1)).usage.completion_tokens == 1
+    with_system = await run(oa.chat.completions.create, model="tiny", max_tokens=1,
+                            messages=[{"role": "system", "content": "You are Luigi"}, *hello])
+    plain = await run(oa.chat.completions.create, model="tiny", max_tokens=1, messages=hello)
+    assert luigi.usage.prompt_tokens == with_system.usage.prompt_tokens > plain.usage.prompt_tokens
+    streamed = await run(lambda: list(oa.chat.completions.create(model="luigi", messages=hello, stream=True,
+                                                                  stream_options={"include_usage": True})))
+    assert [c for c in streamed if c.usage][-1].usage.completion_tokens == 3
+    anthropic = pytest.importorskip("anthropic")
+    an = anthropic.Anthropic(base_url=llama_url, api_key=token, max_retries=0)
+    m_luigi = await run(an.messages.create, model="luigi", max_tokens=2, messages=hello)
+    m_tiny = await run(an.messages.create, model="tiny", max_tokens=2, messages=hello)
+    m_sys = await run(an.messages.create, model="tiny", max_tokens=2, messages=hello, system="You are Luigi")
+    def seen(m):  # the prompt the child read: new tokens and those from its cache
+        return m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+
+    assert seen(m_luigi) == seen(m_sys) > seen(m_tiny)
