@@ -668,11 +668,20 @@ class Runner:
                 raise BadRequest(f"the chat is longer than the context of {self.name} ({e}); shorten it, load the "
                                  "model with a larger num_ctx, or allow truncate (which drops the oldest messages "
                                  "but the system ones)") from None
-        kept = await self.fit_chat(messages, reserve_for(params), **params)
+        await self.relay_sse("/v1/chat/completions", await self.cut_chat({"messages": messages, **params}), on_data)
+
+    async def cut_chat(self, body: dict) -> dict:
+        """A chat-completions ``body`` the child refused as longer than its context, with the
+        messages :meth:`fit_chat` keeps (room left for the body's ``n_predict``, or OpenAI's
+        ``max_tokens``/``max_completion_tokens``); a 400 when even that is too long."""
+        messages = list(body.get("messages") or [])
+        params = {k: v for k, v in body.items() if k != "messages"}
+        n = next((params[k] for k in ("n_predict", "max_completion_tokens", "max_tokens") if k in params), None)
+        kept = await self.fit_chat(messages, reserve_for({"n_predict": n}), **params)
         if len(kept) == len(messages):
             raise BadRequest(f"what a cut chat keeps, its last message and the system messages, is longer than the "
                              f"context of {self.name}: shorten them, or load the model with a larger num_ctx")
-        await self.relay_sse("/v1/chat/completions", {"messages": kept, **params}, on_data)
+        return {**body, "messages": kept}
 
     async def fit_chat(self, messages: list[dict], reserve: int, **params) -> list[dict]:
         """What Ollama keeps of a chat longer than the context (its ``chatPrompt``): the

@@ -879,9 +879,13 @@ class OpenAIHandler(LlamaHandler):
                 try:
                     res = await lease.runner.post(req.endpoint, req.body)
                 except RequestError as e:
-                    if req.endpoint != "/v1/embeddings" or "pooling" not in str(e).lower():
+                    if req.endpoint == "/v1/chat/completions" and e.context_exceeded:
+                        # longer than the context: the oldest turns go, as on /api/chat (and in Ollama)
+                        res = await lease.runner.post(req.endpoint, await lease.runner.cut_chat(req.body))
+                    elif req.endpoint != "/v1/embeddings" or "pooling" not in str(e).lower():
                         raise
-                    res = await _openai_embeddings(lease, req)  # the model does not pool: we do
+                    else:
+                        res = await _openai_embeddings(lease, req)  # the model does not pool: we do
                 if isinstance(res, dict) and "model" in res:
                     res["model"] = req.model  # the name asked for, as OpenAI and Ollama answer
                 self.finish_json(res)
@@ -904,7 +908,12 @@ class OpenAIHandler(LlamaHandler):
             else:
                 def frame(batch):
                     return write(b"".join([head + d.replace(alias, asked, 1) + b"\n\n" for d in batch]))
-            await lease.runner.relay_sse(req.endpoint, req.body, frame, named=req.named)
+            try:
+                await lease.runner.relay_sse(req.endpoint, req.body, frame, named=req.named)
+            except RequestError as e:  # refused before its first event: nothing was sent yet
+                if req.endpoint != "/v1/chat/completions" or not e.context_exceeded:
+                    raise
+                await lease.runner.relay_sse(req.endpoint, await lease.runner.cut_chat(req.body), frame)
             if not req.named:
                 await self.send(oai.SSE_DONE)
             self.end_stream(SSE)

@@ -107,6 +107,18 @@ async def test_a_chat_longer_than_the_context_drops_its_oldest_messages(http):
     r = await http.post("api/chat", json={"model": "tiny", "messages": msgs, "stream": True, "options": opts,
                                           "truncate": False})
     assert r.status_code == 400 and "longer than the context" in r.json()["error"], r.text
+    # the OpenAI route cuts the same way (the model is loaded with the 256-token context above)
+    for stream in (False, True):
+        r = await http.post("v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 4,
+                                                         "stream": stream, "stream_options": {"include_usage": True}}
+                            if stream else {"model": "tiny", "messages": msgs, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+            usage = [e["usage"] for e in events if e.get("usage")][-1]
+        else:
+            usage = r.json()["usage"]
+        assert usage["completion_tokens"] == 4 and 0 < usage["prompt_tokens"] <= 256 - 4, usage
 
 
 async def test_openai_tools_and_the_responses_api(llama_url, token):
