@@ -274,14 +274,15 @@ def _clean(d: dict) -> dict:
 # ----------------------------------------------------------------------------- request bodies
 
 
-def _generate_body(model, prompt, stream, options, keep_alive, system, raw, format):
+def _generate_body(model, prompt, stream, options, keep_alive, system, raw, format, defaults=None):
     return _clean({"model": model, "prompt": prompt, "stream": stream, "options": options,
-                   "keep_alive": keep_alive, "system": system, "raw": raw, "format": format})
+                   "keep_alive": keep_alive, "system": system, "raw": raw, "format": format,
+                   "default_options": defaults})
 
 
-def _chat_body(model, messages, stream, options, keep_alive, tools, format):
+def _chat_body(model, messages, stream, options, keep_alive, tools, format, defaults=None):
     return _clean({"model": model, "messages": list(messages or []), "stream": stream, "options": options,
-                   "keep_alive": keep_alive, "tools": tools, "format": format})
+                   "keep_alive": keep_alive, "tools": tools, "format": format, "default_options": defaults})
 
 
 def _check_line(line: str) -> dict | None:
@@ -319,16 +320,20 @@ class _Routes:
     # -- Ollama API
 
     def generate(self, model: str, prompt: str = "", *, stream: bool = True, options: dict | None = None,
-                 keep_alive=None, system: str | None = None, raw: bool | None = None, format=None):
+                 keep_alive=None, system: str | None = None, raw: bool | None = None, format=None,
+                 default_options: dict | None = None):
         """Chunks (``stream=True``: an iterator, ``async for`` on the async client) or the whole
-        answer (one dict; awaited on the async client)."""
+        answer (one dict; awaited on the async client). ``default_options`` apply where neither
+        ``options`` nor the model's preset set a value (ours: how the CLI's length limit yields
+        to a Modelfile's)."""
         return self._do(_Call("POST", "api/generate", _generate_body(model, prompt, stream, options, keep_alive,
-                                                                     system, raw, format), stream=stream))
+                                                                     system, raw, format, default_options),
+                              stream=stream))
 
     def chat(self, model: str, messages: list[dict], *, stream: bool = True, options: dict | None = None,
-             keep_alive=None, tools: list | None = None, format=None):
+             keep_alive=None, tools: list | None = None, format=None, default_options: dict | None = None):
         return self._do(_Call("POST", "api/chat", _chat_body(model, messages, stream, options, keep_alive, tools,
-                                                             format), stream=stream))
+                                                             format, default_options), stream=stream))
 
     def embed(self, model: str, input: str | list[str], *, options: dict | None = None, keep_alive=None):
         return self._do(_Call("POST", "api/embed", _clean({"model": model, "input": input, "options": options,

@@ -157,9 +157,9 @@ def _model_options(p: argparse.ArgumentParser, sampling: bool = True) -> None:
         s.add_argument("--top-k", type=int)
         s.add_argument("--top-p", type=float)
         s.add_argument("--seed", type=int)
-        s.add_argument("--num-predict", type=int, default=DEFAULT_NUM_PREDICT,
-                       help=f"most tokens to generate (default {DEFAULT_NUM_PREDICT}; -1: until the model stops "
-                            "or the context is full)")
+        s.add_argument("--num-predict", type=int,
+                       help=f"most tokens to generate (default {DEFAULT_NUM_PREDICT}, or the model's Modelfile "
+                            "num_predict; -1: until the model stops or the context is full)")
         s.add_argument("--stop", action="append", help="stop sequence (repeatable)")
         s.add_argument("--format", choices=("json",), help="constrain the answer to JSON")
         s.add_argument("--raw", action="store_true", help="plain text, no Markdown rendering (and no chat template)")
@@ -454,6 +454,11 @@ def _generate(args, fe: Frontend, chunks_of: Callable[[], Iterator[dict]], pick:
 # ----------------------------------------------------------------------------- commands
 
 
+def _length_default(args) -> dict | None:
+    """Our length limit, sent as a default: a Modelfile's num_predict (a preset) wins over it."""
+    return {"num_predict": DEFAULT_NUM_PREDICT} if getattr(args, "num_predict", None) is None else None
+
+
 def cmd_run(args, fe: Frontend, body: str | None = None) -> RunResult:
     prompt = _prompt(args, fe, body)
     if not prompt.strip():
@@ -461,7 +466,7 @@ def cmd_run(args, fe: Frontend, body: str | None = None) -> RunResult:
                            EXIT_USAGE)
     client = fe.client()
     kw = dict(options=_options(args) or None, keep_alive=args.keep_alive, system=args.system,
-              raw=True if args.raw else None, format=args.format)
+              raw=True if args.raw else None, format=args.format, default_options=_length_default(args))
     return _generate(args, fe, lambda: client.generate(args.model, prompt, stream=True, **kw),
                      lambda c: c.get("response", ""))
 
@@ -481,7 +486,8 @@ def cmd_chat(args, fe: Frontend, body: str | None = None) -> RunResult:
         {"role": "user", "content": prompt}]
     client = fe.client()
     result = _generate(args, fe, lambda: client.chat(args.model, messages, stream=True, options=_options(args) or None,
-                                                     keep_alive=args.keep_alive, format=args.format),
+                                                     keep_alive=args.keep_alive, format=args.format,
+                                                     default_options=_length_default(args)),
                        lambda c: (c.get("message") or {}).get("content", ""))
     convo[:] = messages + [{"role": "assistant", "content": result.text}]
     return result

@@ -350,13 +350,16 @@ def _preset_template(text: str) -> GoTemplate | None:
         return None
 
 
-def _options_with(preset: Preset | None, options) -> dict | None:
-    """The request's ``options`` over the preset's parameters (the request's values win)."""
-    if not preset or not preset.parameters:
+def _options_with(preset: Preset | None, options, defaults=None) -> dict | None:
+    """The request's ``options`` over the preset's parameters (the request's values win), over
+    ``defaults`` (ours, ``default_options``: what a client wants only where nothing else is set)."""
+    if defaults is not None and not isinstance(defaults, dict):
+        raise BadRequest(f"default_options must be a JSON object, got {type(defaults).__name__}")
+    if not (preset and preset.parameters) and not defaults:
         return options
     if options is not None and not isinstance(options, dict):
         return options  # split_options says what is wrong with it
-    return {**preset.parameters, **(options or {})}
+    return {**(defaults or {}), **(preset.parameters if preset else {}), **(options or {})}
 
 
 def parse_generate(body: dict, preset: Preset | None = None) -> GenerateRequest:
@@ -377,7 +380,7 @@ def parse_generate(body: dict, preset: Preset | None = None) -> GenerateRequest:
     preset = preset or Preset()
     if template is None and not raw:
         template = _preset_template(preset.template)
-    split = split_options(_options_with(preset, body.get("options")))
+    split = split_options(_options_with(preset, body.get("options"), body.get("default_options")))
     return GenerateRequest(
         model=model,
         prompt=_str(body, "prompt"),
@@ -470,7 +473,7 @@ def parse_chat(body: dict, preset: Preset | None = None) -> ChatRequest:
         raise BadRequest("messages must be a list")
     tools = _tools(body)
     preset = preset or Preset()
-    split = split_options(_options_with(preset, body.get("options")))
+    split = split_options(_options_with(preset, body.get("options"), body.get("default_options")))
     msgs = [_chat_message(i, m) for i, m in enumerate(messages)]
     # Ollama: the preset's messages go first; its system message before them, unless the
     # request opens with a system message of its own
@@ -494,7 +497,7 @@ def parse_chat(body: dict, preset: Preset | None = None) -> ChatRequest:
 
 def _embed_common(body: dict, preset: Preset | None = None) -> tuple[str, LoadOptions, float | None]:
     model = model_name(body)
-    split = split_options(_options_with(preset, body.get("options")))
+    split = split_options(_options_with(preset, body.get("options"), body.get("default_options")))
     return model, split.load_options(embedding=True), parse_keep_alive(body.get("keep_alive"))
 
 

@@ -209,3 +209,24 @@ async def test_a_preset_applies_on_the_openai_and_anthropic_routes(client, llama
         return m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
 
     assert seen(m_luigi) == seen(m_sys) > seen(m_tiny)
+
+
+async def test_the_clis_length_limit_yields_to_a_modelfiles_num_predict(client, llama_url, token):
+    """`jupyter-llama run` and `%llama run` send their 256-token limit as default_options: a
+    preset's num_predict wins over it, the user's --num-predict over both."""
+    from jupyter_llama.client import LlamaClient
+
+    r = await run(client.create, model="short", from_="tiny", parameters=dict(OPTS, num_predict=3))
+    assert r.status == "success"
+    c = LlamaClient(llama_url, token)
+    try:
+        out = await run(c.generate, "short", "Once", stream=False, default_options={"num_predict": 256})
+        assert out["eval_count"] == 3
+        out = await run(c.generate, "short", "Once", stream=False, options={"num_predict": 2},
+                        default_options={"num_predict": 256})
+        assert out["eval_count"] == 2
+        out = await run(c.generate, "tiny", "Once", stream=False, options=dict(OPTS),
+                        default_options={"num_predict": 5})
+        assert out["eval_count"] == 5  # no preset: the default applies
+    finally:
+        c.close()
