@@ -5,7 +5,11 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# The package's extras this venv gets: `make lab` needs only `lab` (fewer downloads on a
+# fresh machine); `make test` needs the test clients and tools too.
+EXTRAS ?= test,lab
+comma  := ,
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: lab test venv engine system-deps demo clean bench labext ui-deps
 
@@ -35,7 +39,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	@# a development link from `make labext` must not be written through by pip
 	@if [ -L $(LABEXT_LINK) ]; then rm -f $(LABEXT_LINK); fi
-	$(BIN)/python -m pip install -q -e '.[test,lab]'
+	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -79,7 +83,9 @@ engine: venv system-deps
 demo: engine
 	@$(BIN)/python -m jupyter_llama.demo
 
-lab: demo labext
+# The engine build (C++, both cores) and the panel's build run side by side.
+lab:
+	@$(MAKE) --no-print-directory -j2 EXTRAS=lab demo labext
 	$(BIN)/jupyter lab --ServerApp.root_dir=$(CURDIR) $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 # pytest's exit code 5 means "no tests collected": that must fail, not pass.
