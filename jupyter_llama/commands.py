@@ -186,6 +186,7 @@ def _shape_options(p: argparse.ArgumentParser) -> None:
 
 
 SHAPE_FIELDS = ("layers", "embd", "heads", "kv_heads", "ff", "vocab", "ctx", "type", "seed")
+SYNTH_FIELDS = SHAPE_FIELDS + ("template", "fim")
 
 
 @functools.lru_cache(maxsize=4)
@@ -262,6 +263,11 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", help="write the file here instead of registering it")
     p.add_argument("--projector", action="store_true",
                    help="also make a multimodal projector for it (a vision model; with --output, FILE-mmproj.gguf)")
+    p.add_argument("--template", choices=("chatml", "tools"),
+                   help="its chat template: chatml (default), or tools (tool calls and reasoning, wired so that "
+                        "the model really calls a tool it is offered)")
+    p.add_argument("--fim", action="store_true", default=None,
+                   help="give it fill-in-the-middle tokens (generate with suffix, llama-server's /infill)")
     _shape_options(p)
 
     p = add("cp", cmd_cp, "copy a model to a new name (no bytes are copied)")
@@ -733,7 +739,7 @@ def cmd_synth(args, fe: Frontend):
 
     from .models.synth import SynthShape, write_projector, write_synthetic
 
-    overrides = {k: getattr(args, k) for k in SHAPE_FIELDS if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in SYNTH_FIELDS if getattr(args, k, None) is not None}
     if not args.name and not args.output:
         raise CommandError("synth: give a NAME to register, or --output FILE to write", EXIT_USAGE)
     def write(path: str) -> tuple[str, str | None]:

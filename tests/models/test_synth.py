@@ -318,3 +318,23 @@ def test_control_and_byte_tokens_do_not_break_the_server(tmp_path, start_server)
     # and normal text right after
     r = chat(srv, max_tokens=8)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
+def test_the_cli_makes_a_tools_model_with_fim_tokens(tmp_path):
+    """`jupyter-llama synth --template tools --fim`: the maker's tools template and FIM tokens
+    from the command line (no manager needed with --output)."""
+    import subprocess
+    import sys
+
+    from jupyter_llama.models.gguf_info import read_gguf_info
+
+    out = tmp_path / "agent.gguf"
+    r = subprocess.run([sys.executable, "-m", "jupyter_llama.cli", "synth", "--output", str(out), "--template",
+                        "tools", "--fim", "--layers", "2", "--embd", "64"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    meta = read_gguf_info(out).metadata
+    assert "<tool_call>" in str(meta.get("tokenizer.chat_template"))
+    assert any("fim_pre" in k for k in meta), sorted(k for k in meta if "fim" in k)
+    r = subprocess.run([sys.executable, "-m", "jupyter_llama.cli", "synth", "--output", str(out), "--template", "x"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "invalid choice: 'x'" in r.stderr
