@@ -221,7 +221,7 @@ def _hf_source(text: str, rest: str, endpoint: str) -> Source:
     return Source("hf", text, repo=f"{owner}/{repo}", quant=quant, file=file, revision=revision, endpoint=endpoint)
 
 
-def parse_source(text: str, endpoint: str | None = None) -> Source:
+def parse_source(text: str, endpoint: str | None = None, insecure: bool = False) -> Source:
     """Classify a pull source. Raises PullError for anything that is neither a URL nor a repo."""
     if not isinstance(text, str) or not text.strip():
         raise PullError("nothing to pull: give an http(s) URL or hf.co/OWNER/REPO[:QUANT]")
@@ -253,7 +253,7 @@ def parse_source(text: str, endpoint: str | None = None) -> Source:
         raise PullError(f"{t!r} looks like a file on this machine, which is not pulled: register it with "
                         f"`create NAME --from {t}`")
     try:
-        ref = registry.parse_registry_name(t)
+        ref = registry.parse_registry_name(t, insecure=insecure)
     except InvalidName as e:
         raise PullError(f"cannot pull {t!r}: {e.reason}; give a registry name ([host/][namespace/]model[:tag], "
                         f"such as llama3.2:1b), a Hugging Face repo (hf.co/OWNER/REPO[:QUANT]) or an http(s) URL "
@@ -668,9 +668,9 @@ class Puller:
     def __init__(self, store: ModelStore, source: str, name: str | None = None,
                  emit: Callable[[dict], None] | None = None, *, retries: int = 3, backoff: float = 0.5,
                  timeout: float = 60.0, token: str | None = None, endpoint: str | None = None,
-                 max_redirects: int = MAX_REDIRECTS):
+                 max_redirects: int = MAX_REDIRECTS, insecure: bool = False):
         self.store = store
-        self.src = parse_source(source, endpoint)
+        self.src = parse_source(source, endpoint, insecure)
         self.name = derive_name(self.src, name)  # refuses a bad name before any network
         if name is None and self.src.kind == "url":
             # A name made from the file name must not replace a model that came from elsewhere.

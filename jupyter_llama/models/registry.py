@@ -96,10 +96,12 @@ class RegistryRef:
         return short if n.host.lower() == here else n.full
 
 
-def parse_registry_name(text: str, registry: str | None = None) -> RegistryRef:
+def parse_registry_name(text: str, registry: str | None = None, insecure: bool = False) -> RegistryRef:
     """``[host/][namespace/]model[:tag]`` -> where to fetch it and what to file it as.
 
     ``registry``: the configured registry URL (default :func:`.names.registry_url`).
+    ``insecure`` (Ollama's pull option): a name with a host of its own is fetched over plain
+    http (a registry on a private network without TLS); without it, https.
     InvalidName (HTTP 400) for a name outside the grammar, or one naming this machine.
     """
     base = (registry or registry_url()).rstrip("/")
@@ -113,7 +115,7 @@ def parse_registry_name(text: str, registry: str | None = None) -> RegistryRef:
             raise InvalidName(text, f"the host {DEFAULT_HOST!r} names models made on this machine; "
                                     "there is nothing to pull from it")
         if name.host.lower() != registry_host(base):
-            base = f"https://{name.host.lower()}"
+            base = f"{'http' if insecure else 'https'}://{name.host.lower()}"
         return RegistryRef(name, base)
     return RegistryRef(ModelName(registry_host(base), name.namespace, name.model, name.tag), base)
 

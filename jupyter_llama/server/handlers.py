@@ -597,7 +597,7 @@ class PullHandler(LlamaHandler):
             await self.ext.name_changed(derive_name(req.source, req.name).display)
 
     async def _pull_stream(self, req: oa.PullRequest) -> None:
-        gen = pull_stream(req.source, req.name, store=self.ext.store)
+        gen = pull_stream(req.source, req.name, store=self.ext.store, insecure=req.insecure)
         async with closing(gen) as statuses:
             if not req.stream:
                 last = {"status": "success"}

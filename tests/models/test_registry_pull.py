@@ -337,3 +337,16 @@ async def test_two_pulls_of_one_name_at_once_download_once(registry, ggufs, stor
     a, b = await asyncio.gather(run(), run())
     assert a[-1] == b[-1] == {"status": "success"}
     assert registry.blob_sent(model["digest"][7:]) == model["size"]
+
+
+def test_insecure_pulls_a_name_with_its_own_host_over_http(registry, ggufs, store, monkeypatch):
+    """Ollama's pull option ``insecure``: a registry on a private network without TLS."""
+    publish(registry, ggufs)
+    monkeypatch.setenv("JUPYTER_LLAMA_REGISTRY", "https://registry.example.invalid")  # not the test registry
+    name = f"{registry.host}/library/tiny:1b"
+    assert parse_registry_name(name, insecure=True).base == f"http://{registry.host}"
+    assert parse_registry_name(name).base == f"https://{registry.host}"
+    with pytest.raises(PullError):
+        pull_mod.pull(name, store=store, retries=0)  # TLS to a plain-http server
+    e = pull_mod.pull(name, store=store, insecure=True)
+    assert e.name.full == name and e.source["type"] == "registry"
