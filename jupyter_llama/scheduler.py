@@ -378,6 +378,10 @@ def default_predictor(ref: ModelRef, options: LoadOptions, gpus: list[str],
             DETAILED: estimate_detailed(ref.info, options, gpus, split)}
 
 
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def _what_to_shrink(report: MemoryReport | None, device: str, estimator: str) -> str:
     """Advice for a load over its budget, from the largest part of what it needs there."""
     parts = {c: report.total(device=device, component=c) for c in (WEIGHTS, KV, COMPUTE, OTHER)} if report else {}
@@ -1090,6 +1094,16 @@ class Scheduler:
             reason = (f"the loaded-model cap ({plan.cap}) is reached" if plan.over_cap and not short else
                       "not enough memory: " + plan.words(short))
             self._refuse_if_only_pinned_help(ref, short, reason)
+            if plan.verdict == "refuse" and short and not any(
+                    lo.state == ModelState.LOADING and lo.ref.key != ref.key for lo in self.loaded.values()):
+                # Even with every model that may go unloaded it would not fit: unloading them
+                # would only lose their work. (Alone, a model still gets to try: see "first".)
+                msg = (f"cannot load {ref.name}: {reason}; unloading every other model would not make room "
+                       f"({plan.estimator} estimate), so none was unloaded. "
+                       + _sentence(_what_to_shrink(preds.get(fit_source), next(iter(short)), plan.estimator))
+                       + ", or unload the others yourself to let it try alone")
+                self.events.emit(EventKind.FIT, ref.name, msg, fits=False, devices=numbers)
+                raise DoesNotFit(msg)
             victim, rule = self._choose_victim(ref, reason)
             self.events.emit(EventKind.EVICT, victim.name, f"evicting {victim.name} to make room for {ref.name}: {reason}; "
                              f"chosen because {rule}", victim=victim.name, for_model=ref.name, rule=rule,

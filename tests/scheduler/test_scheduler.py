@@ -117,6 +117,27 @@ async def test_generate_and_embed_on_one_model_reload_once_not_on_every_switch(m
     assert len([e for e in sched.events.history if e.kind == "reload"]) == 1
 
 
+async def test_a_model_that_cannot_fit_even_alone_evicts_nothing(make_scheduler, small_models, make_model):
+    """Issue 17 item 3: a load that would not fit with every other model unloaded is a 507 at
+    once, and the loaded models keep their work (they were all evicted first, then it failed)."""
+    small = small_models[0]
+    big = str(make_model("too-big", layers=4, embd=512, heads=8, kv_heads=8, ctx=2048, seed=77))
+    probe = make_scheduler()
+    need = (await probe.predict(big, OPTS))[1]["detailed"].total()
+    have = (await probe.predict(small, OPTS))[1]["detailed"].total()
+    sched = make_scheduler(budget=int(have * 2.5))  # room for the small one, never for the big one
+    assert need > have * 2.5
+    lo = await sched.load(small, OPTS)
+    with pytest.raises(DoesNotFit) as e:
+        await sched.load(big, OPTS)
+    assert "unloading every other model would not make room" in str(e.value) and "none was unloaded" in str(e.value)
+    assert [e.kind for e in sched.events.history if e.kind in ("evict", "unload")] == []
+    assert lo.runner.alive and sched.loaded
+    await sched.unload(small)
+    with pytest.raises(DoesNotFit, match="budget"):  # alone, it is over the budget: refused as before
+        await sched.load(big, OPTS)
+
+
 async def test_concurrent_requests_for_a_loading_model_share_one_load(make_scheduler, small_models):
     sched = make_scheduler()
     leases = await asyncio.gather(*(sched.acquire(small_models[1], OPTS) for _ in range(6)))
