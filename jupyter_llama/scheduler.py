@@ -485,6 +485,7 @@ class Scheduler:
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
         self._stopping: set[asyncio.Task] = set()  # evicted runners stopping while the next one starts
+        self._retiring: list[Loaded] = []  # those runners, until they are gone
         self.peers = (peermod.PeerBoard(settings.peers_dir, settings.manager_url) if settings.peers_dir
                       else None)
 
@@ -530,8 +531,8 @@ class Scheduler:
                     await asyncio.shield(lo.ready)  # one load, however many wait for it
                     continue
                 if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.matches(options):
-                    if await self._healthy(lo):
-                        return self._lease(lo, ka, time.monotonic() - t0, ref)
+                    if await self._healthy(lo) and lo.state == ModelState.READY and not lo.unload_when_idle:
+                        return self._lease(lo, ka, time.monotonic() - t0, ref)  # still: the check awaited
                 async with self._lock:
                     if self._closed:
                         raise SchedulerError("the scheduler is shutting down")
@@ -667,7 +668,7 @@ class Scheduler:
     async def shutdown(self) -> None:
         """Stop every child and wait for them."""
         self._closed = True
-        los = list(self.loaded.values())
+        los = list(self.loaded.values()) + [lo for lo in self._retiring if lo.state != ModelState.GONE]
         for lo in los:
             if lo.timer:
                 lo.timer.cancel()
@@ -708,9 +709,9 @@ class Scheduler:
         if lo.runner is None or not lo.runner.alive:
             self._spawn(self._crashed(lo))
         elif lo.unload_when_idle:
-            self._spawn(self._stop_runner(lo, lo.unload_when_idle, rule="deferred"))
+            self._stop_soon(lo, lo.unload_when_idle, rule="deferred")
         elif lo.keep_alive == 0:
-            self._spawn(self._stop_runner(lo, "keep_alive is 0: unloaded as soon as idle", rule="keep_alive"))
+            self._stop_soon(lo, "keep_alive is 0: unloaded as soon as idle", rule="keep_alive")
         elif not lo.pinned:
             self._arm_timer(lo)
 
@@ -729,7 +730,22 @@ class Scheduler:
         if lo.refcount:
             lo.unload_when_idle = "keep_alive ran out while busy"
         else:
-            self._spawn(self._stop_runner(lo, "keep_alive ran out", rule="keep_alive"))
+            self._stop_soon(lo, "keep_alive ran out", rule="keep_alive")
+
+    def _stop_soon(self, lo: Loaded, reason: str, rule: str, tasks: set | None = None) -> None:
+        """Stop an idle runner in a task of its own. From now on it takes no new request (the
+        fast path skips a runner with ``unload_when_idle``); one that got it in the meantime
+        (a request that was checking its health) keeps it, and its release stops it."""
+        lo.unload_when_idle = reason
+
+        async def stop() -> None:
+            if lo.refcount == 0:
+                await self._stop_runner(lo, reason, rule=rule)
+
+        t = asyncio.get_running_loop().create_task(stop())
+        bucket = self._tasks if tasks is None else tasks
+        bucket.add(t)
+        t.add_done_callback(bucket.discard)
 
     def _spawn(self, coro) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -767,6 +783,8 @@ class Scheduler:
         changed = lo.matches(options)
         if lo.runner is None or not lo.runner.alive:
             reason, rule = "its runner is no longer running", "crash"
+        elif lo.unload_when_idle and not changed:
+            reason, rule = f"it was being unloaded ({lo.unload_when_idle})", "reload"
         elif changed:
             reason = "load options changed: " + ", ".join(
                 f"{n} {getattr(lo.options, n)!r} -> {getattr(options, n)!r}" for n in changed)
@@ -1176,9 +1194,8 @@ class Scheduler:
         :meth:`shutdown` waits for it."""
         if self.loaded.get(lo.ref.key) is lo:
             self.loaded.pop(lo.ref.key)
-        task = asyncio.ensure_future(self._stop_runner(lo, reason, rule="evict"))
-        self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
+        self._retiring.append(lo)
+        self._stop_soon(lo, reason, rule="evict", tasks=self._stopping)
 
     async def _stop_runner(self, lo: Loaded, reason: str, rule: str) -> None:
         if lo.state in (ModelState.UNLOADING, ModelState.GONE):
@@ -1199,6 +1216,7 @@ class Scheduler:
         self.loaded.pop(lo.ref.key, None) if self.loaded.get(lo.ref.key) is lo else None
         lo.state = ModelState.GONE
         lo.expires_at = None
+        self._retiring = [x for x in self._retiring if x is not lo]  # by identity
         self.events.emit(EventKind.UNLOAD, lo.name, f"unloaded {lo.name}: {reason}", rule=rule,
                          freed=lo.charge.to_dict(), workers=workers)
         lo.gone.set()

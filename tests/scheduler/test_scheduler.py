@@ -138,6 +138,23 @@ async def test_a_model_that_cannot_fit_even_alone_evicts_nothing(make_scheduler,
         await sched.load(big, OPTS)
 
 
+async def test_a_request_right_after_an_idle_unload_began_never_gets_the_stopping_runner(make_scheduler, small_models):
+    """A soak found "runner for soak1:latest is not ready (stopping)": a request leased a runner
+    whose stop had been decided (keep_alive 0, expiry, an eviction) but had not begun."""
+    sched = make_scheduler()
+    a = small_models[0]
+    async with sched.use(a, OPTS, keep_alive=0):
+        pass  # released: its stop is decided, in a task that has not run yet
+    lease = await sched.acquire(a, OPTS, keep_alive=0)  # before that task runs
+    try:
+        text, timings = await lease.runner.complete_text("Once upon a time", n_predict=2)
+        assert timings.get("predicted_n") == 2
+    finally:
+        lease.release()
+    reloads = [e for e in sched.events.history if e.kind == "reload"]
+    assert all("was being unloaded" in e.message for e in reloads), [e.message for e in reloads]
+
+
 async def test_concurrent_requests_for_a_loading_model_share_one_load(make_scheduler, small_models):
     sched = make_scheduler()
     leases = await asyncio.gather(*(sched.acquire(small_models[1], OPTS) for _ in range(6)))
