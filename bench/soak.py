@@ -34,9 +34,7 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -57,67 +55,9 @@ PROMPTS = ["Once upon a time", "The quick brown fox", "In a small village", "Wri
 # ============================================================================ a file host
 
 
-class FileHost:
-    """Serves files over HTTP/1.1 with Content-Length, ETag and single ``Range`` requests."""
-
-    def __init__(self, files: dict[str, Path]):
-        self.files = files
-        self.sent = 0
-        host = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def _serve(self, body: bool) -> None:
-                path = host.files.get(self.path.split("?")[0])
-                if path is None:
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                data = path.read_bytes()
-                start, end, status = 0, len(data) - 1, 200
-                rng = self.headers.get("Range", "")
-                if rng.startswith("bytes="):
-                    a, _, b = rng[6:].partition("-")
-                    start, end, status = int(a or 0), int(b) if b else len(data) - 1, 206
-                chunk = data[start:end + 1]
-                self.send_response(status)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(len(chunk)))
-                self.send_header("Accept-Ranges", "bytes")
-                self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest()[:16] + '"')
-                if status == 206:
-                    self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
-                self.end_headers()
-                if body:
-                    self.wfile.write(chunk)
-                    host.sent += len(chunk)
-
-            def do_GET(self):
-                self._serve(True)
-
-            def do_HEAD(self):
-                self._serve(False)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def __enter__(self) -> "FileHost":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+# The suite's own file host (Range, ETag), which counts what it sent.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "server"))
+from srvutil import FileHost  # noqa: E402
 
 
 # ============================================================================ bookkeeping

@@ -233,11 +233,8 @@ def system_toolkit() -> tuple[Toolkit | None, str]:
                 problems.append(f"the CUDA {version} toolkit at {root} lacks cuBLAS, and this Python has no "
                                 f"nvidia-cublas wheel for CUDA {version.split('.')[0]}")
                 continue
-        stub = None
-        if not (libdir / "stubs" / "libcuda.so").exists() and not _driver_library():
-            stub = str(make_driver_stub(include / "cuda.h", toolkit_root() / f"driver-stub-{version}"))
         return Toolkit(root=str(root), nvcc=str(nvcc), version=version, source="system", lib_dir=str(libdir),
-                       driver_stub=stub, cublas_dir=str(cublas_dir) if cublas_dir else None), ""
+                       cublas_dir=str(cublas_dir) if cublas_dir else None), ""
     return None, "; ".join(problems) or "no nvcc on PATH, in CUDA_HOME or in /usr/local/cuda"
 
 
@@ -390,6 +387,11 @@ def choose_toolkit(which: str = "auto", progress: Progress = print, probe: GpuPr
                        f"{driver_cuda[0]}.{driver_cuda[1]}")
             tk = None
         if tk is not None:
+            libdir = Path(tk.lib_dir)
+            if not (libdir / "stubs" / "libcuda.so").exists() and not _driver_library():
+                # neither the toolkit's stub nor the driver's library to link against: make one
+                tk.driver_stub = str(make_driver_stub(_first(Path(tk.root), "include", f"targets/{_arch_dir()}/include")
+                                                      / "cuda.h", toolkit_root() / f"driver-stub-{tk.version}"))
             return ToolkitChoice(tk, f"the system's CUDA {tk.version} toolkit at {tk.root}", probe)
         if which == "system":
             raise CudaError(f"no usable system CUDA toolkit: {why_not}. Leave --toolkit out to use NVIDIA's wheels")

@@ -89,6 +89,7 @@ from .store import (
     _projector_summary,
     _Throttle,
     _unlink,
+    fmt_bytes,
 )
 
 __all__ = [
@@ -556,16 +557,6 @@ class _Http:
 def _retryable(e: BaseException) -> bool:
     return isinstance(e, (_Dropped, http.client.HTTPException, ConnectionError, TimeoutError, socket.timeout)) or (
         isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, PermissionError)))
-
-
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"  # pragma: no cover
 
 
 class _Sink:
@@ -1076,8 +1067,8 @@ class Puller:
         except OSError:
             return
         if free < need + DISK_MARGIN:
-            raise DiskFull(f"not enough disk space for the download: it needs {_fmt_bytes(need)} "
-                           f"(plus {_fmt_bytes(DISK_MARGIN)} to spare), {self.store.root} has {_fmt_bytes(free)} free")
+            raise DiskFull(f"not enough disk space for the download: it needs {fmt_bytes(need)} "
+                           f"(plus {fmt_bytes(DISK_MARGIN)} to spare), {self.store.root} has {fmt_bytes(free)} free")
 
     def _download(self, rf: RemoteFile, key: str, partial: Path, inf: _Inflight, tick: _Throttle
                   ) -> tuple[str, int, dict | None]:
@@ -1304,7 +1295,7 @@ class Puller:
                 size = 0
             _unlink(partial)
             _unlink(partial.with_suffix(".json"))
-            return DiskFull(f"the disk filled up while downloading into {partial}; the {_fmt_bytes(size)} written "
+            return DiskFull(f"the disk filled up while downloading into {partial}; the {fmt_bytes(size)} written "
                             "were removed again: free some space and pull again")
         return PullError(f"cannot write {partial}: {e.strerror or e}")
 
@@ -1421,15 +1412,15 @@ def render_progress(status: dict, width: int = 25, rate: float | None = None) ->
         frac = max(0.0, min(1.0, completed / total))
         filled = int(frac * width)
         bar = "█" * filled + " " * (width - filled)
-        line = f"{text} {frac * 100:3.0f}% ▕{bar}▏ {_fmt_bytes(completed)}/{_fmt_bytes(total)}"
+        line = f"{text} {frac * 100:3.0f}% ▕{bar}▏ {fmt_bytes(completed)}/{fmt_bytes(total)}"
         if rate:
-            line += f"  {_fmt_bytes(rate)}/s"
+            line += f"  {fmt_bytes(rate)}/s"
             if completed < total:
                 left = (total - completed) / rate
                 line += f"  {int(left // 60)}m{int(left % 60):02d}s" if left >= 60 else f"  {left:.0f}s"
         return line
     if completed is not None:
-        return f"{text} {_fmt_bytes(completed)}"
+        return f"{text} {fmt_bytes(completed)}"
     return text
 
 

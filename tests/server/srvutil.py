@@ -60,6 +60,7 @@ class FileHost:
 
         self.files = {k: str(v) for k, v in files.items()}
         self.requests: list[tuple[str, str, str | None]] = []
+        self.sent = 0  # body bytes served (bench/soak.py reports it)
         host = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -97,6 +98,7 @@ class FileHost:
                 self.end_headers()
                 if body:
                     self.wfile.write(chunk)
+                    host.sent += len(chunk)
 
             def do_GET(self):
                 self._serve(True)
