@@ -227,6 +227,19 @@ class LogParser:
             return
         self._feed_one(line.rstrip("\r\n"))
 
+    def feed_lines(self, lines: list[str]) -> None:
+        """Feed the complete lines of one read (without their line ends). While the child
+        serves, they are per-request chatter: one search of the whole block for failure
+        markers stands in for one search per line (each line is kept all the same)."""
+        if self.ready and self.listening:
+            block = "\n".join(lines)
+            if "\x1b" not in block and "\r" not in block and not _ALERT_RE.search(block.lower()):
+                self.lines.extend(lines)
+                self.n_lines += len(lines)
+                return
+        for line in lines:
+            self.feed(line)
+
     def _feed_one(self, line: str) -> None:
         if "\x1b" in line:
             line = _ANSI_RE.sub("", line)

@@ -328,8 +328,7 @@ class Runner:
                 if len(partial) > 1 << 20:  # a line past 1 MiB: take it as it is
                     lines.append(partial)
                     partial = b""
-                for raw in lines:
-                    self.parser.feed(raw.decode("utf-8", "replace"))
+                self.parser.feed_lines([raw.decode("utf-8", "replace") for raw in lines])
                 if self.parser.ready and not self._ready_line.is_set():
                     self._ready_line.set()
         finally:

@@ -53,8 +53,9 @@ class EngineUnavailable(SchedulerError):
 
 
 class CachedResolver:
-    """The store's resolver with a cache in front, so a request for a loaded model does not
-    pay a worker-thread hop and a manifest read before its first token.
+    """The store's resolver (and its presets, :meth:`preset`) with a cache in front, so a
+    request for a loaded model does not pay a worker-thread hop and a manifest read before its
+    first token.
 
     A hit is used only while the files behind it are unchanged: the manifest, the model blob
     and the projector are ``stat``-ed (size, mtime, inode) on every call, which is the same
@@ -67,6 +68,7 @@ class CachedResolver:
         self.store = store
         self.ttl = ttl
         self._cache: dict[str, tuple[float, object, tuple]] = {}
+        self._presets: dict[str, tuple[float, object, tuple]] = {}
 
     @staticmethod
     def _stamps(paths) -> tuple:
@@ -103,8 +105,36 @@ class CachedResolver:
         self._cache[name] = (time.monotonic(), ref, stamps)
         return ref
 
+    def _preset(self, name: str):
+        try:
+            manifest = str(self.store.entry(name).manifest_path)
+            stamps = self._stamps([manifest])  # before the read: a change after it is seen next time
+        except (SchedulerError, ValueError, OSError):
+            return self.store.preset_for(name), None  # no model of that name (a path, a typo): nothing to keep
+        return self.store.preset_for(name), stamps
+
+    async def preset(self, name: str):
+        """``store.preset_for(name)`` (what a request for ``name`` starts from), cached on the
+        same terms as a resolution: the model's manifest unchanged, for at most ``ttl``."""
+        hit = self._presets.get(name)
+        if hit is not None:
+            at, preset, stamps = hit
+            try:
+                if time.monotonic() - at < self.ttl and self._stamps(p for p, *_ in stamps) == stamps:
+                    return preset
+            except OSError:
+                pass
+            self._presets.pop(name, None)
+        preset, stamps = await asyncio.to_thread(self._preset, name)
+        if stamps is not None:
+            if len(self._presets) > 256:
+                self._presets.clear()
+            self._presets[name] = (time.monotonic(), preset, stamps)
+        return preset
+
     def forget(self) -> None:
         self._cache.clear()
+        self._presets.clear()
 
 
 def path_folders(setting: str) -> list[str] | None:
@@ -296,6 +326,7 @@ class LlamaExtension(ExtensionApp):
         from ..models.store import ModelStore
 
         self.store = ModelStore(self.models_dir or None, path_folders=path_folders(self.model_paths))
+        self.resolver = CachedResolver(self.store)
         self._scheduler_lock = None
         self.scheduler = None
         self._find_engine_and_build()
@@ -313,7 +344,6 @@ class LlamaExtension(ExtensionApp):
             return
         self.engine_error = None
         settings = self.scheduler_settings(self.engine.path)
-        self.resolver = CachedResolver(self.store)
         self.scheduler = self.scheduler_class(settings, resolver=self.resolver)
 
     def initialize_handlers(self) -> None:

@@ -370,7 +370,7 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
     async def preset_of(self, body: dict):
         """The preset of the model a request names (empty for a GGUF path or an unknown name:
         resolving it later says what is wrong)."""
-        return await asyncio.to_thread(self.ext.store.preset_for, oa.model_name(body))
+        return await self.ext.resolver.preset(oa.model_name(body))
 
     async def acquire(self, name: str, options, keep_alive, needs=()):
         """``scheduler.acquire``, never cancelled half-way (a load is not abandoned because one

@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def server_argv(args: argparse.Namespace) -> list[str]:
     """The ServerApp command line for parsed ``serve`` arguments (config files still apply below it)."""
-    argv = [f"--ServerApp.ip={args.ip}", "--ServerApp.open_browser=False", "--ServerApp.answer_yes=True"]
+    argv = [f"--ServerApp.ip={args.ip}", "--ServerApp.open_browser=False", "--ServerApp.answer_yes=True",
+            "--ServerApp.identity_provider_class=jupyter_llama.server.identity.ApiTokenIdentityProvider"]
     if args.port is not None:
         argv.append(f"--ServerApp.port={args.port}")
     if args.token is not None:

@@ -386,3 +386,23 @@ def test_markers_are_lower_case_and_found_in_any_case():
     p.feed("llama_init_from_model: Failed To Create Context")
     assert len(p.oom_lines) == 1 and "CUDAMALLOC" in p.oom_lines[0]
     assert any("Failed To Create Context" in e for e in p.errors)
+
+
+def test_a_serving_childs_blocks_are_kept_and_still_searched_for_failures():
+    """feed_lines, the runner's call for each read: once the child serves, a block of request
+    chatter is kept line by line with one search for failure markers over the block; a
+    failure anywhere in a block is still found, on its own line."""
+    from jupyter_llama.engine import logparse as lp
+
+    p = lp.LogParser()
+    p.feed_lines(["main: model loaded", "main: server is listening on http://127.0.0.1:5000 - starting the main loop"])
+    assert p.ready and p.listening
+    chatter = [f"slot get_availabl: id  {i} | task -1 |  - skipping, slot is empty" for i in range(8)]
+    before = p.n_lines
+    p.feed_lines(chatter + ["slot print_timing: id  7 | task 17 | n_ctx = 4096"])
+    assert p.n_lines == before + 9 and list(p.lines)[-9:] == chatter + ["slot print_timing: id  7 | task 17 | n_ctx = 4096"]
+    assert p.n_ctx != 4096 and not p.errors and not p.oom_lines  # serving chatter is not read for figures
+    p.feed_lines(chatter[:3] + ["ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size 9 MiB"]
+                 + chatter[3:])
+    assert len(p.oom_lines) == 1 and p.oom_lines[0].endswith("9 MiB")
+    assert p.n_lines == before + 9 + 9

@@ -230,3 +230,19 @@ async def test_the_clis_length_limit_yields_to_a_modelfiles_num_predict(client, 
         assert out["eval_count"] == 5  # no preset: the default applies
     finally:
         c.close()
+
+
+async def test_a_preset_changed_by_another_process_applies_to_the_next_request(client, store):
+    """The server keeps presets in memory between requests (no file read before a first
+    token), but only while the model's manifest is unchanged: a preset written by another
+    process (here another ModelStore on the same folder, as the CLI would) applies at once."""
+    from jupyter_llama.models.preset import Preset
+
+    await run(client.create, model="capped", from_="tiny", parameters=dict(OPTS, num_predict=2, temperature=0.0))
+    r = await run(client.generate, model="capped", prompt="Once upon a time", raw=True)
+    assert r.eval_count == 2
+    weights = store.resolve_sync("tiny").path
+    await asyncio.to_thread(store.create, "capped", weights,
+                            preset=Preset(parameters=dict(OPTS, num_predict=3, temperature=0.0)))
+    r = await run(client.generate, model="capped", prompt="Once upon a time", raw=True)
+    assert r.eval_count == 3

@@ -93,3 +93,33 @@ def test_no_child_outlives_the_server(serve, sig, tmp_path):
     log = (tmp_path / "serve.log").read_text(errors="replace")
     assert "Authorization: token <your token>" in log
     assert token not in log, "a token given to serve (--token) is the user's secret: never logged"
+
+
+def test_api_clients_and_browsers_both_authenticate(serve):
+    """serve's identity provider: a request with the token in its Authorization header is the
+    API user at once (no login cookie minted for it); a wrong token is still the 401 with a
+    sentence; a browser that logged in with ?token= keeps its cookie session, and a POST on
+    that cookie alone still needs the XSRF token."""
+    _, url, token = serve()
+    with httpx.Client(trust_env=False, timeout=10) as c:
+        for scheme in ("token", "Bearer", "bearer"):
+            r = c.get(url + "api/tags", headers={"Authorization": f"{scheme} {token}"})
+            assert r.status_code == 200 and "models" in r.json()
+            assert "set-cookie" not in r.headers
+        r = c.post(url + "api/show", json={"model": "tiny"}, headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 200 and r.json()["details"]["format"] == "gguf"
+
+        r = c.get(url + "api/tags", headers={"Authorization": "Bearer not-the-token"})
+        assert r.status_code == 401 and "token" in r.json()["error"].lower()
+        assert r.headers["www-authenticate"].startswith("Bearer")
+
+    with httpx.Client(trust_env=False, timeout=10) as browser:
+        r = browser.get(url + "api/tags", params={"token": token})
+        assert r.status_code == 200 and r.headers.get("set-cookie")  # the login cookie, as in any Jupyter server
+        r = browser.get(url + "api/tags")  # the cookie alone
+        assert r.status_code == 200 and "models" in r.json()
+        r = browser.post(url + "api/show", json={"model": "tiny"})
+        assert r.status_code in (401, 403), r.text  # a cookie without the XSRF token does not write
+        browser.cookies.set("_xsrf", "0123456789abcdef")  # the double submit a page's script makes
+        r = browser.post(url + "api/show", json={"model": "tiny"}, headers={"X-XSRFToken": "0123456789abcdef"})
+        assert r.status_code == 200, r.text
