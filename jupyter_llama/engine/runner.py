@@ -508,43 +508,70 @@ class Runner:
             raise await self._after_transport_error(e) from None
 
     async def _watched(self, coro, last: list[float] | None = None):
-        """Run ``coro`` (a request to the child) while watching for a wedged child: see
+        """Await ``coro`` (a request to the child) while watching for a wedged child: see
         STALL_CHECK_S. ``last[0]``, which the caller moves on, is the loop time of its latest
-        progress; without it, progress is only the start."""
+        progress; without it, progress is only the start.
+
+        The watch is a timer beside the request, not a task around it, so a request costs no
+        extra task and no extra turns of the event loop where it starts and ends (every
+        stream passes here, and each turn is time before the first token and after the
+        last). Only a request quiet for STALL_CHECK_S gets a watching task, which asks
+        ``/health``; when it finds the child wedged it kills it and cancels the request,
+        whose failure (the cancellation, or the connection the kill broke) is RunnerCrashed."""
         loop = asyncio.get_running_loop()
         last = last if last is not None else [loop.time()]
-        task = asyncio.ensure_future(coro)
-        misses = 0
-        try:
+        task = asyncio.current_task()
+        verdict: list[RunnerCrashed] = []
+        waiting = True  # still in ``await coro`` (the watch may cancel only that)
+        watch: asyncio.Task | None = None
+
+        async def watching() -> None:
+            misses = 0
             while True:
-                done, _ = await asyncio.wait({task}, timeout=STALL_CHECK_S)
-                if done:
-                    return task.result()
-                if loop.time() - last[0] < STALL_CHECK_S:
+                if loop.time() - last[0] < STALL_CHECK_S or await self._health_ok(STALL_HEALTH_TIMEOUT_S):
                     misses = 0
-                    continue
-                if await self._health_ok(STALL_HEALTH_TIMEOUT_S):
-                    misses = 0
-                    continue
-                misses += 1
-                if misses < STALL_MISSES:
-                    continue
-                quiet = loop.time() - last[0]
-                self.state = RunnerState.FAILED
-                self._signal(signal.SIGKILL)  # it stopped answering: the next request gets a fresh child
-                if self.proc is not None:  # dead before anyone hears of it: `alive` is False from now on
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self.proc.wait(), 5.0)
-                raise RunnerCrashed(f"llama-server for {self.name} stopped answering: nothing for {quiet:.0f}s and "
-                                    f"no answer on /health ({misses} tries); it was killed and will be started "
-                                    "again on the next request")
-        finally:
-            if not task.done():
+                else:
+                    misses += 1
+                    if misses >= STALL_MISSES:
+                        break
+                await asyncio.sleep(STALL_CHECK_S)
+            quiet = loop.time() - last[0]
+            verdict.append(RunnerCrashed(
+                f"llama-server for {self.name} stopped answering: nothing for {quiet:.0f}s and no answer on "
+                f"/health ({misses} tries); it was killed and will be started again on the next request"))
+            self.state = RunnerState.FAILED
+            self._signal(signal.SIGKILL)  # it stopped answering: the next request gets a fresh child
+            if self.proc is not None:  # dead before anyone hears of it: `alive` is False from now on
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.proc.wait(), 5.0)
+            if waiting:
                 task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the cause is raised above
-                    pass
+
+        def due() -> None:
+            nonlocal timer, watch
+            if loop.time() - last[0] < STALL_CHECK_S:
+                timer = loop.call_at(last[0] + STALL_CHECK_S, due)
+            else:
+                watch = loop.create_task(watching())
+
+        timer = loop.call_later(STALL_CHECK_S, due)
+        try:
+            return await coro
+        except BaseException:
+            waiting = False
+            if not verdict:
+                raise
+            if watch is not None and not watch.done():
+                with contextlib.suppress(BaseException):  # the kill, seen through: `alive` is False
+                    await asyncio.shield(watch)
+            if task.cancelling():
+                task.uncancel()  # the watch's cancellation, now told as what it was
+            raise verdict[0] from None
+        finally:
+            waiting = False
+            timer.cancel()
+            if watch is not None and not watch.done():
+                watch.cancel()
 
     # ------------------------------------------------------------------ the child's protocol
 
