@@ -11,7 +11,9 @@ and the bodies of ``/api/ps``, ``/api/tags``, ``/api/show`` and ``/api/version``
 Two translators turn llama-server's streamed events into Ollama chunks:
 :class:`GenerateTranslator` (native ``/completion`` events) and :class:`ChatTranslator`
 (OpenAI-style ``/v1/chat/completions`` events, where llama-server applies the model's
-chat template).
+chat template). A generate answer that is not raw goes through
+:class:`ContextGenerateTranslator`, the first of them keeping the answer's token ids for
+the last chunk's ``context`` (Ollama's).
 
 A model's preset (``models.preset``: what ``/api/create`` and a Modelfile add to the weights)
 is applied while a request is parsed, as Ollama applies it: its parameters are the request's
@@ -67,6 +69,7 @@ __all__ = [
     "parse_create",
     "rfc3339",
     "GenerateTranslator",
+    "ContextGenerateTranslator",
     "ChatTranslator",
     "load_chunk",
     "error_chunk",
@@ -170,6 +173,9 @@ class GenerateRequest:
     template: GoTemplate | None = None  # renders the prompt (the request's template, else the preset's)
     suffix: str = ""  # fill in the middle: the text after the gap (the prompt is the text before it)
     think: bool | str | None = None  # as chat's: the answer's reasoning comes apart, as "thinking"
+    # Ollama's (deprecated) context: a previous answer's token ids, which come before this prompt
+    # (the preset's messages are left out then); None when not given, and for a raw request
+    context: list[int] | None = None
 
     @property
     def is_load_only(self) -> bool:
@@ -200,6 +206,13 @@ class GenerateRequest:
     @property
     def unloads(self) -> bool:
         return self.is_load_only and self.keep_alive == 0
+
+    @property
+    def answers_context(self) -> bool:
+        """Its last chunk carries ``context`` (the conversation's token ids): a request that is
+        not raw, on the ``/completion`` path (not fill in the middle; the handler also leaves
+        out a ``think`` that goes to the child's chat route)."""
+        return not self.raw and not self.suffix
 
 
 @dataclass
@@ -362,13 +375,34 @@ def _options_with(preset: Preset | None, options, defaults=None) -> dict | None:
     return {**(defaults or {}), **(preset.parameters if preset else {}), **(options or {})}
 
 
+def _context(body: dict) -> list[int] | None:
+    """Ollama's ``context``: the token ids a previous answer gave (None when not given)."""
+    ids = body.get("context")
+    if ids is None:
+        return None
+    if not isinstance(ids, list):
+        raise BadRequest(f"context must be a list of token ids (whole numbers of 0 or more), as the last chunk of "
+                         f"an earlier /api/generate answer gives it; got {type(ids).__name__}")
+    if ids and (not set(map(type, ids)) <= {int} or min(ids) < 0):  # (C loops: a context may be long)
+        i, t = next((i, t) for i, t in enumerate(ids) if type(t) is not int or t < 0)
+        raise BadRequest(f"context[{i}] must be a token id (a whole number of 0 or more), got {shown(t)}; send "
+                         "back the context an earlier /api/generate answer gave")
+    return ids
+
+
 def parse_generate(body: dict, preset: Preset | None = None) -> GenerateRequest:
-    """``POST /api/generate``; ``preset``: the model's (see the module docstring)."""
+    """``POST /api/generate``; ``preset``: the model's (see the module docstring). ``context``
+    (Ollama's, deprecated there): a previous answer's token ids, which come before the newly
+    templated prompt; the preset's messages are then left out, as Ollama leaves them out (its
+    system message stays). A raw request ignores it."""
     model = model_name(body)
     for key, why in _UNSUPPORTED_GENERATE.items():
         if body.get(key):
             raise BadRequest(why)
     raw = _bool(body, "raw", False)
+    context = _context(body)
+    if raw:
+        context = None
     template = None
     asked = _str(body, "template")
     if asked and not raw:
@@ -392,10 +426,11 @@ def parse_generate(body: dict, preset: Preset | None = None) -> GenerateRequest:
         sampling=_sampling_from(body, split),
         truncate=_bool(body, "truncate", True),
         default_system="" if raw else preset.system,
-        history=[] if raw else [dict(m) for m in preset.messages],
+        history=[] if raw or context is not None else [dict(m) for m in preset.messages],
         template=template,
         suffix=_str(body, "suffix"),
         think=None if raw else _think(body),
+        context=context,
     )
 
 
@@ -688,6 +723,9 @@ def ndjson(obj) -> bytes:
 # else (the last event, tool calls, thinking, another build's key order) takes feed().
 _JSON_STRING = rb'("(?:[^"\\]|\\.)*")'
 _COMPLETION_TEXT = re.compile(rb'\{"index":\d+,"content":' + _JSON_STRING + rb',"tokens":\[[\d,]*\],"stop":false,')
+# the same event, its token ids in group 2 (for the answers that carry ``context``)
+_COMPLETION_TEXT_IDS = re.compile(rb'\{"index":\d+,"content":' + _JSON_STRING
+                                  + rb',"tokens":\[([\d,]*)\],"stop":false,')
 _CHAT_TEXT = re.compile(rb'\{"choices":\[\{"finish_reason":null,"index":0,"delta":\{"content":' + _JSON_STRING
                         + rb'\}\}\]')
 
@@ -752,6 +790,58 @@ class GenerateTranslator(_Lines):
         d = dict(self.final or {"model": self.model, "created_at": rfc3339(), "done": True, "done_reason": "stop"})
         d["response"] = "".join(self.parts)
         return d
+
+
+class ContextGenerateTranslator(GenerateTranslator):
+    """:class:`GenerateTranslator` for an answer whose last chunk carries ``context`` (the
+    conversation's token ids: the prompt's, then the answer's). The child's events carry each
+    generated token's ids; this keeps them as they pass (a text event's from the bytes, as
+    its line is written). Streamed, the last chunk is held back (``lines`` leaves it out):
+    its ``context`` needs the prompt's ids, which are counted while the answer is made, so
+    the handler completes it and sends it once the relay has ended (``final``)."""
+
+    _text_event = _COMPLETION_TEXT_IDS
+
+    def __init__(self, model: str, started: float, load_s: float):
+        super().__init__(model, started, load_s)
+        self._seen: list = []  # per event, in order: a text event's match, or the event
+        self.stop_type: str | None = None
+
+    def lines(self, data: bytes) -> bytes:
+        m = self._text_event.match(data)
+        if m is not None and m.group(1) != b'""':
+            self._seen.append(m)
+            return self._head + rfc3339().encode() + self._text_key + m.group(1) + self._text_tail
+        return b"".join([ndjson(c) for c in self.feed(json.loads(data)) if c is not self.final])
+
+    def feed(self, event: dict) -> list[dict]:
+        self._seen.append(event)
+        if event.get("stop"):
+            self.stop_type = event.get("stop_type")
+        return super().feed(event)
+
+    def answer(self) -> tuple[list[int] | None, str]:
+        """(the answer's token ids, or None where the events do not show them all; its text).
+
+        The child sends no event for a token that ends mid-way through a UTF-8 character (its
+        ids never show; the count falls short of ``eval_count``), and an answer cut at a stop
+        word leaves out text its ids may spell: then the text is what to tokenize, as Ollama
+        tokenizes it. A token the model ended on (its end-of-turn) is among the ids: the
+        next turn's prompt follows it, as in the child's own cache."""
+        ids_json: list[bytes] = []  # each event's ids and text as JSON, decoded in one go at the end
+        text_json: list[bytes] = []
+        for x in self._seen:
+            if isinstance(x, dict):
+                ids_json.append(json.dumps(x.get("tokens") or [])[1:-1].encode())
+                text_json.append(json.dumps(x.get("content") or "").encode())
+            else:
+                ids_json.append(x.group(2))
+                text_json.append(x.group(1))
+        ids: list[int] = json.loads(b"[" + b",".join([i for i in ids_json if i]) + b"]")
+        text: list[str] = json.loads(b"[" + b",".join(text_json) + b"]")
+        complete = self.final is not None and self.stop_type != "word" and len(ids) == self.final.get(
+            "eval_count", len(ids))
+        return (ids if complete else None), "".join(text)
 
 
 class TemplatedChatTranslator(GenerateTranslator):

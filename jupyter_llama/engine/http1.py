@@ -24,7 +24,8 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from ..errors import RequestError
 
-__all__ = ["BadResponse", "get_json", "post", "post_lines", "relay_sse", "sse_data", "sse_events", "error_text"]
+__all__ = ["BadResponse", "get_json", "post", "post_json", "post_lines", "relay_sse", "sse_data", "sse_events",
+           "error_text"]
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -411,6 +412,14 @@ async def get_json(port: int, path: str, headers: dict[str, str] | None = None, 
     """GET ``path`` and parse its JSON body (a RequestError for a status of 400 or more)."""
     lines: list[bytes] = []
     await asyncio.wait_for(post(port, path, None, headers, lines.extend, host), timeout)
+    return json.loads(b"\n".join(lines))
+
+
+async def post_json(port: int, path: str, payload, headers: dict[str, str] | None = None, host: str = "127.0.0.1"):
+    """POST ``payload`` as JSON and parse the JSON answer (a RequestError for a status of 400
+    or more): a small request without httpx (a tokenize beside a stream, say)."""
+    lines: list[bytes] = []
+    await post(port, path, json.dumps(payload).encode(), headers, lines.extend, host)
     return json.loads(b"\n".join(lines))
 
 

@@ -611,21 +611,74 @@ class Runner:
             return None, 0
         return n_ctx, max(1, n_ctx - max(0, min(reserve, n_ctx // 2))) - 1
 
-    async def fit_to_context(self, prompt: str, reserve: int, truncate: bool = True) -> str | list[int]:
+    async def fit_to_context(self, prompt: str, reserve: int, truncate: bool = True,
+                             context: list[int] | None = None) -> str | list:
         """``prompt`` as it fits a request's context with ``reserve`` tokens left to generate
         in: unchanged when it fits, else (as Ollama does) its first token and its end, as
-        token ids; with ``truncate`` False, a 400 that says how long it is."""
+        token ids; with ``truncate`` False, a 400 that says how long it is.
+
+        ``context``: token ids that come before ``prompt`` (Ollama's ``context``, what an
+        earlier answer gave), which ``prompt``'s tokens follow without a BOS of their own. The
+        prompt is then ``[*context, prompt]``, a list the child's ``/completion`` reads as those
+        ids and the text's tokens, when it fits without counting (its bytes and the ids are
+        within the room: no tokenize before the answer starts); else the ids of both, cut as
+        above when they do not fit."""
         n_ctx, most = self._prompt_room(reserve)
-        if not n_ctx:
-            return prompt
-        tokens = await self._tokens_over(prompt, most)
-        if tokens is None:
-            return prompt
+        if context:
+            whole: str | list = [*context, prompt] if prompt else list(context)
+            if not n_ctx or len(context) + len(prompt.encode()) <= most:
+                return whole
+            tokens = context + (await self.tokenize(prompt, add_special=False) if prompt else [])
+            if len(tokens) <= most:
+                return tokens
+            what = "the context and the prompt are"
+        else:
+            if not n_ctx:
+                return prompt
+            tokens = await self._tokens_over(prompt, most)
+            if tokens is None:
+                return prompt
+            what = "the prompt is"
         if not truncate:
-            raise BadRequest(f"the prompt is {len(tokens)} tokens, longer than the context of {self.name} "
+            raise BadRequest(f"{what} {len(tokens)} tokens, longer than the context of {self.name} "
                              f"({n_ctx} tokens, {n_ctx - most - 1} of them kept to generate in); shorten it, load "
                              "the model with a larger num_ctx, or allow truncate")
         return tokens[:1] + tokens[len(tokens) - (most - 1):] if most > 1 else tokens[:most]
+
+    async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """``text``'s token ids as the child makes them (``/tokenize``; ``add_special``: with the
+        model's BOS, as ``/completion`` tokenizes a text prompt). A small request on the child's
+        HTTP thread, without httpx: it may run beside a stream."""
+        self._check_ready()
+        try:
+            res = await http1.post_json(self.port, "/tokenize", {"content": text, "add_special": add_special},
+                                        self._headers())
+        except _TRANSPORT_ERRORS as e:
+            raise await self._after_transport_error(e) from None
+        return list(res.get("tokens") or []) if isinstance(res, dict) else []
+
+    async def prompt_tokens(self, prompt: str | list) -> list[int]:
+        """The token ids the child makes of a ``/completion`` prompt as :meth:`fit_to_context`
+        gives it (and llama-server reads it): a text, with the model's BOS; ids, as they are;
+        ids then a text, the text's tokens without a BOS after them. (No loop over the ids:
+        a context may be long, and this runs beside a stream.)"""
+        if isinstance(prompt, str):
+            return await self.tokenize(prompt, add_special=True)
+        if prompt and isinstance(prompt[-1], str):
+            ids = prompt[:-1]
+            return ids + await self.tokenize(prompt[-1], add_special=not ids)
+        return list(prompt)
+
+    async def conversation_tokens(self, prompt: str | list, answer: str) -> list[int]:
+        """The token ids of a ``/completion`` prompt (as :meth:`prompt_tokens` reads it)
+        followed by the text of its answer, as Ollama counts a conversation (its ``context``:
+        the prompt and the answer tokenized together): the text joins the prompt's text, or
+        follows its ids."""
+        if isinstance(prompt, str):
+            return await self.prompt_tokens(prompt + answer)
+        if prompt and isinstance(prompt[-1], str):
+            return await self.prompt_tokens([*prompt[:-1], prompt[-1] + answer])
+        return await self.prompt_tokens([*prompt, answer]) if answer else list(prompt)
 
     async def embed(self, inputs: list[str], truncate: bool = True) -> tuple[list, int]:
         """``/embedding`` for ``inputs``, in input order, and the number of prompt tokens they
@@ -667,16 +720,17 @@ class Runner:
                 break
         return vectors, tokens
 
-    def completion(self, prompt: str | list[int], **params) -> AsyncIterator[dict]:
+    def completion(self, prompt: str | list, **params) -> AsyncIterator[dict]:
         """Stream llama-server's native ``/completion`` chunks (``content``, ``stop``, ``timings``); the
-        prompt is text, or token ids (a prompt cut to the context)."""
+        prompt is text, or token ids (a prompt cut to the context), or ids then a text (see
+        :meth:`fit_to_context`)."""
         return self.stream_sse("/completion", {"prompt": prompt, **params})
 
     def chat(self, messages: list[dict], **params) -> AsyncIterator[dict]:
         """Stream OpenAI-style ``/v1/chat/completions`` chunks."""
         return self.stream_sse("/v1/chat/completions", {"messages": messages, **params})
 
-    def relay_completion(self, prompt: str | list[int], on_data, **params) -> Awaitable[None]:
+    def relay_completion(self, prompt: str | list, on_data, **params) -> Awaitable[None]:
         """:meth:`completion` through :meth:`relay_sse`: its events' JSON to ``on_data``."""
         return self.relay_sse("/completion", {"prompt": prompt, **params}, on_data)
 

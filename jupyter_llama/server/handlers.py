@@ -393,16 +393,23 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             raise ClientGone()
         return lease
 
-    async def relay(self, start, translator, stream: bool) -> None:
+    async def relay(self, start, translator, stream: bool, complete=None) -> None:
         """Run ``start(on_data)`` (a runner's relay of a child's stream) with each event through
-        ``translator``: sent on as its NDJSON lines, or fed to it and answered as one object."""
+        ``translator``: sent on as its NDJSON lines, or fed to it and answered as one object.
+
+        ``complete``: an async function that adds to the last chunk (a dict) once the child's
+        stream has ended, before it goes out; streamed, the translator holds that chunk back
+        (its ``final``), and it is sent here."""
         if not stream:
             def gather(batch: list[bytes]) -> None:
                 for data in batch:
                     translator.feed(json.loads(data))
 
             await start(gather)
-            self.finish_json(translator.combined())
+            answer = translator.combined()
+            if complete is not None and translator.final is not None:
+                await complete(answer)
+            self.finish_json(answer)
             return
         self.start_stream(NDJSON)
         write = self.stream_writer()
@@ -412,6 +419,11 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             return write(out) if out else None
 
         await start(send_on)
+        if complete is not None and translator.final is not None:
+            await complete(translator.final)
+            waiting = write(ndjson(translator.final))
+            if waiting is not None:
+                await waiting
         self.end_stream(NDJSON)
 
 
@@ -456,11 +468,55 @@ class GenerateHandler(LlamaHandler):
             else:
                 prompt = await lease.runner.prompt(req.prompt, req.system or req.default_system, raw=req.raw,
                                                    templated=lease.loaded.ref.has_chat_template, history=req.history)
+            if req.answers_context:
+                await self._with_context(req, lease, prompt, started)
+                return
             prompt = await lease.runner.fit_to_context(prompt, reserve=reserve_for(req.sampling), truncate=req.truncate)
             await self.relay(lambda on_data: lease.runner.relay_completion(prompt, on_data, **req.sampling),
                              tr, req.stream)
         finally:
             lease.release()
+
+    async def _with_context(self, req: oa.GenerateRequest, lease, text: str, started: float) -> None:
+        """The ``/completion`` path of a request that is not raw: the request's ``context`` (a
+        previous answer's token ids) goes before the new prompt as ids, and the last chunk
+        carries the conversation's ids, ``context``: the prompt's (as the child tokenized it)
+        and the answer's (from the child's events). The prompt's are counted beside the
+        answer, never before its first token: ids a cut to the context already gave are used
+        as they are, and a text is tokenized while the child generates."""
+        runner = lease.runner
+        if req.context:
+            _check_vocabulary(req.model, req.context, lease.loaded.ref.info)
+        prompt = await runner.fit_to_context(text, reserve=reserve_for(req.sampling), truncate=req.truncate,
+                                             context=req.context)
+        tr = oa.ContextGenerateTranslator(req.model, started, lease.load_duration)
+        counted = asyncio.ensure_future(runner.prompt_tokens(prompt))
+
+        async def complete(final: dict) -> None:
+            ids, answer = tr.answer()
+            if ids is None:  # not every id showed: the text, tokenized with the prompt (as Ollama does)
+                final["context"] = await runner.conversation_tokens(prompt, answer)
+            else:
+                final["context"] = await counted + ids
+
+        try:
+            await self.relay(lambda on_data: runner.relay_completion(prompt, on_data, **req.sampling), tr,
+                             req.stream, complete)
+        finally:
+            if not counted.done():
+                counted.cancel()
+            counted.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure nobody waited for
+
+
+def _check_vocabulary(model: str, ids: list[int], info) -> None:
+    """A 400 for a ``context`` id the model's vocabulary does not have (when its size is known;
+    else the child's own refusal, a 400 too, says so)."""
+    size = int(getattr(info, "vocab_size", 0) or 0)
+    if size <= 0 or max(ids) < size:
+        return
+    i, t = next((i, t) for i, t in enumerate(ids) if t >= size)
+    raise BadRequest(f"context[{i}] is {t}, which is not a token of {model}: its vocabulary has {size:,} tokens "
+                     f"(0 to {size - 1:,}); send back the context an answer of this model gave")
 
 
 async def _unload(handler: LlamaHandler, name: str) -> None:

@@ -99,6 +99,116 @@ async def test_ollama_async_client(llama_url, token):
     assert (await c.ps()).models[0].name == "tiny:latest"
 
 
+def _runner(ext):
+    """tiny's child (which a model made from tiny with the same load options shares)."""
+    (lo,) = ext.scheduler.loaded.values()
+    return lo.runner
+
+
+async def _tokens(ext, messages: list[dict], special: bool = True) -> list[int]:
+    """The ids tiny's child makes of these messages through its chat template (the oracle)."""
+    runner = _runner(ext)
+    text = (await runner.post("/apply-template", {"messages": messages}))["prompt"]
+    return (await runner.post("/tokenize", {"content": text, "add_special": special}))["tokens"]
+
+
+def _user(text: str, system: str = "") -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
+async def test_generate_context_round_trips(llama_url, token, ext, http):
+    """Ollama's (deprecated) ``context``: the last chunk carries the conversation's token ids (the
+    prompt's, then the answer's), and sent back they come before the next prompt."""
+    c = ollama.Client(host=llama_url, headers={"Authorization": f"token {token}"})
+    opts = dict(OPTS, num_predict=6, temperature=0.0, seed=7)
+
+    first = await run(c.generate, model="tiny", prompt="Once upon a time", options=opts)
+    ctx = first.context
+    assert isinstance(ctx, list) and all(type(t) is int for t in ctx), ctx
+    asked = await _tokens(ext, _user("Once upon a time"))
+    assert ctx[:len(asked)] == asked and first.prompt_eval_count == len(asked) and asked[0] == 1  # with its BOS
+    assert len(ctx) == first.prompt_eval_count + first.eval_count
+    assert (await _runner(ext).post("/detokenize", {"tokens": ctx[len(asked):]}))["content"] == first.response
+    # streamed: the last chunk carries it, and only the last
+    chunks = await run(lambda: list(c.generate(model="tiny", prompt="Once upon a time", options=opts, stream=True)))
+    assert [ch.context is None for ch in chunks] == [True] * (len(chunks) - 1) + [False] and chunks[-1].done
+    last = chunks[-1].context
+    assert last[:len(asked)] == asked and len(last) == chunks[-1].prompt_eval_count + chunks[-1].eval_count
+
+    # the second turn: the first turn's ids, then the new prompt's (no second BOS); its context goes on
+    new = await _tokens(ext, _user("And then?"), special=False)
+    second = await run(c.generate, model="tiny", prompt="And then?", context=ctx, options=opts)
+    assert second.prompt_eval_count == len(ctx) + len(new), (second.prompt_eval_count, len(ctx), len(new))
+    assert second.context[:len(ctx) + len(new)] == ctx + new
+    assert len(second.context) == second.prompt_eval_count + second.eval_count
+    chunks = await run(lambda: list(c.generate(model="tiny", prompt="And then?", context=ctx, options=opts,
+                                               stream=True)))
+    assert chunks[-1].prompt_eval_count == len(ctx) + len(new) and chunks[-1].context[:len(ctx) + len(new)] == ctx + new
+    third = await run(c.generate, model="tiny", prompt="The end", context=second.context, options=opts)
+    assert third.prompt_eval_count == len(second.context) + len(await _tokens(ext, _user("The end"), special=False))
+
+    # an answer cut at a stop word: the prompt and the answer's text, tokenized together (as Ollama does)
+    word = first.response.strip()[:1]
+    stopped = await run(c.generate, model="tiny", prompt="Once upon a time", options=dict(opts, stop=[word]))
+    assert stopped.done_reason == "stop" and word not in stopped.response
+    text = (await _runner(ext).post("/apply-template", {"messages": _user("Once upon a time")}))["prompt"]
+    together = await _runner(ext).post("/tokenize", {"content": text + stopped.response, "add_special": True})
+    assert stopped.context == together["tokens"]
+
+    # raw: no context in, none out (the prompt is as given)
+    plain = await run(c.generate, model="tiny", prompt="Once upon a time", raw=True, options=opts)
+    raw = await run(c.generate, model="tiny", prompt="Once upon a time", raw=True, context=ctx, options=opts)
+    assert plain.context is None and raw.context is None and raw.prompt_eval_count == plain.prompt_eval_count
+    chunks = await run(lambda: list(c.generate(model="tiny", prompt="Once", raw=True, context=ctx, options=opts,
+                                               stream=True)))
+    assert chunks[-1].done and all(ch.context is None for ch in chunks)
+
+    # longer than the context window: its first token and its end, as a long prompt is cut
+    long = [1] + [300] * 1500
+    cut = await run(c.generate, model="tiny", prompt="Hi", context=long, options=dict(opts, num_predict=4))
+    assert cut.prompt_eval_count <= 1024 - 4 and cut.context[0] == 1
+    assert len(cut.context) == cut.prompt_eval_count + cut.eval_count
+    r = await http.post("api/generate", json={"model": "tiny", "prompt": "Hi", "context": long, "stream": False,
+                                              "truncate": False, "options": opts})
+    assert r.status_code == 400 and "the context and the prompt are 15" in r.json()["error"], r.text
+
+    # what is not a context: a 400 that says so
+    for bad, said in ((-1, "context[1] must be a token id (a whole number of 0 or more), got -1"),
+                      (10 ** 6, "context[1] is 1000000, which is not a token of tiny: its vocabulary has 512 tokens")):
+        with pytest.raises(ollama.ResponseError) as e:
+            await run(c.generate, model="tiny", prompt="x", context=[1, bad], options=opts)
+        assert e.value.status_code == 400 and said in e.value.error, e.value.error
+    for bad, said in (("abc", "context must be a list of token ids"), ([1, 2.5], "context[1] must be a token id"),
+                      ([True], "context[0] must be a token id (a whole number of 0 or more), got true"),
+                      ({"a": 1}, "got dict")):
+        r = await http.post("api/generate", json={"model": "tiny", "prompt": "x", "context": bad, "stream": False})
+        assert r.status_code == 400 and said in r.json()["error"], r.text
+    c.close()
+
+
+async def test_generate_context_leaves_out_the_presets_messages(llama_url, token, ext):
+    """Ollama: with a context, a model's messages are not added again (they are in it); its
+    system message still is."""
+    c = ollama.Client(host=llama_url, headers={"Authorization": f"token {token}"})
+    history = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "It is me, Mario"}]
+    await run(c.create, model="remembers", from_="tiny", system="You are Mario", messages=history,
+              parameters=dict(OPTS))
+    one = dict(OPTS, num_predict=1)
+    fresh = await run(c.generate, model="remembers", prompt="Hello", options={"num_predict": 1})
+    assert fresh.prompt_eval_count == len(await _tokens(ext, [{"role": "system", "content": "You are Mario"},
+                                                                *history, *_user("Hello")]))
+    ctx = fresh.context
+    later = await run(c.generate, model="remembers", prompt="Hello", context=ctx, options={"num_predict": 1})
+    alike = await run(c.generate, model="tiny", prompt="Hello", system="You are Mario", context=ctx, options=one)
+    new = await _tokens(ext, _user("Hello", system="You are Mario"), special=False)
+    assert later.prompt_eval_count == alike.prompt_eval_count == len(ctx) + len(new)
+    # an empty context too (a context was given): the messages stay out
+    empty = await run(c.generate, model="remembers", prompt="Hello", context=[], options={"num_predict": 1})
+    assert empty.prompt_eval_count == len(await _tokens(ext, _user("Hello", system="You are Mario")))
+    assert empty.context[:empty.prompt_eval_count] == await _tokens(ext, _user("Hello", system="You are Mario"))
+    c.close()
+
+
 async def test_openai_client(llama_url, token):
     c = openai.OpenAI(base_url=llama_url + "/v1", api_key=token)  # sends "Authorization: Bearer <token>"
     msgs = [{"role": "user", "content": "Hello"}]

@@ -123,6 +123,46 @@ def test_generate_translator():
     assert tr2.feed({"content": "", "stop": True, "stop_type": "eos"})[0]["done_reason"] == "stop"
 
 
+def test_generate_context_is_parsed_and_the_answers_ids_kept():
+    from jupyter_llama.models.preset import Preset
+
+    preset = Preset(system="S", messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    g = oa.parse_generate({"model": "m", "prompt": "hi"}, preset)
+    assert g.context is None and len(g.history) == 2 and g.answers_context
+    g = oa.parse_generate({"model": "m", "prompt": "hi", "context": [1, 5, 9]}, preset)
+    assert g.context == [1, 5, 9] and g.history == [] and g.default_system == "S"  # Ollama: messages left out
+    assert oa.parse_generate({"model": "m", "prompt": "hi", "context": []}, preset).history == []
+    raw = oa.parse_generate({"model": "m", "prompt": "hi", "context": [1], "raw": True}, preset)
+    assert raw.context is None and not raw.answers_context
+    assert not oa.parse_generate({"model": "m", "prompt": "a", "suffix": "b"}).answers_context
+    for bad, words in (("1,2", "context must be a list"), ([1, -1], r"context\[1\] must be a token id"),
+                       ([0, 1.0], r"context\[1\]"), ([None], r"context\[0\] .* got null")):
+        with pytest.raises(BadRequest, match=words):
+            oa.parse_generate({"model": "m", "prompt": "hi", "context": bad})
+
+    def event(text, ids):
+        return json.dumps({"index": 0, "content": text, "tokens": ids, "stop": False, "id_slot": -1,
+                           "tokens_predicted": 1}, separators=(",", ":")).encode()
+
+    last = {"index": 0, "content": "", "tokens": [], "stop": True, "stop_type": "limit",
+            "timings": {"predicted_n": 3, "prompt_n": 4}}
+    tr = oa.ContextGenerateTranslator("m", 0.0, 0.0)
+    assert tr.lines(event("Hel", [40])) and tr.lines(event("", [41])) == b""  # (text held for a stop word)
+    assert json.loads(tr.lines(event("lo", [42])))["response"] == "lo"
+    assert tr.lines(json.dumps(last).encode()) == b"", "the last chunk is held back, for its context"
+    assert tr.final["done"] and tr.final["eval_count"] == 3
+    assert tr.answer() == ([40, 41, 42], "Hello")
+    tr = oa.ContextGenerateTranslator("m", 0.0, 0.0)  # a token that ended mid-character had no event
+    tr.lines(event("é", [7]))
+    tr.lines(json.dumps(dict(last, timings={"predicted_n": 2})).encode())
+    assert tr.answer() == (None, "é")
+    tr = oa.ContextGenerateTranslator("m", 0.0, 0.0)  # cut at a stop word: its text, not its ids
+    word = dict(last, stop_type="word", timings={"predicted_n": 2})
+    for data in (event("a", [1]), event("b", [2]), json.dumps(word).encode()):
+        tr.feed(json.loads(data))
+    assert tr.answer() == (None, "ab") and tr.combined()["response"] == "ab"
+
+
 def test_chat_translator_with_tool_calls():
     tr = oa.ChatTranslator("m", 0.0, 0.0)
     tr.feed({"choices": [{"delta": {"role": "assistant", "content": None}}]})
@@ -248,7 +288,9 @@ def test_streamed_lines_equal_the_chunks_feed_makes(text):
            "tokens_evaluated": 4}
     chat = {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": text}}], "created": 1,
             "id": "chatcmpl-x", "model": "m", "object": "chat.completion.chunk"}
-    for tr, event in ((oa.GenerateTranslator("m:latest", 0.0, 0.0), gen), (oa.ChatTranslator("m:latest", 0.0, 0.0), chat)):
+    translators = ((oa.GenerateTranslator("m:latest", 0.0, 0.0), gen), (oa.ChatTranslator("m:latest", 0.0, 0.0), chat),
+                   (oa.ContextGenerateTranslator("m:latest", 0.0, 0.0), gen))
+    for tr, event in translators:
         for wire in (json.dumps(event, separators=(",", ":")), json.dumps(event, separators=(",", ":"),
                                                                             ensure_ascii=False)):
             line = tr.lines(wire.encode())
