@@ -132,8 +132,8 @@ _KEYWORDS = ("buffer size", "MiB", "offloaded", "n_ctx", "n_seq_max", "n_batch",
 # most of them match nothing. (The markers are lower case and searched for in the lowered
 # line: an IGNORECASE alternation costs ten times as much, 11 us a line.)
 _KEYWORD_RE = re.compile("|".join(map(re.escape, _KEYWORDS)))
-_ALERT_RE = re.compile("|".join(re.escape(k) for k in (*RECOVERABLE_MARKERS, "does not match expectation",
-                                                       *OOM_MARKERS, *ERROR_MARKERS)))
+_ALERTS = (*RECOVERABLE_MARKERS, "does not match expectation", *OOM_MARKERS, *ERROR_MARKERS)
+_ALERT_RE = re.compile("|".join(map(re.escape, _ALERTS)))
 
 
 def _mib_to_bytes(text: str) -> int:
@@ -233,7 +233,8 @@ class LogParser:
         markers stands in for one search per line (each line is kept all the same)."""
         if self.ready and self.listening:
             block = "\n".join(lines)
-            if "\x1b" not in block and "\r" not in block and not _ALERT_RE.search(block.lower()):
+            low = block.lower()  # (over a block, a search per marker beats the alternation's: 14 us, not 35)
+            if "\x1b" not in block and "\r" not in block and not any(k in low for k in _ALERTS):
                 self.lines.extend(lines)
                 self.n_lines += len(lines)
                 return
