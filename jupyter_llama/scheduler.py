@@ -250,6 +250,10 @@ class SchedulerSettings:
 # asks for them, so they never force a reload.
 PLACEMENT_FIELDS = ("fit_target_mib", "rpc")
 
+# How long a worker's answer after our runner let it go stands for it (see Scheduler.inventory):
+# long enough for the load that evicted the runner to be planned, not for a later one.
+FREED_FRESH_S = 1.0
+
 
 @dataclass
 class Loaded:
@@ -477,6 +481,8 @@ class Scheduler:
         # Workers are probed by the scheduler itself (it knows which ones its runners hold).
         self._inventory_fn = inventory or (lambda: devmod.inventory(workers=()))
         self._worker_status: dict[str, rpc.WorkerStatus] = {}  # last good probe per worker
+        # a worker's answer once our runner let it go (see _wait_workers), for the plan that follows
+        self._freed: dict[str, tuple[float, rpc.WorkerStatus]] = {}
         self.loaded: dict[str, Loaded] = {}
         self.events = EventLog()
         self._lock = asyncio.Lock()
@@ -802,8 +808,14 @@ class Scheduler:
         inv.budgets = self.settings.budgets
         if self.settings.rpc_workers:
             held = self.held_workers()
-            inv.workers = await asyncio.to_thread(devmod.probe_workers, self.settings.rpc_workers, held,
-                                                  self._worker_status, self.settings.worker_timeout)
+            # A worker that answered after our runner let it go, a moment ago, is taken as it
+            # answered: asking again would cost a second round of probes before the next load.
+            now = time.monotonic()
+            freed = {ep: st for ep, (at, st) in self._freed.items() if now - at < FREED_FRESH_S and ep not in held}
+            self._freed.clear()
+            inv.workers = await asyncio.to_thread(devmod.probe_workers, self.settings.rpc_workers,
+                                                  {**dict.fromkeys(freed, ""), **held}, {**self._worker_status, **freed},
+                                                  self.settings.worker_timeout)
             inv.held = held
             for w in inv.workers:
                 if w.reachable and w.devices and w.endpoint not in held:
@@ -1266,6 +1278,7 @@ class Scheduler:
             for st in found:
                 if st.reachable:
                     self._worker_status[st.endpoint] = st
+                    self._freed[st.endpoint] = (time.monotonic(), st)
                     pending.remove(st.endpoint)
                     free = sum(d.free for d in st.devices)
                     self.events.emit(EventKind.RECOVER, name, f"RPC worker {st.endpoint} answers again "

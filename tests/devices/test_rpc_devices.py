@@ -183,6 +183,23 @@ async def test_unload_waits_for_the_worker_to_answer_again(workers, make_schedul
     assert rpc.probe(a.endpoint).reachable
 
 
+async def test_the_plan_after_an_unload_takes_the_workers_answer_as_it_came(workers, make_scheduler, model,
+                                                                            monkeypatch):
+    """The answer a worker gave once our runner let it go stands for it in the next plan (a
+    swap on workers pays one round of probes, not two); the plan after that asks again."""
+    (a,) = workers(1)
+    sched = make_scheduler([a])
+    await sched.load(model, OPTS.replace(num_gpu=2))
+    await sched.unload(model)
+    asked = []
+    real = rpc.probe
+    monkeypatch.setattr(rpc, "probe", lambda ep, timeout=2.0: asked.append(ep) or real(ep, timeout))
+    inv = await sched.inventory()
+    assert asked == [] and inv.workers[0].reachable and inv.workers[0].devices[0].free > 0
+    inv = await sched.inventory()
+    assert asked == [a.endpoint] and inv.workers[0].reachable
+
+
 async def test_default_cap_counts_workers_as_gpus(workers, make_scheduler):
     ws = workers(2)
     sched = make_scheduler(ws)
