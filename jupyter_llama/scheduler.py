@@ -277,6 +277,7 @@ class Loaded:
     last_used: float = field(default_factory=time.monotonic)
     load_duration: float = 0.0
     also_as: set[str] = field(default_factory=set)  # other names of the same file it has served
+    handed_over: bool = False  # evicted for a load that takes its RPC workers as it exits (see _make_room)
 
     @property
     def name(self) -> str:
@@ -1138,10 +1139,20 @@ class Scheduler:
             self.events.emit(EventKind.EVICT, victim.name, f"evicting {victim.name} to make room for {ref.name}: {reason}; "
                              f"chosen because {rule}", victim=victim.name, for_model=ref.name, rule=rule,
                              devices=numbers, over_cap=plan.over_cap)
-            if plan.over_cap and not short and victim.refcount == 0 and set(victim.charge.by_device()) <= {HOST}:
+            if plan.over_cap and not short and victim.refcount == 0 and all(
+                    d == HOST or rpc.is_rpc(d) for d in victim.charge.by_device()):
                 # Only the count cap is in the way, and the memory fit counted the victim as
                 # loaded: its process can exit while the new one starts (a swap pays one start,
-                # not a stop and a start). Host memory only: a GPU's must be back before a fit.
+                # not a stop and a start). Host memory and RPC workers only (a local GPU's
+                # memory must be back before a fit): a worker serves one client at a time and
+                # frees a client's buffers before it takes the next, so the new child's
+                # connection waits for the old one's to close, and the next plan may count
+                # each of the victim's workers as it answered before the victim took it.
+                now = time.monotonic()
+                for ep in victim.options.rpc or ():
+                    if ep in self._worker_status:
+                        self._freed[ep] = (now, self._worker_status[ep])
+                victim.handed_over = bool(victim.options.rpc)
                 self._stop_behind(victim, f"evicted for {ref.name}")
             else:
                 await self._unload(victim, f"evicted for {ref.name}", rule="evict")
@@ -1237,7 +1248,7 @@ class Scheduler:
             return
         if gpu_used and before is not None:
             await self._wait_recovery(lo.name, gpu_used, before)
-        if workers:
+        if workers and not lo.handed_over:  # (handed over: the next child is connecting to them by now)
             await self._wait_workers(lo.name, workers)
 
     async def _wait_recovery(self, name: str, used: dict[str, int], before: dict[str, int]) -> None:

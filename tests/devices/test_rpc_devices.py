@@ -18,7 +18,7 @@ from jupyter_llama.engine.worker import LocalWorker
 from jupyter_llama.memory import devices as devmod
 from jupyter_llama.memory import rpc
 from jupyter_llama.memory.report import DETAILED, HOST, MiB
-from jupyter_llama.scheduler import Scheduler, SchedulerSettings
+from jupyter_llama.scheduler import ModelState, Scheduler, SchedulerSettings
 
 pytestmark = pytest.mark.engine
 
@@ -198,6 +198,31 @@ async def test_the_plan_after_an_unload_takes_the_workers_answer_as_it_came(work
     assert asked == [] and inv.workers[0].reachable and inv.workers[0].devices[0].free > 0
     inv = await sched.inventory()
     assert asked == [a.endpoint] and inv.workers[0].reachable
+
+
+async def test_a_swap_on_workers_starts_the_next_child_as_the_old_one_exits(workers, make_scheduler, model,
+                                                                            make_model):
+    """With room for one model, B evicts A and takes A's workers without waiting for A to be
+    gone: B's child starts while A's exits (the workers take B's connection once A's closes),
+    B is placed on the workers by their answers from before A, and it answers."""
+    a, b = workers(2)
+    other = str(make_model("rpcmodel-swap", **{**SHAPE, "seed": 5}))
+    sched = make_scheduler([a, b], max_loaded_models=1)
+    first = await sched.load(model, OPTS)
+    assert set(first.options.rpc) == {a.endpoint, b.endpoint}
+    old_pid = first.runner.pid
+    second = await sched.load(other, OPTS)
+    assert set(second.options.rpc) == {a.endpoint, b.endpoint} and by_device(second)[a.id] > 0
+    kinds = [(e.kind, e.model) for e in sched.events.history]
+    i_load = kinds.index(("load", second.name))
+    i_unload = kinds.index(("unload", first.name))
+    assert kinds.index(("evict", first.name)) < i_load < i_unload  # started before the old one was gone
+    await asyncio.wait_for(first.gone.wait(), 10)  # (it went while B loaded: B's workers were waiting on it)
+    assert not process_alive(old_pid) and first.state == ModelState.GONE
+    assert not [e for e in sched.events.history if e.kind == "recover" and e.data.get("free") is None]
+    async with sched.use(other) as lease:
+        text, timings = await lease.runner.complete_text("Once upon a time", n_predict=4)
+    assert text and timings["predicted_n"] == 4
 
 
 async def test_default_cap_counts_workers_as_gpus(workers, make_scheduler):
