@@ -59,9 +59,11 @@ class CachedResolver:
 
     A hit is used only while the files behind it are unchanged: the manifest, the model blob
     and the projector are ``stat``-ed (size, mtime, inode) on every call, which is the same
-    test after which the store itself skips rehashing; and for at most ``ttl`` seconds, so a
-    manifest created elsewhere under a name that used to resolve to a path is seen soon.
-    ``forget()`` drops everything (after our own create, copy, pull and delete).
+    test after which the store itself skips rehashing. A hit older than ``ttl`` seconds is
+    still answered at once, and looked up again behind it (so what the stamps cannot see, a
+    manifest made elsewhere that takes precedence over the one found, say, reaches the next
+    request): a notebook's requests, seconds apart, never wait for the lookup. ``forget()``
+    drops everything (after our own create, copy, pull and delete).
     """
 
     def __init__(self, store, ttl: float = 5.0):
@@ -69,6 +71,9 @@ class CachedResolver:
         self.ttl = ttl
         self._cache: dict[str, tuple[float, object, tuple]] = {}
         self._presets: dict[str, tuple[float, object, tuple]] = {}
+        self._generation = 0  # forget() moves it on: a look-up begun before it does not store its answer
+        self._refreshing: set[tuple[int, str]] = set()
+        self._tasks: set[asyncio.Task] = set()
 
     @staticmethod
     def _stamps(paths) -> tuple:
@@ -87,24 +92,6 @@ class CachedResolver:
             return ref, None  # a GGUF path, not a named model: who may read it is decided per request
         return ref, self._stamps(paths)
 
-    async def __call__(self, name: str):
-        hit = self._cache.get(name)
-        if hit is not None:
-            at, ref, stamps = hit
-            try:
-                if time.monotonic() - at < self.ttl and self._stamps(p for p, *_ in stamps) == stamps:
-                    return ref
-            except OSError:
-                pass
-            self._cache.pop(name, None)
-        ref, stamps = await asyncio.to_thread(self._resolve, name)
-        if stamps is None:
-            return ref
-        if len(self._cache) > 256:
-            self._cache.clear()
-        self._cache[name] = (time.monotonic(), ref, stamps)
-        return ref
-
     def _preset(self, name: str):
         try:
             manifest = str(self.store.entry(name).manifest_path)
@@ -113,26 +100,66 @@ class CachedResolver:
             return self.store.preset_for(name), None  # no model of that name (a path, a typo): nothing to keep
         return self.store.preset_for(name), stamps
 
+    async def __call__(self, name: str):
+        return await self._cached(self._cache, name, self._resolve)
+
     async def preset(self, name: str):
         """``store.preset_for(name)`` (what a request for ``name`` starts from), cached on the
-        same terms as a resolution: the model's manifest unchanged, for at most ``ttl``."""
-        hit = self._presets.get(name)
+        same terms as a resolution: the model's manifest unchanged."""
+        return await self._cached(self._presets, name, self._preset)
+
+    async def _cached(self, cache: dict, name: str, look):
+        hit = cache.get(name)
         if hit is not None:
-            at, preset, stamps = hit
+            at, value, stamps = hit
             try:
-                if time.monotonic() - at < self.ttl and self._stamps(p for p, *_ in stamps) == stamps:
-                    return preset
+                unchanged = self._stamps(p for p, *_ in stamps) == stamps
             except OSError:
-                pass
-            self._presets.pop(name, None)
-        preset, stamps = await asyncio.to_thread(self._preset, name)
-        if stamps is not None:
-            if len(self._presets) > 256:
-                self._presets.clear()
-            self._presets[name] = (time.monotonic(), preset, stamps)
-        return preset
+                unchanged = False
+            if unchanged:
+                if time.monotonic() - at >= self.ttl:
+                    self._look_again(cache, name, look)
+                return value
+            cache.pop(name, None)
+        generation = self._generation
+        value, stamps = await asyncio.to_thread(look, name)
+        self._keep(cache, name, value, stamps, generation)
+        return value
+
+    def _keep(self, cache: dict, name: str, value, stamps, generation: int) -> None:
+        if generation != self._generation:
+            return
+        if stamps is None:
+            cache.pop(name, None)
+            return
+        if len(cache) > 256:
+            cache.clear()
+        cache[name] = (time.monotonic(), value, stamps)
+
+    def _look_again(self, cache: dict, name: str, look) -> None:
+        key = (id(cache), name)
+        if key in self._refreshing:
+            return
+        self._refreshing.add(key)
+        generation = self._generation
+
+        async def again() -> None:
+            try:
+                value, stamps = await asyncio.to_thread(look, name)
+            except Exception:  # noqa: BLE001 - it no longer resolves: the next request looks it up and says why
+                if generation == self._generation:
+                    cache.pop(name, None)
+            else:
+                self._keep(cache, name, value, stamps, generation)
+            finally:
+                self._refreshing.discard(key)
+
+        task = asyncio.get_running_loop().create_task(again())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def forget(self) -> None:
+        self._generation += 1
         self._cache.clear()
         self._presets.clear()
 
