@@ -10,6 +10,7 @@ import {
   IEvent,
   IPs,
   IPullStatus,
+  IShow,
   ITags,
   NdjsonSplitter,
   errorMessage
@@ -89,6 +90,11 @@ export class LlamaApi {
 
   tags(): Promise<ITags> {
     return this.get<ITags>('api/tags');
+  }
+
+  /** One model's metadata and preset (``POST api/show``, Ollama's answer). */
+  show(model: string): Promise<IShow> {
+    return this.post<IShow>('api/show', { model });
   }
 
   devices(): Promise<IDevices> {

@@ -1,6 +1,6 @@
 /**
  * Pure functions that turn the jupyter-llama REST answers (api/tags, api/ps,
- * api/devices, api/events, api/pull progress) into view rows and words.
+ * api/show, api/devices, api/events, api/pull progress) into view rows and words.
  *
  * Nothing here touches the DOM, the network or JupyterLab, so all of it is
  * unit-tested in plain Node.
@@ -41,6 +41,29 @@ export interface ITagModel {
 
 export interface ITags {
   models?: ITagModel[];
+}
+
+/** A model's preset as the server stores it (``show``'s ``preset``, jupyter-llama's own field). */
+export interface IShowPreset {
+  system?: string;
+  template?: string;
+  parameters?: { [name: string]: unknown };
+  messages?: { role?: string; content?: string }[];
+  license?: string[];
+}
+
+/** ``POST api/show``: the fields the panel reads (Ollama's, plus ``preset``). */
+export interface IShow {
+  name?: string;
+  digest?: string;
+  system?: string;
+  /** Ollama's text form: one ``name value`` line per parameter (per stop sequence). */
+  parameters?: string;
+  /** The preset's template, else the GGUF's own chat template (as Ollama answers). */
+  template?: string;
+  messages?: { role?: string; content?: string }[];
+  modelfile?: string;
+  preset?: IShowPreset | null;
 }
 
 /** One entry of ``GET api/ps`` (Ollama's fields plus the scheduler's). */
@@ -262,7 +285,108 @@ export interface IModelRow {
   loaded: boolean;
   /** The scheduler state when loaded (``loading``, ``ready``, ``unloading``), else null. */
   state: string | null;
+  /** The model's preset in short (system, parameters, ...), null without one or not yet known. */
+  preset: IPresetSummary | null;
 }
+
+/** A registered model's preset, for its row: the short line and its tooltip. */
+export interface IPresetSummary {
+  /** ``system: “You are Mario…” · num_predict 3 · temperature 0 · 2 messages · custom template`` */
+  text: string;
+  /** The pieces of ``text`` (joined with `` · ``), so a view can keep each on one line. */
+  parts: string[];
+  /** The full Modelfile (``show``'s ``modelfile``). */
+  title: string;
+}
+
+/** How much of the system message the summary line shows. */
+export const PRESET_SYSTEM_CHARS = 40;
+const PRESET_VALUE_CHARS = 24;
+
+/** ``text`` on one line (whitespace collapsed), cut to ``max`` characters with an ellipsis
+ * (at a word's end when one is near). */
+export function shorten(text: string, max: number): string {
+  const one = String(text ?? '').replace(/\s+/g, ' ').trim();
+  const chars = Array.from(one); // never cut a surrogate pair in two
+  if (chars.length <= max) {
+    return one;
+  }
+  let cut = chars.slice(0, Math.max(1, max - 1));
+  const space = cut.lastIndexOf(' ');
+  if (chars[cut.length] !== ' ' && space >= Math.ceil(max * 0.6)) {
+    cut = cut.slice(0, space);
+  }
+  return cut.join('').trimEnd() + '…';
+}
+
+/** Ollama's ``parameters`` text (``name   value`` per line) -> [name, value] pairs, in order. */
+export function parametersFromText(text: string | null | undefined): [string, string][] {
+  const out: [string, string][] = [];
+  for (const line of String(text ?? '').split('\n')) {
+    const m = /^\s*(\S+)(?:\s+(.*?))?\s*$/.exec(line);
+    if (m) {
+      out.push([m[1], m[2] ?? '']);
+    }
+  }
+  return out;
+}
+
+/**
+ * The summary of a model's preset from its ``api/show`` answer; null when it has none.
+ *
+ * The system message (shortened), each parameter with its value (a repeated one, like
+ * ``stop``, once with all its values), the messages counted, ``custom template``. Reads the
+ * server's ``preset`` where the answer has it: Ollama's ``template`` is the GGUF's own chat
+ * template for a model without one of its own, so only ``preset.template`` says "custom";
+ * without ``preset`` (an Ollama-shaped answer) the template is left out.
+ */
+export function presetSummary(show: IShow | null | undefined): IPresetSummary | null {
+  if (!show || typeof show !== 'object') {
+    return null;
+  }
+  const p = show.preset && typeof show.preset === 'object' ? show.preset : null;
+  const system = String((p ? p.system : show.system) ?? '');
+  const messages = (p ? p.messages : show.messages) ?? [];
+  const template = p ? String(p.template ?? '') : '';
+  const licenses = p && Array.isArray(p.license) ? p.license.filter(Boolean) : [];
+  let params = parametersFromText(show.parameters);
+  if (!params.length && p?.parameters && typeof p.parameters === 'object') {
+    // no text form: the stored values (a list, like stop, is one value each)
+    params = Object.entries(p.parameters).flatMap(([k, v]) =>
+      (Array.isArray(v) ? v : [v]).map(x => [k, typeof x === 'string' ? JSON.stringify(x) : String(x)] as [string, string])
+    );
+  }
+  const grouped = new Map<string, string[]>();
+  for (const [name, value] of params) {
+    grouped.set(name, [...(grouped.get(name) ?? []), value]);
+  }
+  const parts: string[] = [];
+  if (system.trim()) {
+    parts.push(`system: “${shorten(system, PRESET_SYSTEM_CHARS)}”`);
+  }
+  for (const [name, values] of grouped) {
+    const v = values.filter(x => x !== '').map(x => shorten(x, PRESET_VALUE_CHARS)).join(' ');
+    parts.push(v ? `${name} ${v}` : name);
+  }
+  if (Array.isArray(messages) && messages.length) {
+    parts.push(plural(messages.length, 'message'));
+  }
+  if (template.trim()) {
+    parts.push('custom template');
+  }
+  if (licenses.length) {
+    parts.push(licenses.length === 1 ? 'license' : plural(licenses.length, 'license'));
+  }
+  if (!parts.length) {
+    return null;
+  }
+  const text = parts.join(' · ');
+  const modelfile = String(show.modelfile ?? '').trim();
+  return { text, parts, title: modelfile || text };
+}
+
+/** The preset summary known for a registered model (by name and its tags digest). */
+export type PresetLookup = (name: string, digest: string) => IPresetSummary | null | undefined;
 
 /** Does ``name`` (from tags) name the same model as ``other`` (from ps)? ``x`` is ``x:latest``. */
 /** Whether two names name the same model (``tiny`` is ``tiny:latest``; names compare
@@ -275,10 +399,11 @@ export function sameModel(name: string, other: string): boolean {
   return norm(name) === norm(other);
 }
 
-/** One row per registered model, with whether it is loaded. */
+/** One row per registered model, with whether it is loaded (and its preset, from ``presets``). */
 export function modelRows(
   tags: ITags | null | undefined,
-  ps?: IPs | null
+  ps?: IPs | null,
+  presets?: PresetLookup
 ): IModelRow[] {
   const loaded = (ps?.models ?? []).map(m => ({
     name: m.name || m.model || '',
@@ -297,7 +422,8 @@ export function modelRows(
         parameters: m.details?.parameter_size ?? '',
         family: m.details?.family ?? '',
         loaded: hit !== undefined,
-        state: hit ? hit.state : null
+        state: hit ? hit.state : null,
+        preset: (presets && name ? presets(name, m.digest ?? '') : null) ?? null
       };
     })
     .sort((a, b) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0));

@@ -199,7 +199,7 @@ export class LlamaPanel extends Widget {
     const loadedKey = loaded.map(r => ({ ...r, keepAlive: r.keepAlive.expiresAt ?? r.keepAlive.text, busy: s.busy.get(r.name) ?? null }));
     this._section(this._loaded, loadedKey, () => this._renderLoaded(loaded));
 
-    const models = modelRows(s.tags, s.ps);
+    const models = modelRows(s.tags, s.ps, (name, digest) => s.presets.get(name, digest));
     const modelsKey = models.map(m => ({ ...m, busy: s.busy.get(m.name) ?? null }));
     this._section(this._models, modelsKey, () => this._renderModels(models));
 
@@ -369,7 +369,17 @@ export class LlamaPanel extends Widget {
               ? h('span', { class: `jp-Llama-tag jp-Llama-state-${m.state ?? 'ready'}` }, m.state && m.state !== 'ready' ? m.state : 'loaded')
               : null
           ),
-          h('div', { class: 'jp-Llama-small jp-Llama-muted' }, facts.join(' · '))
+          h('div', { class: 'jp-Llama-small jp-Llama-muted' }, facts.join(' · ')),
+          m.preset
+            ? h(
+                'div',
+                { class: 'jp-Llama-small jp-Llama-muted jp-Llama-preset', title: m.preset.title },
+                ...m.preset.parts.flatMap((part, i) => [
+                  i ? ' · ' : null,
+                  h('span', { class: part.startsWith('system:') ? null : 'jp-Llama-nowrap' }, part)
+                ])
+              )
+            : null
         ),
         h(
           'button',

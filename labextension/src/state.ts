@@ -8,6 +8,7 @@ import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
 import { LlamaApi } from './api';
+import { PresetCache } from './presets';
 import {
   ErrorGate,
   IDevices,
@@ -29,6 +30,14 @@ export class LlamaState {
     readonly api: LlamaApi,
     intervalSeconds = 3
   ) {
+    this.presets = new PresetCache({
+      show: name => this.api.show(name),
+      changed: () => {
+        if (!this._disposed) {
+          this._changed.emit();
+        }
+      }
+    });
     this._poll = new Poll({
       name: 'jupyter-llama:state',
       factory: () => this._update(),
@@ -37,6 +46,9 @@ export class LlamaState {
       auto: true
     });
   }
+
+  /** The registered models' presets: ``api/show`` once per model and digest (see ./presets). */
+  readonly presets: PresetCache;
 
   ps: IPs | null = null;
   tags: ITags | null = null;
@@ -127,6 +139,7 @@ export class LlamaState {
     }
     this._disposed = true;
     this._poll.dispose();
+    this.presets.dispose();
     Signal.clearData(this);
   }
 
@@ -173,6 +186,9 @@ export class LlamaState {
       this.devices = devices;
       this.events = events;
       this.tags = tags;
+      if (readTags) {
+        this.presets.update(tags); // show calls only for new models and changed digests
+      }
       this._tagsStale = false;
       this.error = null;
       this.updatedAt = Date.now() / 1000;

@@ -1,7 +1,9 @@
 // Drives Debian's Chromium through a running JupyterLab for tests/ui/test_lab_ui.py.
 //
 // Environment: LAB_URL (ends with /), LAB_TOKEN, ARTIFACTS (a folder), CHROMIUM, PROFILE
-// (a fresh user-data dir), MODEL (the registered model's name as ps shows it).
+// (a fresh user-data dir), MODEL (the registered model's name as ps shows it), PRESET_MODEL
+// (a second registered model, made from MODEL with the system message "You are Mario" and
+// num_predict 3).
 //
 // Protocol with the Python test: every line this prints is a log line, except
 // "CALL <json>": the test performs the call (the REST API from outside the browser, with
@@ -15,6 +17,7 @@ const base = process.env.LAB_URL;
 const token = process.env.LAB_TOKEN;
 const artifacts = process.env.ARTIFACTS;
 const model = process.env.MODEL || 'tiny:latest';
+const presetModel = process.env.PRESET_MODEL || 'mario:latest';
 const liveWorker = process.env.LIVE_WORKER; // rpc:127.0.0.1:PORT of a running ggml-rpc-server
 const deadWorker = process.env.DEAD_WORKER; // rpc:127.0.0.1:PORT where nothing listens
 
@@ -47,6 +50,7 @@ async function call(what) {
 const panel = '#jupyter-llama-panel';
 const card = `${panel} .jp-Llama-card[data-loaded-model="${model}"]`;
 const row = `${panel} .jp-Llama-model[data-model="${model}"]`;
+const presetRow = `${panel} .jp-Llama-model[data-model="${presetModel}"]`;
 
 async function main() {
   const context = await chromium.launchPersistentContext(process.env.PROFILE, {
@@ -69,6 +73,13 @@ async function main() {
     page.setDefaultTimeout(45000);
     const pageErrors = [];
     page.on('pageerror', e => pageErrors.push(String(e).slice(0, 400)));
+    // the panel's api/show calls (issue 16: once per model and digest, never per poll)
+    const showCalls = [];
+    page.on('request', req => {
+      if (req.method() === 'POST' && /\/llama\/api\/show$/.test(new URL(req.url()).pathname)) {
+        showCalls.push(JSON.parse(req.postData() || '{}').model);
+      }
+    });
     page.on('console', m => {
       if (m.type() === 'error' && /llama/i.test(m.text())) {
         pageErrors.push(m.text().slice(0, 400));
@@ -100,6 +111,30 @@ async function main() {
         throw new Error(`the registered model's row lacks ${word}: ${rowText}`);
       }
     }
+
+    log("issue 16: the preset model's row shows its preset under its facts, its Modelfile as the tooltip");
+    const presetLine = page.locator(`${presetRow} .jp-Llama-preset`);
+    await presetLine.waitFor();
+    const presetText = await presetLine.innerText();
+    for (const words of ['system: “You are Mario”', 'num_predict 3']) {
+      if (!presetText.includes(words)) {
+        throw new Error(`the preset line lacks ${words}: ${presetText}`);
+      }
+    }
+    const presetTitle = (await presetLine.getAttribute('title')) ?? '';
+    if (!presetTitle.includes('SYSTEM You are Mario') || !presetTitle.includes('PARAMETER num_predict 3')) {
+      throw new Error(`the preset line's tooltip is not the Modelfile: ${presetTitle}`);
+    }
+    const presetFacts = await page.locator(presetRow).innerText();
+    if (!presetFacts.includes('F32') || !presetFacts.includes('KiB')) {
+      throw new Error(`the preset model's row lost its facts: ${presetFacts}`);
+    }
+    if ((await page.locator(`${row} .jp-Llama-preset`).count()) !== 0) {
+      throw new Error(`the plain model's row shows a preset: ${await page.locator(row).innerText()}`);
+    }
+    await page.waitForTimeout(400);
+    await page.locator(panel).screenshot({ path: path.join(artifacts, 'lab-panel-preset.png') });
+    log(`preset line "${presetText}"; screenshot lab-panel-preset.png`);
 
     log('the devices section lists both RPC workers: one ready, one unreachable with the reason');
     const liveRow = `${panel} .jp-Llama-device[data-device="${liveWorker}"]`;
@@ -241,6 +276,16 @@ async function main() {
     await call({ op: 'unload' });
     await out.filter({ hasText: 'no models loaded' }).first().waitFor({ timeout: 30000 });
     await page.locator(card).waitFor({ state: 'detached', timeout: 20000 });
+
+    // a minute of polls, loads and unloads later: still one show call per model
+    const perModel = {};
+    for (const m of showCalls) {
+      perModel[m] = (perModel[m] ?? 0) + 1;
+    }
+    log(`api/show calls from the page: ${JSON.stringify(perModel)}`);
+    if (!perModel[presetModel] || Object.values(perModel).some(n => n > 1)) {
+      throw new Error(`the panel should ask api/show once per model and digest: ${JSON.stringify(perModel)}`);
+    }
 
     checkErrors();
     log('done');

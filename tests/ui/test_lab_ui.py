@@ -1,7 +1,11 @@
 """The JupyterLab front end in a real browser (Debian's Chromium driven by playwright-core).
 
-One JupyterLab with one registered synthetic model; ``drive.mjs`` opens it, and:
+One JupyterLab with one registered synthetic model, and a second one made from it with a
+preset (``api/create``: a system message and a parameter); ``drive.mjs`` opens it, and:
 
+* issue 16: the preset model's row in the panel shows its preset in a second line, its
+  Modelfile as the tooltip; the plain model's row shows none; the panel asks ``api/show``
+  once per model, not on every poll (screenshot ``tests/artifacts/lab-panel-preset.png``);
 * the status-bar item opens the Llama panel; the panel's Load button loads the model, its
   card shows the memory bars (actual, with the prediction marked); Unload removes it
   (screenshot ``tests/artifacts/lab-panel.png``);
@@ -42,6 +46,8 @@ ROOT = HERE.parent.parent
 ARTIFACTS = ROOT / "tests" / "artifacts"
 BUILT = ROOT / "jupyter_llama" / "labextension" / "package.json"
 MODEL = "tiny:latest"
+PRESET_MODEL = "mario:latest"
+PRESET = {"system": "You are Mario", "parameters": {"num_predict": 3}}
 OPTIONS = {"num_ctx": 1024, "num_parallel": 1, "num_thread": 1}
 DRIVER_TIMEOUT = 240
 
@@ -175,9 +181,16 @@ def lab(engine, workers, tmp_path):
 def test_lab_panel_and_notebook_widget(lab, workers, driver_deps, tmp_path):
     url, token, client, proc = lab
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    for name in ("lab-panel.png", "notebook-panel.png", "lab-failure.png"):
+    for name in ("lab-panel.png", "lab-panel-preset.png", "notebook-panel.png", "lab-failure.png"):
         (ARTIFACTS / name).unlink(missing_ok=True)
     pids: set[int] = set()
+
+    # a second model: tiny's weights with a preset, as `jupyter-llama create -f Modelfile` makes one
+    r = client.post("api/create", json={"model": PRESET_MODEL, "from": MODEL, "stream": False, **PRESET})
+    r.raise_for_status()
+    assert r.json().get("status") == "success", r.text
+    shown = client.post("api/show", json={"model": PRESET_MODEL}).json()
+    assert shown["system"] == PRESET["system"] and "SYSTEM You are Mario" in shown["modelfile"], shown
 
     def do(op: str) -> None:
         if op == "load":
@@ -192,6 +205,7 @@ def test_lab_panel_and_notebook_widget(lab, workers, driver_deps, tmp_path):
                 pids.add(int(m["pid"]))
 
     env = dict(os.environ, LAB_URL=url, LAB_TOKEN=token, ARTIFACTS=str(ARTIFACTS), MODEL=MODEL,
+               PRESET_MODEL=PRESET_MODEL,
                LIVE_WORKER=workers[0], DEAD_WORKER=workers[1],
                CHROMIUM=driver_deps["chromium"], PROFILE=str(tmp_path / "chromium-profile"))
     drv = subprocess.Popen([driver_deps["node"], str(HERE / "drive.mjs")], cwd=HERE, env=env, text=True,
@@ -251,4 +265,5 @@ def test_lab_panel_and_notebook_widget(lab, workers, driver_deps, tmp_path):
                           "it is displayed and also returned as the cell's value", stacklevel=1)
     assert any("done" in t for t in transcript)
     assert (ARTIFACTS / "lab-panel.png").stat().st_size > 10_000
+    assert (ARTIFACTS / "lab-panel-preset.png").stat().st_size > 5_000
     assert (ARTIFACTS / "notebook-panel.png").stat().st_size > 10_000
