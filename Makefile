@@ -11,7 +11,7 @@ EXTRAS ?= test,lab
 comma  := ,
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: lab test venv engine system-deps demo clean bench labext ui-deps
+.PHONY: lab test venv engine system-deps demo clean bench labext ui-deps ai-kernel
 
 # The JupyterLab extension (TypeScript in labextension/, built into jupyter_llama/labextension/).
 LABEXT_DIR  := labextension
@@ -88,8 +88,21 @@ lab:
 	@$(MAKE) --no-print-directory -j2 EXTRAS=lab demo labext
 	$(BIN)/jupyter lab --ServerApp.root_dir=$(CURDIR) $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
+# A second kernel environment for the `%%ai` test (jupyter-ai-magics 2.x needs langchain 0.3;
+# the suite's own clients are the current ones). Best effort: without it that test skips, saying why.
+AI_VENV  := .venv-jupyter-ai
+AI_REQS  := tests/server/jupyter-ai-kernel.txt
+AI_STAMP := $(AI_VENV)/.installed-$(shell cksum < $(AI_REQS) | cut -d' ' -f1)
+
+$(AI_STAMP): $(AI_REQS)
+	@rm -rf $(AI_VENV)
+	@($(PYTHON) -m venv $(AI_VENV) && $(AI_VENV)/bin/python -m pip install -q -r $(AI_REQS) && touch $@) \
+	  || { rm -rf $(AI_VENV); echo "could not make $(AI_VENV) from $(AI_REQS): the %%ai test will skip"; }
+
+ai-kernel: $(AI_STAMP)
+
 # pytest's exit code 5 means "no tests collected": that must fail, not pass.
-test: engine labext ui-deps
+test: engine labext ui-deps ai-kernel
 	@JUPYTER_LLAMA_REQUIRE_ENGINE=1 JUPYTER_LLAMA_REQUIRE_UI=1 $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
@@ -97,5 +110,5 @@ bench: engine
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache tests/artifacts $(LABEXT_OUT) $(LABEXT_DIR)/lib \
+	rm -rf $(VENV) $(AI_VENV) .pytest_cache tests/artifacts $(LABEXT_OUT) $(LABEXT_DIR)/lib \
 	  $(LABEXT_DIR)/tsconfig.tsbuildinfo $(LABEXT_DIR)/node_modules tests/ui/node_modules
