@@ -195,7 +195,12 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
 
     Built once per ``prog`` (a magic runs it on every call; parsing does not change it).
     """
-    parser = _Parser(prog=prog, description="Run and manage local llama.cpp models: Ollama's manager layer, in Jupyter.")
+    parser = _Parser(prog=prog, description="Run and manage local llama.cpp models: Ollama's manager layer, in Jupyter.",
+                     epilog="Other clients, unconfigured: in a kernel that a Jupyter server with this extension "
+                            "started, OLLAMA_HOST and OLLAMA_API_KEY, OPENAI_BASE_URL and OPENAI_API_KEY, "
+                            "ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY point at that server (unless you set them), so "
+                            "ollama.chat(...), openai.OpenAI(), anthropic.Anthropic(), langchain's Ollama and OpenAI "
+                            "classes and %%ai ollama:MODEL work as they are.")
     parser.add_argument("--url", help="the manager's API URL (default: JUPYTER_LLAMA_URL, else a running Jupyter "
                                       "server of yours with the extension, else your background manager)")
     parser.add_argument("--token", help="its token (default: JUPYTER_LLAMA_TOKEN or the server's runtime file)")

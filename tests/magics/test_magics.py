@@ -122,7 +122,10 @@ def test_listing_commands(shell, registered, capsys):
     assert "cpu" in capsys.readouterr().out
     shell.run_line_magic("llama", f"stop {registered}")
     shell.run_line_magic("llama", "help")
-    assert "run" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # (argparse wraps the lines)
+    assert "run" in out
+    # it says how the other clients find the server with no configuration
+    assert "OLLAMA_HOST" in out and "OPENAI_BASE_URL" in out and "%%ai ollama:MODEL" in out
 
 
 def test_server_unreachable_says_how_to_start_one(monkeypatch):
