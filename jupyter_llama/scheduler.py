@@ -801,25 +801,35 @@ class Scheduler:
         self.events.emit(EventKind.RELOAD, lo.name, f"reloading: {reason}", changed=changed)
         await self._unload(lo, reason, rule=rule)
 
-    async def inventory(self) -> devmod.Inventory:
+    async def inventory(self, planning: bool = False) -> devmod.Inventory:
         """Devices as they are now, under the scheduler's own budgets, with the RPC workers:
         the free ones probed now, the ones our runners hold as last seen (a worker serves one
-        client, so a held worker would answer only once its runner is gone)."""
+        client, so a held worker would answer only once its runner is gone).
+
+        Two kinds of worker are not asked either, but taken as they last answered: those of an
+        evicted runner still exiting while its successor starts (see :meth:`_make_room`: asked
+        now, they would answer only once it is gone), and, for the plan of a load
+        (``planning``), those that answered a moment ago after our runner let them go (asking
+        again would cost a second round of probes before the load)."""
         inv = await asyncio.to_thread(self._inventory_fn)
         inv.budgets = self.settings.budgets
         if self.settings.rpc_workers:
             held = self.held_workers()
-            # A worker that answered after our runner let it go, a moment ago, is taken as it
-            # answered: asking again would cost a second round of probes before the next load.
-            now = time.monotonic()
-            freed = {ep: st for ep, (at, st) in self._freed.items() if now - at < FREED_FRESH_S and ep not in held}
-            self._freed.clear()
+            stand_in: dict[str, rpc.WorkerStatus] = {
+                ep: self._worker_status[ep] for lo in self._retiring
+                if lo.handed_over and lo.state != ModelState.GONE for ep in lo.options.rpc or ()
+                if ep in self._worker_status and ep not in held}
+            if planning:
+                now = time.monotonic()
+                stand_in.update({ep: st for ep, (at, st) in self._freed.items()
+                                 if now - at < FREED_FRESH_S and ep not in held})
+                self._freed.clear()
             inv.workers = await asyncio.to_thread(devmod.probe_workers, self.settings.rpc_workers,
-                                                  {**dict.fromkeys(freed, ""), **held}, {**self._worker_status, **freed},
-                                                  self.settings.worker_timeout)
+                                                  {**dict.fromkeys(stand_in, ""), **held},
+                                                  {**self._worker_status, **stand_in}, self.settings.worker_timeout)
             inv.held = held
             for w in inv.workers:
-                if w.reachable and w.devices and w.endpoint not in held:
+                if w.reachable and w.devices and w.endpoint not in held and w.endpoint not in stand_in:
                     self._worker_status[w.endpoint] = w
         return inv
 
@@ -1086,7 +1096,7 @@ class Scheduler:
         and the estimator that decided. The placement is planned again after each eviction:
         an evicted model may free an RPC worker the new one can use."""
         while True:
-            inv = await self.inventory()
+            inv = await self.inventory(planning=True)
             used = self.usage()
             peers = await asyncio.to_thread(self.peer_holdings)
             placed, preds = await asyncio.to_thread(self.plan, ref, options, inv, used)
@@ -1146,12 +1156,9 @@ class Scheduler:
                 # not a stop and a start). Host memory and RPC workers only (a local GPU's
                 # memory must be back before a fit): a worker serves one client at a time and
                 # frees a client's buffers before it takes the next, so the new child's
-                # connection waits for the old one's to close, and the next plan may count
-                # each of the victim's workers as it answered before the victim took it.
-                now = time.monotonic()
-                for ep in victim.options.rpc or ():
-                    if ep in self._worker_status:
-                        self._freed[ep] = (now, self._worker_status[ep])
+                # connection waits for the old one's to close, and the plans made while it
+                # exits count each of its workers as it answered before the victim took it
+                # (see inventory; llama.cpp's own fit reads their memory live as it loads).
                 victim.handed_over = bool(victim.options.rpc)
                 self._stop_behind(victim, f"evicted for {ref.name}")
             else:

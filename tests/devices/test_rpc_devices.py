@@ -186,7 +186,8 @@ async def test_unload_waits_for_the_worker_to_answer_again(workers, make_schedul
 async def test_the_plan_after_an_unload_takes_the_workers_answer_as_it_came(workers, make_scheduler, model,
                                                                             monkeypatch):
     """The answer a worker gave once our runner let it go stands for it in the next plan (a
-    swap on workers pays one round of probes, not two); the plan after that asks again."""
+    swap on workers pays one round of probes, not two), and only there: a look at the devices
+    meanwhile (the panel's poll) asks, and leaves it; the plan after that asks again."""
     (a,) = workers(1)
     sched = make_scheduler([a])
     await sched.load(model, OPTS.replace(num_gpu=2))
@@ -195,9 +196,11 @@ async def test_the_plan_after_an_unload_takes_the_workers_answer_as_it_came(work
     real = rpc.probe
     monkeypatch.setattr(rpc, "probe", lambda ep, timeout=2.0: asked.append(ep) or real(ep, timeout))
     inv = await sched.inventory()
-    assert asked == [] and inv.workers[0].reachable and inv.workers[0].devices[0].free > 0
-    inv = await sched.inventory()
     assert asked == [a.endpoint] and inv.workers[0].reachable
+    inv = await sched.inventory(planning=True)
+    assert asked == [a.endpoint] and inv.workers[0].reachable and inv.workers[0].devices[0].free > 0
+    inv = await sched.inventory(planning=True)
+    assert asked == [a.endpoint, a.endpoint] and inv.workers[0].reachable
 
 
 async def test_a_swap_on_workers_starts_the_next_child_as_the_old_one_exits(workers, make_scheduler, model,
@@ -223,6 +226,47 @@ async def test_a_swap_on_workers_starts_the_next_child_as_the_old_one_exits(work
     async with sched.use(other) as lease:
         text, timings = await lease.runner.complete_text("Once upon a time", n_predict=4)
     assert text and timings["predicted_n"] == 4
+
+
+async def test_a_look_at_the_devices_during_a_swap_does_not_take_the_workers_from_it(workers, make_scheduler, model,
+                                                                                     make_model, monkeypatch):
+    """While an evicted runner on the workers is still exiting (here slowly), a look at the
+    devices (the panel polls api/devices) does not ask its workers, which would answer only
+    once it is gone and be reported unreachable: the new model still gets both workers."""
+    a, b = workers(2)
+    other = str(make_model("rpcmodel-swap", **{**SHAPE, "seed": 5}))
+    sched = make_scheduler([a, b], max_loaded_models=1, worker_timeout=0.5)
+    first = await sched.load(model, OPTS)
+    real_stop = first.runner.stop
+
+    async def slow_stop(*args, **kw):  # a big model's teardown
+        await asyncio.sleep(1.5)
+        return await real_stop(*args, **kw)
+
+    monkeypatch.setattr(first.runner, "stop", slow_stop)
+    unanswered = []
+    real = rpc.probe
+
+    def probe(ep, timeout=2.0):
+        st = real(ep, timeout)
+        if not st.reachable:
+            unanswered.append(ep)
+        return st
+
+    monkeypatch.setattr(rpc, "probe", probe)
+    done = asyncio.Event()
+
+    async def poll() -> None:
+        while not done.is_set():
+            await sched.inventory()  # back to back: always in the middle of one when the swap plans
+
+    poller = asyncio.ensure_future(poll())
+    try:
+        second = await sched.load(other, OPTS)
+    finally:
+        done.set()
+        await poller
+    assert set(second.options.rpc or ()) == {a.endpoint, b.endpoint} and unanswered == []
 
 
 async def test_default_cap_counts_workers_as_gpus(workers, make_scheduler):
