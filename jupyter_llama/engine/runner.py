@@ -648,13 +648,18 @@ class Runner:
     async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """``text``'s token ids as the child makes them (``/tokenize``; ``add_special``: with the
         model's BOS, as ``/completion`` tokenizes a text prompt). A small request on the child's
-        HTTP thread, without httpx: it may run beside a stream."""
+        HTTP thread, without httpx: it may run beside a stream. Watched as every request to the
+        child is (a wedged child fails it, see :meth:`_watched`)."""
         self._check_ready()
         try:
-            res = await http1.post_json(self.port, "/tokenize", {"content": text, "add_special": add_special},
-                                        self._headers())
+            res = await self._watched(http1.post_json(self.port, "/tokenize", {"content": text,
+                                                                                "add_special": add_special},
+                                                      self._headers()))
         except _TRANSPORT_ERRORS as e:
             raise await self._after_transport_error(e) from None
+        except ValueError as e:  # not the JSON llama-server answers with
+            raise EngineError(f"llama-server for {self.name} answered /tokenize with something that is not JSON "
+                              f"({e})") from None
         return list(res.get("tokens") or []) if isinstance(res, dict) else []
 
     async def prompt_tokens(self, prompt: str | list) -> list[int]:

@@ -494,10 +494,15 @@ class GenerateHandler(LlamaHandler):
 
         async def complete(final: dict) -> None:
             ids, answer = tr.answer()
-            if ids is None:  # not every id showed: the text, tokenized with the prompt (as Ollama does)
-                final["context"] = await runner.conversation_tokens(prompt, answer)
-            else:
-                final["context"] = await counted + ids
+            try:
+                if ids is None:  # not every id showed: the text, tokenized with the prompt (as Ollama does)
+                    final["context"] = await runner.conversation_tokens(prompt, answer)
+                else:
+                    final["context"] = await counted + ids
+            except (RequestError, EngineError) as e:
+                # the answer is whole: it goes out, without the context it could not be given
+                self.log.warning("jupyter-llama: %s answered, but its context could not be counted: %s",
+                                 req.model, e)
 
         try:
             await self.relay(lambda on_data: runner.relay_completion(prompt, on_data, **req.sampling), tr,

@@ -226,3 +226,30 @@ async def test_a_wedged_child_fails_a_request_that_is_not_streamed(http, ext, mo
     r = await http.post("api/generate", json=dict(LONG_GEN, stream=False, options=dict(LONG, num_predict=2)))
     assert r.status_code == 200, r.text
     assert loaded(ext).runner.pid != pid
+
+
+async def test_a_wedged_child_fails_the_count_of_a_context_too(http, ext, monkeypatch):
+    """Counting the tokens of a generate with Ollama's ``context`` (here before the answer
+    starts: the prompt may not fit) is watched like every request to the child: a wedged child
+    fails it, saying so, rather than holding the request (and its model) forever."""
+    from jupyter_llama.engine import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "STALL_CHECK_S", 0.3)
+    monkeypatch.setattr(runner_mod, "STALL_HEALTH_TIMEOUT_S", 0.3)
+    await http.post("api/generate", json={"model": "tiny", "options": LONG})
+    pid = loaded(ext).runner.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # (a template of the request's own: the prompt is made here, not by the child's)
+        r = await http.post("api/generate", json={"model": "tiny", "prompt": "Once upon a time " * 400,
+                                                  "template": "{{ .Prompt }}", "context": [1] * 64,
+                                                  "stream": False, "options": LONG})
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert r.status_code == 500 and "stopped answering" in r.json()["error"], r.text
+    r = await http.post("api/generate", json=dict(LONG_GEN, stream=False, options=dict(LONG, num_predict=2)))
+    assert r.status_code == 200, r.text
+    assert loaded(ext).runner.pid != pid
