@@ -522,6 +522,7 @@ class Runner:
         last = last if last is not None else [loop.time()]
         task = asyncio.current_task()
         verdict: list[RunnerCrashed] = []
+        cancelled: list[bool] = []  # the watch cancelled the request (and so may take it back)
         waiting = True  # still in ``await coro`` (the watch may cancel only that)
         watch: asyncio.Task | None = None
 
@@ -545,6 +546,7 @@ class Runner:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.proc.wait(), 5.0)
             if waiting:
+                cancelled.append(True)
                 task.cancel()
 
         def due() -> None:
@@ -564,8 +566,8 @@ class Runner:
             if watch is not None and not watch.done():
                 with contextlib.suppress(BaseException):  # the kill, seen through: `alive` is False
                     await asyncio.shield(watch)
-            if task.cancelling():
-                task.uncancel()  # the watch's cancellation, now told as what it was
+            if cancelled and task.cancelling():
+                task.uncancel()  # the watch's own cancellation, now told as what it was
             raise verdict[0] from None
         finally:
             waiting = False

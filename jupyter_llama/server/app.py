@@ -84,13 +84,19 @@ class CachedResolver:
         return tuple(out)
 
     def _resolve(self, name: str):
-        ref = self.store.resolve_sync(name)
-        paths = [ref.path] + ([ref.mmproj] if ref.mmproj else [])
-        try:
-            paths.append(str(self.store.entry(ref.name).manifest_path))
+        try:  # the manifest's stamp before the read: a change while it is read is not kept
+            manifest = str(self.store.entry(name).manifest_path)
+            before = self._stamps([manifest])
         except (SchedulerError, ValueError, OSError):
+            manifest = before = None
+        ref = self.store.resolve_sync(name)
+        if manifest is None:
             return ref, None  # a GGUF path, not a named model: who may read it is decided per request
-        return ref, self._stamps(paths)
+        try:
+            stamps = self._stamps([manifest, ref.path] + ([ref.mmproj] if ref.mmproj else []))
+        except OSError:
+            return ref, None
+        return ref, (stamps if stamps[:1] == before else None)
 
     def _preset(self, name: str):
         try:
@@ -162,6 +168,14 @@ class CachedResolver:
         self._generation += 1
         self._cache.clear()
         self._presets.clear()
+
+    async def close(self) -> None:
+        """Forget everything and end the look-ups under way (the server is stopping)."""
+        self.forget()
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def path_folders(setting: str) -> list[str] | None:
@@ -465,6 +479,8 @@ class LlamaExtension(ExtensionApp):
         if self.scheduler is not None:
             self.log.info("jupyter-llama: stopping %d model runner(s)", len(self.scheduler.live()))
             await self.scheduler.shutdown()
+        if self.resolver is not None:
+            await self.resolver.close()
         if self._started and os.environ.get(URL_ENV) == self.url:
             if self._previous_url_env is None:
                 os.environ.pop(URL_ENV, None)

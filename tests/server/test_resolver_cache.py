@@ -58,3 +58,16 @@ async def test_forget_is_not_undone_by_a_look_up_that_was_under_way(tmp_path, ma
     store.remove_sync("tiny")
     with pytest.raises(ModelNotFound, match="tiny"):  # the store's own words, looked up anew
         await cache("tiny")
+
+
+async def test_close_ends_the_look_ups_under_way(tmp_path, make_model):
+    """The server stopping ends the cache's look-ups behind answers (none outlives the loop)."""
+    store = ModelStore(tmp_path / "models")
+    store.create("tiny", make_model("cache-tiny", **TINY))
+    cache = CachedResolver(store, ttl=0.0)
+    await cache("tiny")
+    await cache("tiny")
+    pending = list(cache._tasks)
+    assert pending
+    await cache.close()
+    assert all(t.done() for t in pending) and not cache._tasks and cache._cache == {}
