@@ -97,7 +97,9 @@ AI_STAMP := $(AI_VENV)/.installed-$(shell cksum < $(AI_REQS) | cut -d' ' -f1)
 $(AI_STAMP): $(AI_REQS)
 	@rm -rf $(AI_VENV)
 	@($(PYTHON) -m venv $(AI_VENV) && $(AI_VENV)/bin/python -m pip install -q -r $(AI_REQS) && touch $@) \
-	  || { rm -rf $(AI_VENV); echo "could not make $(AI_VENV) from $(AI_REQS): the %%ai test will skip"; }
+	  || { rm -rf $(AI_VENV) && mkdir -p $(AI_VENV) && \
+	       echo "pip could not install $(AI_REQS); delete $(AI_VENV) to try again" > $@; \
+	       echo "could not make $(AI_VENV) from $(AI_REQS): the %%ai test will skip (delete $(AI_VENV) to retry)"; }
 
 ai-kernel: $(AI_STAMP)
 

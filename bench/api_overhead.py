@@ -372,8 +372,12 @@ async def measure(engine, tmp: Path, args, workers: tuple[LocalWorker, LocalWork
             proc = running.pop(side)
             children = child_pids(proc.pid)  # the router's own children go with it
             Procs.stop(proc)
+            deadline = time.monotonic() + 10
             for pid in children:
                 while process_alive(pid):
+                    if time.monotonic() > deadline:  # orphaned by a router that did not stop it
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
                     await asyncio.sleep(0.01)
 
         if workers:  # one llama-server at a time on the workers: each side comes up for its turn
