@@ -693,6 +693,18 @@ class Puller:
         if self._cancel.is_set():
             raise PullCancelled("pull cancelled; the partial download is kept: pull again to resume")
 
+    def _try_again(self, e: BaseException, tries: int, give_up) -> int:
+        """After try number ``tries`` failed with ``e`` (called in its ``except``): raise it if
+        the pull was cancelled or no retry can mend it, raise ``give_up(tries)`` once the
+        retries are spent, else wait the backoff; returns the tries so far."""
+        self._check_cancel()
+        if not _retryable(e):
+            raise e
+        if tries > self.retries:
+            raise give_up(tries) from None
+        self._sleep(self.backoff * (2 ** (tries - 1)))
+        return tries
+
     def _sleep(self, seconds: float) -> None:
         if self._cancel.wait(seconds):
             self._check_cancel()
@@ -766,18 +778,11 @@ class Puller:
             except PullError:
                 raise
             except BaseException as e:
-                if self._cancel.is_set():
-                    self._check_cancel()
-                if not _retryable(e):
-                    raise
-                attempts += 1
-                if attempts > self.retries:
-                    why = getattr(e, "strerror", None) or str(e) or type(e).__name__
-                    raise RegistryUnreachable(
-                        f"cannot reach the registry {ref.base} for {ref.text}: {why} (tried {attempts} "
-                        f"time{'s' if attempts > 1 else ''}); check the network, or set JUPYTER_LLAMA_REGISTRY "
-                        f"to a registry this machine can reach") from None
-                self._sleep(self.backoff * (2 ** (attempts - 1)))
+                why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+                attempts = self._try_again(e, attempts + 1, lambda n: RegistryUnreachable(
+                    f"cannot reach the registry {ref.base} for {ref.text}: {why} (tried {n} "
+                    f"time{'s' if n > 1 else ''}); check the network, or set JUPYTER_LLAMA_REGISTRY "
+                    f"to a registry this machine can reach"))
         if r.status in (404, 410):
             hint = " (the models and their tags are listed at https://ollama.com/library)" \
                 if ref.base == DEFAULT_REGISTRY else ""
@@ -1217,20 +1222,17 @@ class Puller:
             except BaseException as e:
                 if r is not None:
                     r.close()
-                if self._cancel.is_set():
-                    self._check_cancel()
-                if not _retryable(e):
-                    raise
-                attempts += 1
-                if attempts > self.retries:
+
+                def give_up(n: int) -> PullError:
                     kept = partial.exists() and partial.stat().st_size > 0
                     what = f"after {offset:,} of {total:,} bytes" if total else f"after {offset:,} bytes"
-                    raise PullError(
+                    return PullError(
                         f"download of {rf.path} failed {what}: {e or type(e).__name__} "
-                        f"(tried {attempts} time{'s' if attempts > 1 else ''}). "
+                        f"(tried {n} time{'s' if n > 1 else ''}). "
                         + (f"The partial download is kept in {partial}: run the same pull again to resume."
-                           if kept else "Nothing was kept.")) from None
-                self._sleep(self.backoff * (2 ** (attempts - 1)))
+                           if kept else "Nothing was kept."))
+
+                attempts = self._try_again(e, attempts + 1, give_up)
             finally:
                 self._active = None
         tick(offset, force=True)
