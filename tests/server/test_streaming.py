@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -176,80 +177,60 @@ async def test_url_exported_for_kernels(http, ext, jp_base_url):
     assert url == ext.url and url.endswith(jp_base_url + "llama/")
 
 
-async def test_a_wedged_child_ends_the_stream_with_an_error_and_is_replaced(http, ext, monkeypatch):
+@pytest.fixture
+async def wedgeable(http, ext, monkeypatch):
+    """The pid of tiny's loaded child, with stall timers short enough for a test; a child the
+    test stopped (SIGSTOP) and the manager did not kill is let go again afterwards."""
+    from jupyter_llama.engine import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "STALL_CHECK_S", 0.3)
+    monkeypatch.setattr(runner_mod, "STALL_HEALTH_TIMEOUT_S", 0.3)
+    await http.post("api/generate", json={"model": "tiny", "options": LONG})
+    pid = loaded(ext).runner.pid
+    yield pid
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+async def assert_replaced(http, ext, pid: int) -> None:
+    """The next request gets a fresh child."""
+    r = await http.post("api/generate", json=dict(LONG_GEN, stream=False, options=dict(LONG, num_predict=2)))
+    assert r.status_code == 200, r.text
+    assert loaded(ext).runner.pid != pid
+
+
+async def test_a_wedged_child_ends_the_stream_with_an_error_and_is_replaced(http, ext, wedgeable):
     """Issue 17 item 5: a child that stops answering (SIGSTOP) does not hang its requests:
     with no byte and no /health answer for the stall interval it is killed, the stream ends
     with an error line that says so, and the next request gets a fresh child."""
-    from jupyter_llama.engine import runner as runner_mod
-
-    monkeypatch.setattr(runner_mod, "STALL_CHECK_S", 0.3)
-    monkeypatch.setattr(runner_mod, "STALL_HEALTH_TIMEOUT_S", 0.3)
-    await http.post("api/generate", json={"model": "tiny", "options": LONG})
-    pid = loaded(ext).runner.pid
     got = []
-    try:
-        async with http.stream("POST", "api/generate", json=LONG_GEN) as r:
-            async for ln in r.aiter_lines():
-                if ln.strip():
-                    got.append(json.loads(ln))
-                    if len(got) == 1:
-                        os.kill(pid, signal.SIGSTOP)
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)  # if the test failed before the manager killed it
-        except ProcessLookupError:
-            pass
+    async with http.stream("POST", "api/generate", json=LONG_GEN) as r:
+        async for ln in r.aiter_lines():
+            if ln.strip():
+                got.append(json.loads(ln))
+                if len(got) == 1:
+                    os.kill(wedgeable, signal.SIGSTOP)
     assert set(got[-1]) == {"error"} and "stopped answering" in got[-1]["error"], got[-1]
-    r = await http.post("api/generate", json=dict(LONG_GEN, stream=False, options=dict(LONG, num_predict=2)))
-    assert r.status_code == 200, r.text
-    assert loaded(ext).runner.pid != pid
+    await assert_replaced(http, ext, wedgeable)
 
 
-async def test_a_wedged_child_fails_a_request_that_is_not_streamed(http, ext, monkeypatch):
+async def test_a_wedged_child_fails_a_request_that_is_not_streamed(http, ext, wedgeable):
     """The same for answers in one piece (here a non-streamed OpenAI completion)."""
-    from jupyter_llama.engine import runner as runner_mod
-
-    monkeypatch.setattr(runner_mod, "STALL_CHECK_S", 0.3)
-    monkeypatch.setattr(runner_mod, "STALL_HEALTH_TIMEOUT_S", 0.3)
-    await http.post("api/generate", json={"model": "tiny", "options": LONG})
-    pid = loaded(ext).runner.pid
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        r = await http.post("v1/chat/completions", json={"model": "tiny", "max_tokens": 4,
-                                                         "messages": [{"role": "user", "content": "hi"}]})
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+    os.kill(wedgeable, signal.SIGSTOP)
+    r = await http.post("v1/chat/completions", json={"model": "tiny", "max_tokens": 4,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 500 and "stopped answering" in r.json()["error"]["message"], r.text
-    r = await http.post("api/generate", json=dict(LONG_GEN, stream=False, options=dict(LONG, num_predict=2)))
-    assert r.status_code == 200, r.text
-    assert loaded(ext).runner.pid != pid
+    await assert_replaced(http, ext, wedgeable)
 
 
-async def test_a_wedged_child_fails_the_count_of_a_context_too(http, ext, monkeypatch):
+async def test_a_wedged_child_fails_the_count_of_a_context_too(http, ext, wedgeable):
     """Counting the tokens of a generate with Ollama's ``context`` (here before the answer
     starts: the prompt may not fit) is watched like every request to the child: a wedged child
     fails it, saying so, rather than holding the request (and its model) forever."""
-    from jupyter_llama.engine import runner as runner_mod
-
-    monkeypatch.setattr(runner_mod, "STALL_CHECK_S", 0.3)
-    monkeypatch.setattr(runner_mod, "STALL_HEALTH_TIMEOUT_S", 0.3)
-    await http.post("api/generate", json={"model": "tiny", "options": LONG})
-    pid = loaded(ext).runner.pid
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        # (a template of the request's own: the prompt is made here, not by the child's)
-        r = await http.post("api/generate", json={"model": "tiny", "prompt": "Once upon a time " * 400,
-                                                  "template": "{{ .Prompt }}", "context": [1] * 64,
-                                                  "stream": False, "options": LONG})
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+    os.kill(wedgeable, signal.SIGSTOP)
+    # (a template of the request's own: the prompt is made here, not by the child's)
+    r = await http.post("api/generate", json={"model": "tiny", "prompt": "Once upon a time " * 400,
+                                              "template": "{{ .Prompt }}", "context": [1] * 64,
+                                              "stream": False, "options": LONG})
     assert r.status_code == 500 and "stopped answering" in r.json()["error"], r.text
-    r = await http.post("api/generate", json=dict(LONG_GEN, stream=False, options=dict(LONG, num_predict=2)))
-    assert r.status_code == 200, r.text
-    assert loaded(ext).runner.pid != pid
+    await assert_replaced(http, ext, wedgeable)
