@@ -889,15 +889,17 @@ class Scheduler:
         return dict(used)
 
     def available(self, inv: devmod.Inventory, used: dict[str, int],
-                  peers: dict[str, int] | None = None) -> dict[str, tuple[int, int | None]]:
+                  peers: dict[str, int] | None = None,
+                  returned: dict[str, int] | None = None) -> dict[str, tuple[int, int | None]]:
         """Per device: (bytes we may still plan with, the budget if one is set). A budget is
         the user's: what their other managers hold (``peers``) counts against it too; free
-        memory, read live, already has their models taken out."""
+        memory, read live, already has their models taken out. ``returned``: bytes that runners
+        a dry run of evictions stops would give back to each device's free memory."""
         out = {}
         for d in inv.devices():
             ceiling = d.budget - (peers or {}).get(d.id, 0) if d.budget is not None else d.total
-            out[d.id] = (max(0, min(d.free - (d.overhead if is_gpu(d.id) else 0), ceiling - used.get(d.id, 0))),
-                         d.budget)
+            free = d.free + (returned or {}).get(d.id, 0) - (d.overhead if is_gpu(d.id) else 0)
+            out[d.id] = (max(0, min(free, ceiling - used.get(d.id, 0))), d.budget)
         return out
 
     def peer_holdings(self) -> list[peermod.Peer]:
@@ -1046,8 +1048,8 @@ class Scheduler:
 
         held = peermod.usage(peers or [])
 
-        def numbers(usage: dict[str, int]) -> dict[str, dict]:
-            avail = self.available(inv, usage, held)
+        def numbers(usage: dict[str, int], returned: dict[str, int] | None = None) -> dict[str, dict]:
+            avail = self.available(inv, usage, held, returned)
             out = {}
             for d in need.devices:
                 n, a = need.total(device=d), avail.get(d, (0, None))
@@ -1067,13 +1069,16 @@ class Scheduler:
             plan.peers = [p.describe(taken[0]) for p in peers or [] if taken and p.by_device().get(taken[0])]
             return plan
         # A dry run of the eviction rule: who would go, in order, until the model fits.
-        usage, count = dict(used), len(others)
+        # Each victim's bytes leave what loaded models use and come back to free memory.
+        usage, returned, count = dict(used), collections.Counter(), len(others)
         for victim in self._eviction_order(ref):
             plan.evict.append(victim.name)
             for d, n in victim.charge.by_device().items():
                 usage[d] = max(0, usage.get(d, 0) - n)
+                if not rpc.is_rpc(d):  # (a held worker is already counted as it was before it was taken)
+                    returned[d] += n
             count -= 1
-            trial = numbers(usage)
+            trial = numbers(usage, returned)
             if all(n["fits"] for n in trial.values()) and count < cap:
                 plan.verdict = "evict"
                 return plan

@@ -12,8 +12,8 @@ import pytest
 from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import RunnerCrashed
 from jupyter_llama.memory.report import MemoryReport
-from jupyter_llama.scheduler import (BadRequest, DoesNotFit, Event, LoadFailed, ModelNotFound, PinnedInTheWay, Scheduler,
-                                     ServerBusy)
+from jupyter_llama.scheduler import (BadRequest, DoesNotFit, Event, LoadFailed, ModelNotFound, ModelState,
+                                     PinnedInTheWay, Scheduler, SchedulerSettings, ServerBusy)
 
 pytestmark = pytest.mark.engine
 
@@ -115,6 +115,27 @@ async def test_generate_and_embed_on_one_model_reload_once_not_on_every_switch(m
             vectors, tokens = await lease.runner.embed(["hello there"])
         assert lease.runner.pid == emb.runner.pid and len(vectors) == 1 and tokens > 0
     assert len([e for e in sched.events.history if e.kind == "reload"]) == 1
+
+
+async def test_free_memory_that_an_eviction_gives_back_counts_in_the_dry_run(make_scheduler, small_models, engine):
+    """Where free memory (not a budget) is the limit, the dry run of the eviction rule counts
+    what each victim would give back: a model that fits once another is unloaded evicts it and
+    loads, rather than being refused as if nothing would come free."""
+    from jupyter_llama.memory import devices as devmod
+
+    a, b = small_models[:2]
+    need = (await make_scheduler().predict(b, OPTS))[1]["detailed"].total()
+    # host memory as a machine where only a third of the model is free once a is loaded
+    host = devmod.HostMemory(total=64 * need, available=need // 3)
+    sched = Scheduler(SchedulerSettings(binary=engine.path),
+                      inventory=lambda: devmod.Inventory(host, [], devmod.Budgets(limits={})))
+    try:
+        first = await sched.load(a, OPTS)  # alone, it gets to try (and does fit, really)
+        second = await sched.load(b, OPTS)
+        assert second.runner.alive and first.state == ModelState.GONE
+        assert [e.model for e in sched.events.history if e.kind == "evict"] == [first.name]
+    finally:
+        await sched.shutdown()
 
 
 async def test_a_model_that_cannot_fit_even_alone_evicts_nothing(make_scheduler, small_models, make_model):
