@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 from ..errors import BadRequest
-from .openai import OpenAIRequest, request_basics, without_ours
+from .openai import OpenAIRequest, request_basics, sse, without_ours
 
 __all__ = ["ENDPOINTS", "parse_request", "error_body", "stream_error"]
 
@@ -80,5 +80,4 @@ def error_body(status: int, message: str) -> dict:
 
 def stream_error(message: str) -> bytes:
     """The ``error`` event that ends a stream that failed after it began."""
-    return (b"event: error\ndata: " + json.dumps(error_body(500, message), separators=(",", ":")).encode()
-            + b"\n\n")
+    return b"event: error\n" + sse(error_body(500, message))

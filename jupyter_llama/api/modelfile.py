@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from ..errors import BadRequest
+from ..models.names import plainly_a_path
 from .options import IGNORED_OPTIONS, format_parameter, parameter_from_text, parse_parameters
 
 __all__ = ["ModelfileError", "Modelfile", "parse_modelfile", "read_modelfile", "write_modelfile", "quote"]
@@ -223,7 +224,7 @@ def _add_from(mf: Modelfile, value: str, n: int, base: str) -> None:
     if os.path.isfile(path):
         mf.from_files.append(path)
         return
-    if value.startswith(("./", "../", "/", "~")) or value.lower().endswith(".gguf"):
+    if plainly_a_path(value):
         raise ModelfileError(f"FROM {value}: there is no such file ({path}); relative paths are read from the "
                              "Modelfile's folder", n)
     mf.from_model = value

@@ -722,10 +722,8 @@ def ndjson(obj) -> bytes:
 # JSON string of the text is captured as it is and carried into our line unparsed. Anything
 # else (the last event, tool calls, thinking, another build's key order) takes feed().
 _JSON_STRING = rb'("(?:[^"\\]|\\.)*")'
-_COMPLETION_TEXT = re.compile(rb'\{"index":\d+,"content":' + _JSON_STRING + rb',"tokens":\[[\d,]*\],"stop":false,')
-# the same event, its token ids in group 2 (for the answers that carry ``context``)
-_COMPLETION_TEXT_IDS = re.compile(rb'\{"index":\d+,"content":' + _JSON_STRING
-                                  + rb',"tokens":\[([\d,]*)\],"stop":false,')
+# (its token ids in group 2, for the answers that carry ``context``)
+_COMPLETION_TEXT = re.compile(rb'\{"index":\d+,"content":' + _JSON_STRING + rb',"tokens":\[([\d,]*)\],"stop":false,')
 _CHAT_TEXT = re.compile(rb'\{"choices":\[\{"finish_reason":null,"index":0,"delta":\{"content":' + _JSON_STRING
                         + rb'\}\}\]')
 
@@ -800,7 +798,6 @@ class ContextGenerateTranslator(GenerateTranslator):
     its ``context`` needs the prompt's ids, which are counted while the answer is made, so
     the handler completes it and sends it once the relay has ended (``final``)."""
 
-    _text_event = _COMPLETION_TEXT_IDS
 
     def __init__(self, model: str, started: float, load_s: float):
         super().__init__(model, started, load_s)

@@ -157,10 +157,9 @@ def with_preset(req: OpenAIRequest, preset) -> OpenAIRequest:
                                                                                                   or [])
     elif req.endpoint == "/v1/responses" and preset.system:
         body.setdefault("instructions", preset.system)
-    defaults = split.load_options()
-    merged = dataclasses.replace(defaults, **{f.name: getattr(req.options, f.name) for f in dataclasses.fields(
-        req.options) if getattr(req.options, f.name) not in (None, False)})
-    return dataclasses.replace(req, body=body, options=merged)
+    # the preset's load options, with the one the route itself sets (embeddings: embedding)
+    options = split.load_options(embedding=req.options.embedding or None)
+    return dataclasses.replace(req, body=body, options=options)
 
 
 def error_body(status: int, message: str) -> dict:

@@ -45,6 +45,7 @@ __all__ = [
     "registry_url",
     "registry_host",
     "also_registry",
+    "plainly_a_path",
     "InvalidName",
     "ModelName",
     "parse_name",
@@ -256,6 +257,12 @@ def also_registry(name: ModelName) -> ModelName | None:
         return None
     host = _registry_host_or_none()
     return ModelName(host, name.namespace, name.model, name.tag) if host else None
+
+
+def plainly_a_path(text: str) -> bool:
+    """Whether ``text`` can only be a file on this machine, never a model name: an absolute or
+    relative path, or a ``.gguf`` file name."""
+    return text.startswith(("/", "./", "../", "~")) or text.lower().endswith(".gguf")
 
 
 def same_model(a: str | None, b: str | None) -> bool:

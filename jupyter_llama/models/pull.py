@@ -60,7 +60,6 @@ import json
 import os
 import queue
 import re
-import shutil
 import socket
 import ssl
 import threading
@@ -76,7 +75,7 @@ from filelock import Timeout as LockTimeout
 from ..errors import StorageFull
 from . import hfcache, registry
 from .gguf_info import GGUF_MAGIC, GGUFError, read_gguf_info
-from .names import DEFAULT_REGISTRY, DEFAULT_TAG, InvalidName, ModelName, parse_name
+from .names import DEFAULT_REGISTRY, DEFAULT_TAG, InvalidName, ModelName, parse_name, plainly_a_path
 from .preset import Preset, PresetError
 from .store import (
     MODEL_MEDIA_TYPE,
@@ -87,6 +86,7 @@ from .store import (
     StoreError,
     _atomic_write_json,
     _projector_summary,
+    free_bytes,
     _Throttle,
     _unlink,
     fmt_bytes,
@@ -250,7 +250,7 @@ def parse_source(text: str, endpoint: str | None = None, insecure: bool = False)
     if "://" in t:
         raise PullError(f"cannot pull {t!r}: only http(s) URLs are fetched; give an http(s) URL of a GGUF file, "
                         f"a Hugging Face repo (hf.co/OWNER/REPO[:QUANT]) or a registry name such as llama3.2:1b")
-    if t.startswith(("/", "./", "../", "~")) or low.endswith(".gguf"):
+    if plainly_a_path(t):
         raise PullError(f"{t!r} looks like a file on this machine, which is not pulled: register it with "
                         f"`create NAME --from {t}`")
     try:
@@ -1067,11 +1067,8 @@ class Puller:
     def _check_disk(self, need: int) -> None:
         if need <= 0:
             return
-        try:
-            free = shutil.disk_usage(self.store.root).free
-        except OSError:
-            return
-        if free < need + DISK_MARGIN:
+        free = free_bytes(self.store.root)
+        if free is not None and free < need + DISK_MARGIN:
             raise DiskFull(f"not enough disk space for the download: it needs {fmt_bytes(need)} "
                            f"(plus {fmt_bytes(DISK_MARGIN)} to spare), {self.store.root} has {fmt_bytes(free)} free")
 
@@ -1223,7 +1220,7 @@ class Puller:
                 if r is not None:
                     r.close()
 
-                def give_up(n: int) -> PullError:
+                def give_up(n: int, e: BaseException = e) -> PullError:
                     kept = partial.exists() and partial.stat().st_size > 0
                     what = f"after {offset:,} of {total:,} bytes" if total else f"after {offset:,} bytes"
                     return PullError(
@@ -1361,7 +1358,8 @@ async def pull_stream(source: str, name: str | None = None, *, store: ModelStore
         except RuntimeError:  # the loop is gone
             pass
 
-    puller = Puller(store, source, name, lambda d: put(("status", d)), **kw)
+    # (its set-up reads the store's manifests and the Hub token: off the event loop too)
+    puller = await asyncio.to_thread(Puller, store, source, name, lambda d: put(("status", d)), **kw)
 
     def work() -> None:
         try:

@@ -60,7 +60,7 @@ from .. import config
 from ..errors import BadRequest, ModelNotFound, SchedulerError, StorageFull
 from .ref import ModelRef
 from .gguf_info import GGUFError, GGUFInfo, read_gguf_info
-from .names import InvalidName, ModelName, also_registry, parse_name
+from .names import InvalidName, ModelName, also_registry, parse_name, plainly_a_path
 from .preset import MAX_LAYER_BYTES, PRESET_MEDIA_TYPES, Preset, PresetError
 
 __all__ = [
@@ -1523,9 +1523,7 @@ class ModelStore:
         return (text.startswith(("/", "./", "../", "~")) or os.sep in text or "/" in text
                 or text.lower().endswith(".gguf"))
 
-    @staticmethod
-    def plainly_a_path(text: str) -> bool:
-        return text.startswith(("/", "./", "../", "~")) or text.lower().endswith(".gguf")
+    plainly_a_path = staticmethod(plainly_a_path)
 
     def may_read_path(self, path: str) -> bool:
         """Whether this caller may name ``path`` (absolute): the user's own callers anywhere,

@@ -445,7 +445,7 @@ def test_truncated_gguf_body_is_refused(hf, tmp_path, ggufs):
 
 def test_disk_too_small(repo, hf, ggufs, tmp_path, monkeypatch):
     store = ModelStore(tmp_path / "store")
-    monkeypatch.setattr(pull_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
     with pytest.raises(DiskFull, match="not enough disk space"):
         pull_mod.pull(f"hf.co/{REPO}:Q8_0", store=store)
     assert repo.repo_sent(REPO, "tiny-Q8_0.gguf") == 0  # refused before downloading
@@ -483,7 +483,7 @@ def test_the_space_check_asks_for_what_the_download_needs(repo, tmp_path, monkey
     """A 1.2 MB pull was refused with 29 MB free (it asked for the size plus 64 MiB)."""
     store = ModelStore(tmp_path / "store")
     f = repo.repo_file(REPO, "tiny-Q8_0.gguf")
-    monkeypatch.setattr(pull_mod.shutil, "disk_usage",
+    monkeypatch.setattr(shutil, "disk_usage",
                         lambda p: shutil._ntuple_diskusage(10**12, 10**12 - f.size - (3 << 20), f.size + (3 << 20)))
     e = pull_mod.pull(f"hf.co/{REPO}:Q8_0", store=store)
     assert e.model_digest == f.sha256
