@@ -906,6 +906,14 @@ class Scheduler:
         """This user's other live managers and what their models hold (none without peers_dir)."""
         return self.peers.others() if self.peers is not None else []
 
+    def announce(self, url: str) -> None:
+        """This manager's API root, known once the server listens: the other managers' messages
+        about the memory it holds name it."""
+        self.settings.manager_url = url
+        if self.peers is not None:
+            self.peers.url = url
+            self._publish()
+
     def _publish(self) -> None:
         """Tell this user's other managers what our models hold now."""
         if self.peers is not None:

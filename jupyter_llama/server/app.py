@@ -357,7 +357,9 @@ class LlamaExtension(ExtensionApp):
             return SchedulerSettings.from_values(
                 values, lambda k: f"LlamaExtension.{k} ({config.ENV_PREFIX}{k.upper()})", binary=binary,
                 # this user's managers on this machine see each other here (memory.peers)
-                peers_dir=str(self.serverapp.runtime_dir))
+                peers_dir=str(self.serverapp.runtime_dir),
+                # a scheduler made once the server listens (an engine found later) knows it at once
+                manager_url=self.url if self._started else "")
         except (ConfigError, ValueError) as e:
             raise ConfigError(f"LlamaExtension settings: {e}") from None
 
@@ -402,9 +404,8 @@ class LlamaExtension(ExtensionApp):
         self._started = True
         self.export_url()
         self._write_local_key()
-        if self.scheduler is not None and self.scheduler.peers is not None:
-            self.scheduler.peers.url = self.url  # known once the server listens
-            self.scheduler._publish()
+        if self.scheduler is not None:
+            self.scheduler.announce(self.url)  # known once the server listens
         self._activity_pc = PeriodicCallback(self._tick_activity, max(0.05, self.activity_interval) * 1000)
         self._activity_pc.start()
 

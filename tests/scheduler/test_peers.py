@@ -41,6 +41,25 @@ def test_a_board_lists_live_managers_only_and_drops_dead_ones(tmp_path):
     assert not me.path.exists()
 
 
+async def test_a_scheduler_announces_the_url_its_server_listens_on(engine, tmp_path):
+    """The URL the other managers' messages name: given when the scheduler is made (one made
+    after the server listens), or announced once it is known; either way it is published."""
+    import json
+
+    from jupyter_llama.scheduler import Scheduler, SchedulerSettings
+
+    made = Scheduler(SchedulerSettings(binary=engine.path, peers_dir=str(tmp_path / "a"),
+                                       manager_url="http://127.0.0.1:1/llama/"))
+    made._publish()
+    assert json.loads(made.peers.path.read_text())["url"] == "http://127.0.0.1:1/llama/"
+    later = Scheduler(SchedulerSettings(binary=engine.path, peers_dir=str(tmp_path / "b")))
+    later.announce("http://127.0.0.1:2/llama/")
+    assert json.loads(later.peers.path.read_text())["url"] == "http://127.0.0.1:2/llama/"
+    assert later.settings.manager_url == "http://127.0.0.1:2/llama/"
+    for s in (made, later):
+        await s.shutdown()
+
+
 async def test_another_managers_models_count_against_the_users_budget(engine, make_scheduler, make_model, tmp_path):
     from jupyter_llama.client import LlamaClient
     from jupyter_llama.embedded import EmbeddedManager
