@@ -1043,11 +1043,16 @@ class VersionHandler(LlamaHandler):
 
 
 @functools.lru_cache(maxsize=1)
-def openapi_text() -> str:
-    """The OpenAPI description shipped beside this module, read once."""
+@functools.lru_cache(maxsize=8)
+def openapi_body(base_url: str) -> str:
+    """The OpenAPI description shipped beside this module, its server URL set to ``base_url``
+    (made once per base URL: the file is 90 KB)."""
     from importlib.resources import files
 
-    return files(__package__).joinpath("openapi.json").read_text(encoding="utf-8")
+    spec = json.loads(files(__package__).joinpath("openapi.json").read_text(encoding="utf-8"))
+    for server in spec.get("servers", []):
+        server.get("variables", {}).get("base_url", {})["default"] = base_url
+    return json.dumps(spec)
 
 
 class OpenAPIHandler(LlamaHandler):
@@ -1059,10 +1064,7 @@ class OpenAPIHandler(LlamaHandler):
     @authorized
     @api_method
     async def get(self):
-        spec = json.loads(openapi_text())
-        for server in spec.get("servers", []):
-            server.get("variables", {}).get("base_url", {})["default"] = self.base_url
-        self.finish_json(spec)
+        self.finish(await asyncio.to_thread(openapi_body, self.base_url))
 
 
 class RootHandler(LlamaHandler):
