@@ -9,7 +9,8 @@ BIN    := $(VENV)/bin
 # fresh machine); `make test` needs the test clients and tools too.
 EXTRAS ?= test,lab
 comma  := ,
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)-$(subst $(comma),-,$(EXTRAS))
+PYSUM  := $(shell cksum < pyproject.toml | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(PYSUM)-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: lab test venv engine system-deps demo clean bench labext ui-deps ai-kernel
 
@@ -40,7 +41,8 @@ $(STAMP): pyproject.toml
 	@# a development link from `make labext` must not be written through by pip
 	@if [ -L $(LABEXT_LINK) ]; then rm -f $(LABEXT_LINK); fi
 	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
-	rm -f $(VENV)/.installed-*
+	@# stamps of an older pyproject go; another set of extras' stamp stays (lab, then test, then lab)
+	find $(VENV) -maxdepth 1 -name '.installed-*' ! -name '.installed-$(PYSUM)-*' -delete
 	touch $@
 
 venv: $(STAMP)
