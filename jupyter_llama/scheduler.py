@@ -277,7 +277,6 @@ class Loaded:
     last_used: float = field(default_factory=time.monotonic)
     load_duration: float = 0.0
     also_as: set[str] = field(default_factory=set)  # other names of the same file it has served
-    handed_over: bool = False  # evicted for a load that takes its RPC workers as it exits (see _make_room)
 
     @property
     def name(self) -> str:
@@ -483,7 +482,7 @@ class Scheduler:
         self._inventory_fn = inventory or (lambda: devmod.inventory(workers=()))
         self._worker_status: dict[str, rpc.WorkerStatus] = {}  # last good probe per worker
         # a worker's answer once our runner let it go (see _wait_workers), for the plan that follows
-        self._freed: dict[str, tuple[float, rpc.WorkerStatus]] = {}
+        self._freed_at: dict[str, float] = {}
         self.loaded: dict[str, Loaded] = {}
         self.events = EventLog()
         self._lock = asyncio.Lock()
@@ -815,21 +814,16 @@ class Scheduler:
         inv.budgets = self.settings.budgets
         if self.settings.rpc_workers:
             held = self.held_workers()
-            stand_in: dict[str, rpc.WorkerStatus] = {
-                ep: self._worker_status[ep] for lo in self._retiring
-                if lo.handed_over and lo.state != ModelState.GONE for ep in lo.options.rpc or ()
-                if ep in self._worker_status and ep not in held}
+            skip = set(held) | {ep for lo in self._retiring for ep in lo.options.rpc or ()}
             if planning:
                 now = time.monotonic()
-                stand_in.update({ep: st for ep, (at, st) in self._freed.items()
-                                 if now - at < FREED_FRESH_S and ep not in held})
-                self._freed.clear()
-            inv.workers = await asyncio.to_thread(devmod.probe_workers, self.settings.rpc_workers,
-                                                  {**dict.fromkeys(stand_in, ""), **held},
-                                                  {**self._worker_status, **stand_in}, self.settings.worker_timeout)
+                skip |= {ep for ep, at in self._freed_at.items() if now - at < FREED_FRESH_S}
+                self._freed_at.clear()
+            inv.workers = await asyncio.to_thread(devmod.probe_workers, self.settings.rpc_workers, skip,
+                                                  self._worker_status, self.settings.worker_timeout)
             inv.held = held
             for w in inv.workers:
-                if w.reachable and w.devices and w.endpoint not in held and w.endpoint not in stand_in:
+                if w.reachable and w.devices and w.endpoint not in skip:
                     self._worker_status[w.endpoint] = w
         return inv
 
@@ -1172,7 +1166,6 @@ class Scheduler:
                 # connection waits for the old one's to close, and the plans made while it
                 # exits count each of its workers as it answered before the victim took it
                 # (see inventory; llama.cpp's own fit reads their memory live as it loads).
-                victim.handed_over = bool(victim.options.rpc)
                 self._stop_behind(victim, f"evicted for {ref.name}")
             else:
                 await self._unload(victim, f"evicted for {ref.name}", rule="evict")
@@ -1259,16 +1252,17 @@ class Scheduler:
         self.loaded.pop(lo.ref.key, None) if self.loaded.get(lo.ref.key) is lo else None
         lo.state = ModelState.GONE
         lo.expires_at = None
+        behind = any(x is lo for x in self._retiring)  # stopped behind the load that evicted it
         self._retiring = [x for x in self._retiring if x is not lo]  # by identity
         self.events.emit(EventKind.UNLOAD, lo.name, f"unloaded {lo.name}: {reason}", rule=rule,
-                         freed=lo.charge.to_dict(), workers=workers)
+                         freed=lo.charge.to_dict(), workers=workers, behind=behind)
         lo.gone.set()
         self._publish()
         if self._closed:
             return
         if gpu_used and before is not None:
             await self._wait_recovery(lo.name, gpu_used, before)
-        if workers and not lo.handed_over:  # (handed over: the next child is connecting to them by now)
+        if workers and not behind:  # (stopped behind a load: the next child is connecting to them by now)
             await self._wait_workers(lo.name, workers)
 
     async def _wait_recovery(self, name: str, used: dict[str, int], before: dict[str, int]) -> None:
@@ -1304,12 +1298,12 @@ class Scheduler:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            found = await asyncio.to_thread(devmod.probe_workers, pending, None, None,
+            found = await asyncio.to_thread(devmod.probe_workers, pending, (), None,
                                             min(self.settings.worker_timeout, max(0.1, left)))
             for st in found:
                 if st.reachable:
                     self._worker_status[st.endpoint] = st
-                    self._freed[st.endpoint] = (time.monotonic(), st)
+                    self._freed_at[st.endpoint] = time.monotonic()
                     pending.remove(st.endpoint)
                     free = sum(d.free for d in st.devices)
                     self.events.emit(EventKind.RECOVER, name, f"RPC worker {st.endpoint} answers again "

@@ -24,7 +24,7 @@ import re
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Collection, Mapping
 
 from ..config import ENV_PREFIX, ConfigError, parse_size
 from . import rpc
@@ -568,16 +568,15 @@ def workers_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, ...
     return rpc.parse_workers(environ.get(RPC_WORKERS_VAR), RPC_WORKERS_VAR)
 
 
-def probe_workers(endpoints, held: Mapping[str, str] | None = None,
+def probe_workers(endpoints, skip: Collection[str] = (),
                   known: Mapping[str, rpc.WorkerStatus] | None = None, timeout: float = 2.0) -> list[rpc.WorkerStatus]:
-    """Probe every worker not in ``held``, in parallel threads (each probe is bounded by
-    ``timeout``). A held worker is not asked (it would answer only after its runner exits):
-    its last known status from ``known`` stands in, or an empty one."""
+    """Probe every worker not in ``skip``, in parallel threads (each probe is bounded by
+    ``timeout``). A skipped worker (one a runner holds would answer only after it exits) is
+    not asked: its last known status from ``known`` stands in, or an empty one."""
     import concurrent.futures
 
-    held = held or {}
     known = known or {}
-    todo = [ep for ep in endpoints if ep not in held]
+    todo = [ep for ep in endpoints if ep not in skip]
     found: dict[str, rpc.WorkerStatus] = {}
     if todo:
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:

@@ -218,7 +218,7 @@ async def test_a_swap_on_workers_starts_the_next_child_as_the_old_one_exits(work
     assert set(second.options.rpc) == {a.endpoint, b.endpoint} and by_device(second)[a.id] > 0
     # handed over: stopped behind the new load, with no wait for its workers to answer again
     # (which of the old one's exit and the new one's start is logged first is a race, by design)
-    assert first.handed_over
+    assert [e.data["behind"] for e in sched.events.history if e.kind == "unload" and e.model == first.name] == [True]
     assert not [e for e in sched.events.history if e.kind == "recover" and e.model == first.name]
     await asyncio.wait_for(first.gone.wait(), 10)  # (it went while B loaded: B's workers were waiting on it)
     assert not process_alive(old_pid) and first.state == ModelState.GONE
