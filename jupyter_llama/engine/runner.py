@@ -602,7 +602,7 @@ class Runner:
         ``most`` bytes is not even tokenised (a token is at least one byte)."""
         if len(text.encode()) <= most:
             return None
-        tokens = (await self.post("/tokenize", {"content": text, "add_special": True})).get("tokens") or []
+        tokens = await self.tokenize(text)
         return tokens if len(tokens) > most else None
 
     def _prompt_room(self, reserve: int) -> tuple[int | None, int]:
@@ -722,7 +722,7 @@ class Runner:
                 tokens += len(item)
                 continue
             try:
-                tokens += len((await self.post("/tokenize", {"content": item})).get("tokens", []))
+                tokens += len(await self.tokenize(item, add_special=False))
             except EngineError:
                 break
         return vectors, tokens

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..models.store import _atomic_write_json
 
 PREFIX = "jupyter-llama-usage-"
 
@@ -67,12 +68,8 @@ class PeerBoard:
 
     def publish(self, models: list[dict]) -> None:
         """Write what this manager's models hold now (an empty list when nothing is loaded)."""
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd, tmp = tempfile.mkstemp(prefix=f".{PREFIX}", dir=self.folder)
-            with os.fdopen(fd, "w") as f:  # mkstemp makes it 0600
-                json.dump({"pid": self.pid, "url": self.url, "models": models}, f)
-            os.replace(tmp, self.path)
+        try:  # (0600 in a 0700 folder; a write cut short leaves no temporary file)
+            _atomic_write_json(self.path, {"pid": self.pid, "url": self.url, "models": models}, fsync=False)
         except OSError:
             pass  # a read-only or missing folder: the others just do not see us
 
