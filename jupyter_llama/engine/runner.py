@@ -742,12 +742,21 @@ class Runner:
         return self.relay_sse("/completion", {"prompt": prompt, **params}, on_data)
 
     async def relay_chat(self, messages: list[dict], on_data, *, truncate: bool = True, **params) -> None:
-        """:meth:`chat` through :meth:`relay_sse`. A chat longer than the context (the child
-        refuses it before it answers) is sent again with what :meth:`fit_chat` keeps, as
-        Ollama does; with ``truncate`` False it is a 400 that says so."""
+        """:meth:`chat` through :meth:`relay_sse` (see :meth:`send_chat`)."""
+        await self.send_chat({"messages": messages, **params}, on_data, truncate=truncate)
+
+    async def send_chat(self, body: dict, on_data=None, *, truncate: bool = True):
+        """``/v1/chat/completions`` with ``body``: its events' data to ``on_data`` (as
+        :meth:`relay_sse` hands them), or without it the answer (:meth:`post`). A chat longer
+        than the context (the child refuses it before it answers) is sent again with what
+        :meth:`fit_chat` keeps, as Ollama does; with ``truncate`` False it is a 400 that says so."""
+        async def send(b: dict):
+            if on_data is None:
+                return await self.post("/v1/chat/completions", b)
+            return await self.relay_sse("/v1/chat/completions", b, on_data)
+
         try:
-            await self.relay_sse("/v1/chat/completions", {"messages": messages, **params}, on_data)
-            return
+            return await send(body)
         except RequestError as e:
             if not e.context_exceeded:
                 raise
@@ -755,7 +764,7 @@ class Runner:
                 raise BadRequest(f"the chat is longer than the context of {self.name} ({e}); shorten it, load the "
                                  "model with a larger num_ctx, or allow truncate (which drops the oldest messages "
                                  "but the system ones)") from None
-        await self.relay_sse("/v1/chat/completions", await self.cut_chat({"messages": messages, **params}), on_data)
+        return await send(await self.cut_chat(body))
 
     async def cut_chat(self, body: dict) -> dict:
         """A chat-completions ``body`` the child refused as longer than its context, with the

@@ -940,16 +940,13 @@ class OpenAIHandler(LlamaHandler):
         lease = await self.acquire(req.model, req.options, req.keep_alive, req.needs)
         try:
             if not req.stream:
-                try:
-                    res = await lease.runner.post(req.endpoint, req.body)
+                try:  # (a chat longer than the context loses its oldest turns, as on /api/chat)
+                    res = await (lease.runner.send_chat(req.body) if req.endpoint == "/v1/chat/completions"
+                                 else lease.runner.post(req.endpoint, req.body))
                 except RequestError as e:
-                    if req.endpoint == "/v1/chat/completions" and e.context_exceeded:
-                        # longer than the context: the oldest turns go, as on /api/chat (and in Ollama)
-                        res = await lease.runner.post(req.endpoint, await lease.runner.cut_chat(req.body))
-                    elif req.endpoint != "/v1/embeddings" or "pooling" not in str(e).lower():
+                    if req.endpoint != "/v1/embeddings" or "pooling" not in str(e).lower():
                         raise
-                    else:
-                        res = await _openai_embeddings(lease, req)  # the model does not pool: we do
+                    res = await _openai_embeddings(lease, req)  # the model does not pool: we do
                 if isinstance(res, dict) and "model" in res:
                     res["model"] = req.model  # the name asked for, as OpenAI and Ollama answer
                 self.finish_json(res)
@@ -972,12 +969,10 @@ class OpenAIHandler(LlamaHandler):
             else:
                 def frame(batch):
                     return write(b"".join([head + d.replace(alias, asked, 1) + b"\n\n" for d in batch]))
-            try:
+            if req.endpoint == "/v1/chat/completions":
+                await lease.runner.send_chat(req.body, frame)
+            else:
                 await lease.runner.relay_sse(req.endpoint, req.body, frame, named=req.named)
-            except RequestError as e:  # refused before its first event: nothing was sent yet
-                if req.endpoint != "/v1/chat/completions" or not e.context_exceeded:
-                    raise
-                await lease.runner.relay_sse(req.endpoint, await lease.runner.cut_chat(req.body), frame)
             if not req.named:
                 await self.send(oai.SSE_DONE)
             self.end_stream(SSE)
