@@ -67,6 +67,7 @@ __all__ = [
     "parse_copy",
     "parse_delete",
     "parse_create",
+    "check_context",
     "rfc3339",
     "GenerateTranslator",
     "ContextGenerateTranslator",
@@ -388,6 +389,17 @@ def _context(body: dict) -> list[int] | None:
         raise BadRequest(f"context[{i}] must be a token id (a whole number of 0 or more), got {shown(t)}; send "
                          "back the context an earlier /api/generate answer gave")
     return ids
+
+
+def check_context(model: str, ids: list[int], info) -> None:
+    """A 400 for a ``context`` id the model's vocabulary (``info``, its GGUF's) does not have,
+    when its size is known; else the child's own refusal, a 400 too, says so."""
+    size = int(getattr(info, "vocab_size", 0) or 0)
+    if size <= 0 or max(ids) < size:
+        return
+    i, t = next((i, t) for i, t in enumerate(ids) if t >= size)
+    raise BadRequest(f"context[{i}] is {t}, which is not a token of {model}: its vocabulary has {size:,} tokens "
+                     f"(0 to {size - 1:,}); send back the context an answer of this model gave")
 
 
 def parse_generate(body: dict, preset: Preset | None = None) -> GenerateRequest:

@@ -486,7 +486,7 @@ class GenerateHandler(LlamaHandler):
         as they are, and a text is tokenized while the child generates."""
         runner = lease.runner
         if req.context:
-            _check_vocabulary(req.model, req.context, lease.loaded.ref.info)
+            oa.check_context(req.model, req.context, lease.loaded.ref.info)
         prompt = await runner.fit_to_context(text, reserve=reserve_for(req.sampling), truncate=req.truncate,
                                              context=req.context)
         tr = oa.ContextGenerateTranslator(req.model, started, lease.load_duration)
@@ -511,17 +511,6 @@ class GenerateHandler(LlamaHandler):
             if not counted.done():
                 counted.cancel()
             counted.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure nobody waited for
-
-
-def _check_vocabulary(model: str, ids: list[int], info) -> None:
-    """A 400 for a ``context`` id the model's vocabulary does not have (when its size is known;
-    else the child's own refusal, a 400 too, says so)."""
-    size = int(getattr(info, "vocab_size", 0) or 0)
-    if size <= 0 or max(ids) < size:
-        return
-    i, t = next((i, t) for i, t in enumerate(ids) if t >= size)
-    raise BadRequest(f"context[{i}] is {t}, which is not a token of {model}: its vocabulary has {size:,} tokens "
-                     f"(0 to {size - 1:,}); send back the context an answer of this model gave")
 
 
 async def _unload(handler: LlamaHandler, name: str) -> None:
