@@ -53,9 +53,9 @@ class EngineUnavailable(SchedulerError):
 
 
 class CachedResolver:
-    """The store's resolver (and its presets, :meth:`preset`) with a cache in front, so a
-    request for a loaded model does not pay a worker-thread hop and a manifest read before its
-    first token.
+    """The store's resolver, and the model's preset (:meth:`preset`), with a cache in front,
+    so a request for a loaded model does not pay a worker-thread hop and manifest reads before
+    its first token. One look-up gives both: the resolution and the preset of one manifest.
 
     A hit is used only while the files behind it are unchanged: the manifest, the model blob
     and the projector are ``stat``-ed (size, mtime, inode) on every call, which is the same
@@ -69,10 +69,9 @@ class CachedResolver:
     def __init__(self, store, ttl: float = 5.0):
         self.store = store
         self.ttl = ttl
-        self._cache: dict[str, tuple[float, object, tuple]] = {}
-        self._presets: dict[str, tuple[float, object, tuple]] = {}
+        self._cache: dict[str, tuple[float, tuple, tuple]] = {}  # name -> (when, (ref, preset), stamps)
         self._generation = 0  # forget() moves it on: a look-up begun before it does not store its answer
-        self._refreshing: set[tuple[int, str]] = set()
+        self._refreshing: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
 
     @staticmethod
@@ -83,39 +82,36 @@ class CachedResolver:
             out.append((p, st.st_size, st.st_mtime_ns, st.st_ino))
         return tuple(out)
 
-    def _resolve(self, name: str):
+    def _look(self, name: str):
+        """((the resolution, the preset), the stamps to keep them by, or None not to keep them)."""
         try:  # the manifest's stamp before the read: a change while it is read is not kept
             manifest = str(self.store.entry(name).manifest_path)
             before = self._stamps([manifest])
         except (SchedulerError, ValueError, OSError):
             manifest = before = None
         ref = self.store.resolve_sync(name)
+        found = (ref, self.store.preset_for(name))
         if manifest is None:
-            return ref, None  # a GGUF path, not a named model: who may read it is decided per request
+            return found, None  # a GGUF path, not a named model: who may read it is decided per request
         try:
             stamps = self._stamps([manifest, ref.path] + ([ref.mmproj] if ref.mmproj else []))
         except OSError:
-            return ref, None
-        return ref, (stamps if stamps[:1] == before else None)
-
-    def _preset(self, name: str):
-        try:
-            manifest = str(self.store.entry(name).manifest_path)
-            stamps = self._stamps([manifest])  # before the read: a change after it is seen next time
-        except (SchedulerError, ValueError, OSError):
-            return self.store.preset_for(name), None  # no model of that name (a path, a typo): nothing to keep
-        return self.store.preset_for(name), stamps
+            return found, None
+        return found, (stamps if stamps[:1] == before else None)
 
     async def __call__(self, name: str):
-        return await self._cached(self._cache, name, self._resolve)
+        return (await self._cached(name))[0]
 
     async def preset(self, name: str):
-        """``store.preset_for(name)`` (what a request for ``name`` starts from), cached on the
-        same terms as a resolution: the model's manifest unchanged."""
-        return await self._cached(self._presets, name, self._preset)
+        """``store.preset_for(name)``: what a request for ``name`` starts from. A name that does
+        not resolve (a typo) gets an empty one: resolving it later says what is wrong."""
+        try:
+            return (await self._cached(name))[1]
+        except (SchedulerError, ValueError, OSError):
+            return await asyncio.to_thread(self.store.preset_for, name)
 
-    async def _cached(self, cache: dict, name: str, look):
-        hit = cache.get(name)
+    async def _cached(self, name: str) -> tuple:
+        hit = self._cache.get(name)
         if hit is not None:
             at, value, stamps = hit
             try:
@@ -124,41 +120,40 @@ class CachedResolver:
                 unchanged = False
             if unchanged:
                 if time.monotonic() - at >= self.ttl:
-                    self._look_again(cache, name, look)
+                    self._look_again(name)
                 return value
-            cache.pop(name, None)
+            self._cache.pop(name, None)
         generation = self._generation
-        value, stamps = await asyncio.to_thread(look, name)
-        self._keep(cache, name, value, stamps, generation)
+        value, stamps = await asyncio.to_thread(self._look, name)
+        self._keep(name, value, stamps, generation)
         return value
 
-    def _keep(self, cache: dict, name: str, value, stamps, generation: int) -> None:
+    def _keep(self, name: str, value, stamps, generation: int) -> None:
         if generation != self._generation:
             return
         if stamps is None:
-            cache.pop(name, None)
+            self._cache.pop(name, None)
             return
-        if len(cache) > 256:
-            cache.clear()
-        cache[name] = (time.monotonic(), value, stamps)
+        if len(self._cache) > 256:
+            self._cache.clear()
+        self._cache[name] = (time.monotonic(), value, stamps)
 
-    def _look_again(self, cache: dict, name: str, look) -> None:
-        key = (id(cache), name)
-        if key in self._refreshing:
+    def _look_again(self, name: str) -> None:
+        if name in self._refreshing:
             return
-        self._refreshing.add(key)
+        self._refreshing.add(name)
         generation = self._generation
 
         async def again() -> None:
             try:
-                value, stamps = await asyncio.to_thread(look, name)
+                value, stamps = await asyncio.to_thread(self._look, name)
             except Exception:  # noqa: BLE001 - it no longer resolves: the next request looks it up and says why
                 if generation == self._generation:
-                    cache.pop(name, None)
+                    self._cache.pop(name, None)
             else:
-                self._keep(cache, name, value, stamps, generation)
+                self._keep(name, value, stamps, generation)
             finally:
-                self._refreshing.discard(key)
+                self._refreshing.discard(name)
 
         task = asyncio.get_running_loop().create_task(again())
         self._tasks.add(task)
@@ -167,7 +162,6 @@ class CachedResolver:
     def forget(self) -> None:
         self._generation += 1
         self._cache.clear()
-        self._presets.clear()
 
     async def close(self) -> None:
         """Forget everything and end the look-ups under way (the server is stopping)."""
