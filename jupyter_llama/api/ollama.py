@@ -755,11 +755,18 @@ class _Lines:
     def _template(self) -> None:
         self._head = b'{"model":' + json.dumps(self.model).encode() + b',"created_at":"'
 
+    hold_final = False  # streamed, the last chunk is left out of ``lines`` (its caller completes and sends it)
+
+    def _text(self, m: re.Match) -> None:
+        """A text-only event as its line is written (for a translator that keeps something of it)."""
+
     def lines(self, data: bytes) -> bytes:
         m = self._text_event.match(data)
         if m is not None and m.group(1) != b'""':
+            self._text(m)
             return self._head + rfc3339().encode() + self._text_key + m.group(1) + self._text_tail
-        return b"".join([ndjson(c) for c in self.feed(json.loads(data))])
+        return b"".join([ndjson(c) for c in self.feed(json.loads(data))
+                         if not (self.hold_final and c is self.final)])
 
 
 class GenerateTranslator(_Lines):
@@ -810,18 +817,15 @@ class ContextGenerateTranslator(GenerateTranslator):
     its ``context`` needs the prompt's ids, which are counted while the answer is made, so
     the handler completes it and sends it once the relay has ended (``final``)."""
 
+    hold_final = True
 
     def __init__(self, model: str, started: float, load_s: float):
         super().__init__(model, started, load_s)
         self._seen: list = []  # per event, in order: a text event's match, or the event
         self.stop_type: str | None = None
 
-    def lines(self, data: bytes) -> bytes:
-        m = self._text_event.match(data)
-        if m is not None and m.group(1) != b'""':
-            self._seen.append(m)
-            return self._head + rfc3339().encode() + self._text_key + m.group(1) + self._text_tail
-        return b"".join([ndjson(c) for c in self.feed(json.loads(data)) if c is not self.final])
+    def _text(self, m: re.Match) -> None:
+        self._seen.append(m)
 
     def feed(self, event: dict) -> list[dict]:
         self._seen.append(event)
