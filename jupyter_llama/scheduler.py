@@ -382,6 +382,16 @@ def default_predictor(ref: ModelRef, options: LoadOptions, gpus: list[str],
             DETAILED: estimate_detailed(ref.info, options, gpus, split)}
 
 
+def budget_room(device: devmod.DeviceState, used: dict[str, int], held: dict[str, int] | None) -> int | None:
+    """Bytes of ``device``'s budget still open to this manager (None: the device has no
+    budget): the budget is the user's, so what the user's other managers hold there
+    (``held``) comes off it, as well as what this manager's runners use (``used``). The
+    planner leaves the rest of the device free; the fit check measures the need against it."""
+    if device.budget is None:
+        return None
+    return max(0, device.budget - (held or {}).get(device.id, 0) - used.get(device.id, 0))
+
+
 def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
@@ -661,15 +671,15 @@ class Scheduler:
         if lo is not None:  # would it fit if it were loaded afresh: its own runner not counted
             for d, n in lo.charge.by_device().items():
                 used[d] = max(0, used.get(d, 0) - n)
+        peers = await asyncio.to_thread(self.peer_holdings)
         if same:
             opts, estimates, actual = lo.options, dict(lo.predictions), lo.actual
         else:
-            opts, planned = await asyncio.to_thread(self.plan, ref, opts, inv, used)
+            opts, planned = await asyncio.to_thread(self.plan, ref, opts, inv, used, peermod.usage(peers))
             estimates = await est.with_projection_async(planned, engine, ref.path, opts)
             actual = None
         return {"ref": ref, "options": opts, "estimates": estimates, "actual": actual, "loaded": lo,
-                "same_options": same,
-                "fit": self.fit(ref, opts, estimates, inv, used, await asyncio.to_thread(self.peer_holdings))}
+                "same_options": same, "fit": self.fit(ref, opts, estimates, inv, used, peers)}
 
     async def shutdown(self) -> None:
         """Stop every child and wait for them."""
@@ -837,9 +847,10 @@ class Scheduler:
         return out
 
     def plan(self, ref: ModelRef, options: LoadOptions, inv: devmod.Inventory,
-             used: dict[str, int]) -> tuple[LoadOptions, dict[str, MemoryReport]]:
+             used: dict[str, int], held: dict[str, int] | None = None) -> tuple[LoadOptions, dict[str, MemoryReport]]:
         """Where a load of ``ref`` would go now, as options and predictions (``used``: bytes per
-        device our runners hold, :meth:`usage` taken on the event loop; this runs in a thread).
+        device our runners hold, :meth:`usage` taken on the event loop; ``held``: what the
+        user's other managers hold, :func:`.memory.peers.usage`; this runs in a thread).
 
         The accelerators are the local GPUs and the RPC workers no runner holds. With
         automatic placement (``num_gpu`` unset) the room under each device's budget becomes
@@ -855,8 +866,9 @@ class Scheduler:
             keeps = []
             for d in accel:
                 keep = max(1024 * MiB, d.overhead)
-                if d.budget is not None:  # leave free everything beyond our remaining budget here
-                    keep = max(keep, d.free - max(0, d.budget - used.get(d.id, 0)))
+                room = budget_room(d, used, held)
+                if room is not None:  # leave free everything beyond what is left of the budget here
+                    keep = max(keep, d.free - room)
                 keeps.append(keep)
             weights = fit_layers(ref.info, options, [(d.id, max(0, d.free - k)) for d, k in zip(accel, keeps)],
                                  free=[d.free for d in accel])
@@ -891,9 +903,9 @@ class Scheduler:
         a dry run of evictions stops would give back to each device's free memory."""
         out = {}
         for d in inv.devices():
-            ceiling = d.budget - (peers or {}).get(d.id, 0) if d.budget is not None else d.total
             free = d.free + (returned or {}).get(d.id, 0) - (d.overhead if is_gpu(d.id) else 0)
-            out[d.id] = (max(0, min(free, ceiling - used.get(d.id, 0))), d.budget)
+            room = budget_room(d, used, peers)
+            out[d.id] = (max(0, min(free, d.total - used.get(d.id, 0) if room is None else room)), d.budget)
         return out
 
     def peer_holdings(self) -> list[peermod.Peer]:
@@ -1106,7 +1118,7 @@ class Scheduler:
             inv = await self.inventory(planning=True)
             used = self.usage()
             peers = await asyncio.to_thread(self.peer_holdings)
-            placed, preds = await asyncio.to_thread(self.plan, ref, options, inv, used)
+            placed, preds = await asyncio.to_thread(self.plan, ref, options, inv, used, peermod.usage(peers))
             plan = self.fit(ref, placed, preds, inv, used, peers)
             fit_source = plan.fit_source
             numbers = {d: {k: n[k] for k in ("need", "available", "in_use", "budget")} for d, n in plan.devices.items()}

@@ -103,3 +103,40 @@ async def test_another_managers_models_count_against_the_users_budget(engine, ma
         assert f"also:    another manager of yours, pid {os.getpid()}" in r.stdout and lo.name in r.stdout
     finally:
         other.stop(timeout=30)
+
+
+async def test_the_placement_leaves_what_the_other_managers_hold_out_of_a_gpu_budget(make_scheduler, make_model):
+    """A shared GPU with a budget of the user's: what the user's other managers hold there is
+    off the room the planner gives llama.cpp (its ``--fit-target``), as it is off the room the
+    fit check measures against. So a model that fits only partly in what is left gets fewer
+    layers on the GPU and loads, instead of being planned for the whole budget and refused.
+
+    The GPU is this machine's description of one (no GPU here); the planning is the real code."""
+    from jupyter_llama.memory import devices as devmod
+    from jupyter_llama.memory.peers import Peer
+    from jupyter_llama.memory.report import DETAILED
+    from jupyter_llama.scheduler import FileResolver
+
+    MiB, GiB = 1 << 20, 1 << 30
+    path = make_model("peer-gpu", layers=8, embd=512, heads=8, kv_heads=8, ctx=2048, seed=43)
+    sched = make_scheduler()
+    ref = await FileResolver()(str(path))
+    opts = sched.effective_options(LoadOptions(**OPTS), ref)
+    gpu = devmod.GPU(0, "cuda:0", "NVIDIA H200", "GPU-aaaa", 140 * GiB, 100 * GiB, 40 * GiB)
+    host = devmod.HostMemory(total=64 * GiB, available=40 * GiB)
+    whole = sched.plan(ref, opts, devmod.Inventory(host, [gpu], devmod.Budgets({})), {})[1][DETAILED]
+    need = whole.total(device="cuda:0")  # every layer on the GPU
+    peer = Peer(4242, "http://127.0.0.1:1/llama/", [{"name": "big:latest", "by_device": {"cuda:0": 20 * GiB}}])
+    inv = devmod.Inventory(host, [gpu], devmod.Budgets({"cuda:0": 20 * GiB + need // 2}))
+
+    placed, preds = sched.plan(ref, opts, inv, {}, peermod.usage([peer]))
+    assert placed.fit_target_mib == ((100 * GiB - need // 2) // MiB,)  # the GPU's free memory but half the need
+    part = preds[DETAILED]
+    assert 0 < part.layers_offloaded < whole.layers_offloaded
+    plan = sched.fit(ref, placed, preds, inv, {}, [peer])
+    assert plan.fits and plan.devices["cuda:0"]["available"] == need // 2
+    assert plan.devices["cuda:0"]["need"] <= need // 2  # (the estimate the settings fit with)
+
+    # without the other manager's 20 GiB, the same budget takes the whole model
+    placed, preds = sched.plan(ref, opts, inv, {}, {})
+    assert preds[DETAILED].layers_offloaded == whole.layers_offloaded
