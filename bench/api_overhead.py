@@ -58,7 +58,8 @@ from jupyter_llama.client import LlamaClient  # noqa: E402
 from jupyter_llama.embedded import EmbeddedManager  # noqa: E402
 from jupyter_llama.engine.binary import find_engine  # noqa: E402
 from jupyter_llama.engine.http1 import post_lines  # noqa: E402
-from jupyter_llama.engine.runner import child_pids, free_port, process_alive  # noqa: E402
+from jupyter_llama.engine.runner import child_pids, free_port  # noqa: E402
+from jupyter_llama.procs import process_alive  # noqa: E402
 from jupyter_llama.engine.worker import LocalWorker  # noqa: E402
 from jupyter_llama.models.synth import SynthShape, write_synthetic  # noqa: E402
 

@@ -76,7 +76,7 @@ def _read_state() -> dict | None:
 def _alive(pid: int) -> bool:
     """The state file's process still runs and is a manager (a PID may be reused after an
     idle exit or a reboot: never signal a process that is not ours)."""
-    from .engine.runner import process_alive
+    from .procs import process_alive
 
     if not process_alive(pid):
         return False
@@ -209,7 +209,7 @@ def _terminate(pid: int, timeout: float = 15.0) -> None:
         os.kill(pid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):  # gone, or not ours
         return
-    from .engine.runner import process_alive  # alive at all (a dying manager's cmdline is already empty)
+    from .procs import process_alive  # alive at all (a dying manager's cmdline is already empty)
 
     deadline = time.monotonic() + timeout
     while process_alive(pid):

@@ -228,7 +228,7 @@ def running_server(environ: Mapping[str, str] | None = None, skip_pid: int | Non
     """A running Jupyter server of this user (its runtime file) that serves this extension:
     the one this kernel belongs to (``JPY_PARENT_PID``) first, then the newest."""
     from . import background  # below this module: it knows nothing of clients
-    from .engine.runner import process_alive
+    from .procs import process_alive
 
     environ = os.environ if environ is None else environ
     files = _runtime_files()

@@ -109,21 +109,6 @@ def _kill_live_children() -> None:
         r.kill_now()
 
 
-def process_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (a dead child nobody reaped yet)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 def child_pids(parent: int, name: str | None = None) -> list[int]:
     """Live (non-zombie) children of ``parent``, optionally only those whose program is ``name``
     (e.g. ``"llama-server"``): how a manager, or a test, checks that nothing was left running."""

@@ -8,8 +8,9 @@ their memory is never a surprise: it counts against this user's budgets (a budge
 user's, whichever manager loads), and a load that does not fit says which other manager
 holds what. Host and GPU free memory, read live, already reflect the others' models.
 
-Files are ``jupyter-llama-usage-<pid>.json``, mode 0600, written atomically; one whose
-process is gone is removed by whoever reads it.
+Files are ``jupyter-llama-usage-<pid>.json``, mode 0600, written atomically, with the
+process's start time beside its PID; one whose process is gone (or whose PID a later process
+has been given) is removed by whoever reads it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..models.store import _atomic_write_json
+from ..procs import same_process, start_time
 
 PREFIX = "jupyter-llama-usage-"
 
@@ -47,16 +49,6 @@ class Peer:
         return f"pid {self.pid} at {self.url or '?'}" + (f": {parts}" if parts else "")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class PeerBoard:
     """This manager's entry in ``folder``, and the other live managers' entries."""
 
@@ -65,11 +57,13 @@ class PeerBoard:
         self.url = url
         self.pid = os.getpid() if pid is None else pid
         self.path = self.folder / f"{PREFIX}{self.pid}.json"
+        self._started = start_time(self.pid)  # with the PID, so that a reused PID is not taken for us
 
     def publish(self, models: list[dict]) -> None:
         """Write what this manager's models hold now (an empty list when nothing is loaded)."""
         try:  # (0600 in a 0700 folder; a write cut short leaves no temporary file)
-            _atomic_write_json(self.path, {"pid": self.pid, "url": self.url, "models": models}, fsync=False)
+            _atomic_write_json(self.path, {"pid": self.pid, "started": self._started, "url": self.url,
+                                           "models": models}, fsync=False)
         except OSError:
             pass  # a read-only or missing folder: the others just do not see us
 
@@ -93,15 +87,18 @@ class PeerBoard:
                 continue
             if pid == self.pid:
                 continue
-            if not _alive(pid):
-                try:
+            try:
+                data = json.loads(p.read_text())
+            except (OSError, ValueError):
+                data = None  # being written (atomically: it has a whole file or none), or unreadable
+            started = data.get("started") if isinstance(data, dict) else None
+            if not same_process(pid, started if isinstance(started, int) else None):
+                try:  # gone, or its PID now belongs to a process that started later
                     p.unlink()
                 except OSError:
                     pass
                 continue
-            try:
-                data = json.loads(p.read_text())
-            except (OSError, ValueError):
+            if not isinstance(data, dict):
                 continue
             models = [m for m in data.get("models") or [] if isinstance(m, dict) and "name" in m]
             found.append(Peer(pid, str(data.get("url") or ""), models))

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from jupyter_llama.engine.runner import process_alive
+from jupyter_llama.procs import process_alive
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from jupyter_llama.load_options import LoadOptions
-from jupyter_llama.engine.runner import RunnerCrashed, process_alive
+from jupyter_llama.engine.runner import RunnerCrashed
+from jupyter_llama.procs import process_alive
 from jupyter_llama.engine.worker import LocalWorker
 from jupyter_llama.memory import devices as devmod
 from jupyter_llama.memory import rpc

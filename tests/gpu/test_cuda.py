@@ -16,7 +16,7 @@ import time
 import pytest
 
 from jupyter_llama.engine.binary import gpu_devices
-from jupyter_llama.engine.runner import process_alive
+from jupyter_llama.procs import process_alive
 from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory import devices as devmod
 from jupyter_llama.memory.report import DETAILED, HOST, MiB

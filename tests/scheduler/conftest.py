@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_llama.engine.runner import process_alive
+from jupyter_llama.procs import process_alive
 from jupyter_llama.memory.devices import Budgets
 from jupyter_llama.scheduler import Scheduler, SchedulerSettings
 

@@ -41,6 +41,31 @@ def test_a_board_lists_live_managers_only_and_drops_dead_ones(tmp_path):
     assert not me.path.exists()
 
 
+def test_an_entry_whose_pid_another_process_now_has_is_dropped(tmp_path):
+    """A manager that died without removing its entry (killed, or its machine stopped) leaves
+    a PID that the kernel gives out again: the entry keeps its process's start time, so the
+    process that has the PID now is not taken for it, and its memory stops counting."""
+    import json
+
+    from jupyter_llama.procs import start_time
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = start_time(sleeper.pid)
+        assert isinstance(started, int) and started > 0
+        entry = tmp_path / f"{peermod.PREFIX}{sleeper.pid}.json"
+        me = peermod.PeerBoard(tmp_path)
+        entry.write_text(json.dumps({"pid": sleeper.pid, "started": started, "url": "",
+                                     "models": [{"name": "a:latest", "by_device": {"cpu": 1 << 20}}]}))
+        assert [p.pid for p in me.others()] == [sleeper.pid]  # its own entry
+        entry.write_text(json.dumps({"pid": sleeper.pid, "started": started - 1, "url": "",
+                                     "models": [{"name": "a:latest", "by_device": {"cpu": 1 << 20}}]}))
+        assert me.others() == [] and not entry.exists()  # an earlier process's entry
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 async def test_a_scheduler_announces_the_url_its_server_listens_on(engine, tmp_path):
     """The URL the other managers' messages name: given when the scheduler is made (one made
     after the server listens), or announced once it is known; either way it is published."""
