@@ -12,11 +12,14 @@ through a pidfd (Linux 5.3+; a thread waiting on the pid elsewhere).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import subprocess
 from typing import Callable, Sequence
 
 __all__ = ["ChildProcess"]
+
+PIPE_BYTES = 1 << 20  # the pipe of a child's output: the most an unprivileged process may ask for, by default
 
 
 class ChildProcess:
@@ -40,6 +43,10 @@ class ChildProcess:
         stdout and stderr into one pipe read by the loop."""
         popen = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=preexec_fn)
+        try:  # room for a while of output between reads (hold_output): the default pipe holds 64 KiB
+            fcntl.fcntl(popen.stdout.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except (AttributeError, OSError):  # not Linux, or over /proc/sys/fs/pipe-max-size
+            pass
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=limit, loop=loop)
         try:
@@ -51,6 +58,16 @@ class ChildProcess:
             popen.stdout.close()
             raise
         return cls(popen, reader, transport)
+
+    def hold_output(self, held: bool) -> None:
+        """Stop (True) or go back to (False) reading the child's output as it comes: meanwhile
+        it waits in the pipe, and the next read takes all of it at once."""
+        if self._transport.is_closing():
+            return
+        if held:
+            self._transport.pause_reading()
+        else:
+            self._transport.resume_reading()
 
     @property
     def returncode(self) -> int | None:

@@ -52,6 +52,7 @@ HEALTH_TIMEOUT_S = 0.5
 # child is taken for wedged: killed, and the request fails saying so. A busy child answers
 # /health from its HTTP thread while it computes (a long prompt is not a stall).
 STALL_CHECK_S = 5.0
+LOG_READ_EVERY_S = 0.1  # how often a serving child's log is read (see _read_log); 0: as it comes
 STALL_HEALTH_TIMEOUT_S = 2.0
 STALL_MISSES = 2
 
@@ -316,6 +317,21 @@ class Runner:
                 self.parser.feed_lines([raw.decode("utf-8", "replace") for raw in lines])
                 if self.parser.ready and not self._ready_line.is_set():
                     self._ready_line.set()
+                if self.parser.ready and self.parser.listening and LOG_READ_EVERY_S:
+                    # Serving: what it logs now is per-request chatter (~40 lines a request at
+                    # the verbosity the memory figures need), written a line at a time. Read as
+                    # it came, that was a wake-up of the event loop per line, some of them
+                    # between a request and its first token; left in the pipe for a moment,
+                    # it is one read (bench/api_overhead.py).
+                    # Its exit ends the wait at once (whoever waits for the child, waits for
+                    # this reader to read it to the end).
+                    self.proc.hold_output(True)
+                    exited = asyncio.ensure_future(self.proc.wait())
+                    try:
+                        await asyncio.wait({exited}, timeout=LOG_READ_EVERY_S)
+                    finally:
+                        exited.cancel()
+                        self.proc.hold_output(False)
         finally:
             self.returncode = await self.proc.wait()
             self._exited.set()

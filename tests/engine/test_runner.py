@@ -17,7 +17,8 @@ import pytest
 
 from jupyter_llama.engine.launch import build_argv
 from jupyter_llama.load_options import LoadOptions
-from jupyter_llama.engine.runner import LoadError, Runner, RunnerCrashed, process_alive
+from jupyter_llama.engine.runner import LoadError, Runner, RunnerCrashed
+from jupyter_llama.procs import process_alive
 from jupyter_llama.memory.report import COMPUTE, KV, MiB, OUTPUT, WEIGHTS
 
 pytestmark = pytest.mark.engine
@@ -97,6 +98,36 @@ async def test_num_gpu_argv_and_offload_report(start_runner, tiny_model, engine)
             m = re.search(r"offloaded (\d+)/(\d+) layers", offload_lines[-1])
             assert (r.parser.layers_offloaded, r.parser.layers_total) == (int(m.group(1)), int(m.group(2)))
         assert r.memory().gpu_total == 0  # nothing on a GPU on this machine
+
+
+async def test_a_serving_childs_log_is_read_in_batches_and_its_exit_at_once(start_runner, tiny_model, monkeypatch):
+    """Once serving, the child logs ~40 lines for each request, a line at a time; they wait in
+    the pipe and come in one read every LOG_READ_EVERY_S (not a wake-up of the event loop
+    per line), all of them, in order. When the child exits, the rest is read at once."""
+    from jupyter_llama.engine import runner as runmod
+
+    r = await start_runner(tiny_model, LoadOptions(num_ctx=512, num_parallel=1))
+    reads: list[int] = []
+    feed = r.parser.feed_lines
+    r.parser.feed_lines = lambda lines: (reads.append(len(lines)), feed(lines))[1]
+    before = r.parser.n_lines
+    for _ in range(4):
+        await r.complete_text("Once upon a time", n_predict=4, temperature=0)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while sum(1 for ln in list(r.parser.lines)[-400:] if "stop processing" in ln) < 4 and loop.time() < deadline:
+        await asyncio.sleep(runmod.LOG_READ_EVERY_S / 4)
+    assert sum(1 for ln in list(r.parser.lines)[-400:] if "stop processing" in ln) >= 4, "every request's lines arrive"
+    lines = r.parser.n_lines - before
+    assert lines >= 4 * 10 and len(reads) <= 8, f"{lines} lines came in {len(reads)} reads"
+    # its exit ends a pause far longer than the wait below: the reader reads to the end and stops
+    monkeypatch.setattr(runmod, "LOG_READ_EVERY_S", 600.0)
+    n = r.parser.n_lines
+    await r.complete_text("Once upon a time", n_predict=2, temperature=0)
+    while r.parser.n_lines == n and loop.time() < deadline + 10:  # read, and now in a long pause
+        await asyncio.sleep(0.02)
+    os.kill(r.pid, signal.SIGKILL)
+    await asyncio.wait_for(r._exited.wait(), 10)
 
 
 async def test_child_killed_mid_stream_gives_clear_error(start_runner, tiny_model):
