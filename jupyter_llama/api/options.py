@@ -21,7 +21,7 @@ import logging
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..config import ConfigError, parse_duration, shown
 from ..load_options import FLASH_ATTN, KV_CACHE_TYPES, LoadOptions, LoadOptionsError
@@ -111,50 +111,48 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _sampling_value(name: str, kind: str, value):
+def _checked(kind: str, value, wrong: "Callable[[str], BadRequest]"):
+    """``value`` checked for its kind (``int``, ``float``, ``bool``, ``stop``, ``flash_attn``,
+    ``cache``: see :func:`parameter_kind`) and normalised (a whole float becomes an int, a
+    single stop string a list); else ``wrong(what was expected)``, raised. Request options
+    and a model's parameters are checked by this one function, in their own words."""
     if kind == "stop":
         if isinstance(value, str):
             return [value]
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return list(value)
-        raise BadRequest(f"option stop must be a string or a list of strings, got {shown(value)}")
+        raise wrong("a string or a list of strings")
     if kind == "bool":
         if not isinstance(value, bool):
-            raise BadRequest(f"option {name} must be true or false, got {shown(value)}")
+            raise wrong("true or false")
+        return value
+    if kind == "flash_attn":
+        if isinstance(value, bool) or value in FLASH_ATTN:
+            return value
+        raise wrong(f"true, false or one of {', '.join(FLASH_ATTN)}")
+    if kind == "cache":
+        if value not in KV_CACHE_TYPES:
+            raise wrong(f"a KV cache type ({', '.join(KV_CACHE_TYPES)})")
         return value
     if not _is_number(value) or (isinstance(value, float) and not math.isfinite(value)):
-        raise BadRequest(f"option {name} must be a number, got {shown(value)}")
+        raise wrong("a whole number" if kind == "int" else "a number")
     if kind == "int":
         if isinstance(value, float):
             if not value.is_integer():
-                raise BadRequest(f"option {name} must be a whole number, got {shown(value)}")
+                raise wrong("a whole number")
             value = int(value)
-        if name == "num_predict" and value < -1:  # Ollama's -2 (fill the context): llama-server's -1
-            value = -1
         return value
     return float(value)
 
 
-def _load_value(name: str, value):
-    if value is None:
-        return None
-    if name in ("use_mmap", "kv_unified"):
-        if not isinstance(value, bool):
-            raise BadRequest(f"option {name} must be true or false, got {shown(value)}")
-        return value
-    if name == "flash_attn":
-        if isinstance(value, bool):
-            return "on" if value else "off"
-        if value not in FLASH_ATTN:
-            raise BadRequest(f"option flash_attn must be true, false, or one of {', '.join(FLASH_ATTN)}; got {shown(value)}")
-        return value
-    if name in ("cache_type_k", "cache_type_v", "kv_cache_type"):
-        if value not in KV_CACHE_TYPES:
-            raise BadRequest(f"option {name} {shown(value)} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPES)}")
-        return value
-    if not _is_number(value) or (isinstance(value, float) and not value.is_integer()):
-        raise BadRequest(f"option {name} must be a whole number, got {shown(value)}")
-    return int(value)
+def _option_value(name: str, kind: str, value):
+    """A request's option, checked (:func:`_checked`) and as the child takes it."""
+    v = _checked(kind, value, lambda expected: BadRequest(f"option {name} must be {expected}, got {shown(value)}"))
+    if name == "num_predict" and v < -1:  # Ollama's -2 (fill the context): llama-server's -1
+        return -1
+    if kind == "flash_attn" and isinstance(v, bool):
+        return "on" if v else "off"
+    return v
 
 
 log = logging.getLogger("jupyter_llama")
@@ -181,9 +179,9 @@ def split_options(options: dict | None) -> SplitOptions:
         if name in IGNORED_OPTIONS:
             out.ignored.append(name)
         elif name in LOAD_OPTIONS:
-            v = _load_value(name, value)
-            if v is None:
+            if value is None:
                 continue
+            v = _option_value(name, parameter_kind(name), value)
             if name == "kv_cache_type":
                 out.load.setdefault("cache_type_k", v)
                 out.load.setdefault("cache_type_v", v)
@@ -193,7 +191,7 @@ def split_options(options: dict | None) -> SplitOptions:
             if value is None:
                 continue
             field_name, kind = SAMPLING_OPTIONS[name]
-            out.sampling[field_name] = _sampling_value(name, kind, value)
+            out.sampling[field_name] = _option_value(name, kind, value)
     return out
 
 
@@ -265,40 +263,6 @@ def _unknown_parameter(name: str, where: str) -> BadRequest:
                       f"{', '.join(known)}")
 
 
-def _typed_value(name: str, kind: str, value, where: str):
-    """A JSON value checked (and normalised) for its kind; BadRequest saying what was expected."""
-    def wrong(expected: str) -> BadRequest:
-        return BadRequest(f"{where}: parameter {name} must be {expected}, not {shown(value)}")
-
-    if kind == "stop":
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return list(value)
-        raise wrong("a string or a list of strings")
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise wrong("true or false")
-        return value
-    if kind == "flash_attn":
-        if isinstance(value, bool) or value in FLASH_ATTN:
-            return value
-        raise wrong(f"true, false or one of {', '.join(FLASH_ATTN)}")
-    if kind == "cache":
-        if value not in KV_CACHE_TYPES:
-            raise wrong(f"a KV cache type ({', '.join(KV_CACHE_TYPES)})")
-        return value
-    if not _is_number(value) or (isinstance(value, float) and not math.isfinite(value)):
-        raise wrong("a whole number" if kind == "int" else "a number")
-    if kind == "int":
-        if isinstance(value, float):
-            if not value.is_integer():
-                raise wrong("a whole number")
-            value = int(value)
-        return value
-    return float(value)
-
-
 def parse_parameters(raw, where: str = "parameters") -> dict:
     """A model's ``parameters`` (``/api/create``, a Modelfile's PARAMETER lines) checked: Ollama's
     option names (and ours, such as ``num_parallel``), each value of its kind; ``stop`` always a
@@ -315,7 +279,8 @@ def parse_parameters(raw, where: str = "parameters") -> dict:
         kind = parameter_kind(name)
         if kind is None:
             raise _unknown_parameter(name, where)
-        out[name] = _typed_value(name, kind, value, where)
+        out[name] = _checked(kind, value, lambda expected, name=name, value=value: BadRequest(
+            f"{where}: parameter {name} must be {expected}, not {shown(value)}"))
     try:  # the ranges requests are held to (num_ctx at least 16, ...), checked now rather than at first use
         split_options(out).load_options()
     except BadRequest as e:
