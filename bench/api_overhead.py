@@ -24,8 +24,11 @@ to the last byte (the stream's wall time). Rounds alternate the order of the sid
 
 * tokens/s = all tokens / all wall time, for 1 stream and for 8 concurrent streams (the
   child has 8 slots); goals: ours/bare >= 0.97 and >= router/router's child;
-* added time to first token (median, against the child behind it); goals: <= the router's
-  + 2 ms (1 stream), <= 10 ms (8 streams);
+* added time to first token (median, against the child behind it; for 1 stream over the
+  1-stream turns and TTFT_SAMPLES short requests a round, since 16 samples of a ~10 ms figure
+  move by a millisecond); goals: <= the router's + 2 ms (1 stream), <= 10 ms (8 streams);
+* a 95% interval for each throughput ratio and for ours minus the router's, from the rounds
+  (a paired bootstrap, :func:`ratio_interval`), to say which differences the run can tell;
 * model swap with room for one model (A loaded, B requested, a one-token answer): ours
   against stopping a hand-started child A and starting B (SIGTERM, wait, spawn, poll
   ``/health`` every 5 ms, one token); goal <= 1.10; the router's swap is shown beside it;
@@ -68,6 +71,7 @@ SHAPE = SynthShape(layers=4, embd=512, heads=8, kv_heads=8, ctx=2048, type="f16"
 PROMPTS = ["Once upon a time", "The quick brown fox", "In a small village", "Write a poem about"]
 SIDES = ("ours", "bare", "router", "rbare", "hand")
 ROUTES = ("ollama", "openai")
+TTFT_SAMPLES = 4  # short requests per round and side, beside the 1-stream turn, for its median time to first token
 
 
 # ============================================================================ one stream
@@ -156,7 +160,8 @@ async def streams_phase(servers: dict[str, Server], groups: list[list[str]], rou
     up together by the first one's ``up`` (on RPC workers, where a ggml-rpc-server serves one
     llama-server at a time) and down after their turn. Groups take turns in an order that
     rotates from round to round, and the sides of a group alternate."""
-    acc = {(route, k): {s: {"tokens": 0, "wall": 0.0, "ttft": [], "cpu": 0.0} for s in servers}
+    acc = {(route, k): {s: {"tokens": 0, "wall": 0.0, "ttft": [], "cpu": 0.0, "rounds": [[0, 0.0] for _ in range(rounds)]}
+                        for s in servers}
            for route in ROUTES for k in counts}
     for i in range(rounds):
         order = groups[i % len(groups):] + groups[:i % len(groups)]
@@ -179,12 +184,47 @@ async def streams_phase(servers: dict[str, Server], groups: list[list[str]], rou
                             a["cpu"] += cpu_seconds(srv.relay_pid) - c0
                             a["tokens"] += sum(r[2] for r in res)
                             a["ttft"] += [r[0] for r in res]
+                            a["rounds"][i][0] += sum(r[2] for r in res)
+                            a["rounds"][i][1] += time.perf_counter() - t0
+                            if k == 1:  # more samples of the time to first token: short requests, one at a time
+                                for j in range(TTFT_SAMPLES):
+                                    a["ttft"].append((await stream(srv, route, PROMPTS[(i + j + 1) % len(PROMPTS)], 8))[0])
             finally:
                 if first.down is not None:
                     await first.down()
     return {key: {s: {"tps": a["tokens"] / a["wall"], "ttft_ms": statistics.median(a["ttft"]) * 1000,
-                      "tokens": a["tokens"], "cpu_us": a["cpu"] / a["tokens"] * 1e6} for s, a in sides.items()}
+                      "tokens": a["tokens"], "cpu_us": a["cpu"] / a["tokens"] * 1e6, "rounds": a["rounds"]}
+                  for s, a in sides.items()}
             for key, sides in acc.items()}
+
+
+def ratio_interval(sides: dict, num: str, den: str, vs: tuple[str, str] | None = None,
+                   draws: int = 2000) -> tuple[float, float]:
+    """A 95% interval, by resampling rounds (a paired bootstrap: each round's turns of every
+    side are drawn together), of tokens/s of ``num`` over ``den``; with ``vs`` (another
+    pair), of the difference between the two ratios. Two processes of one command line
+    differ by a few per cent from round to round (the hand-started control shows how much),
+    so a point ratio alone cannot tell 0.98 from 0.99: the interval says what the rounds
+    can tell apart."""
+    import random
+
+    rng = random.Random(7)
+    n = len(sides[num]["rounds"])
+
+    def ratio(picks, a, b):
+        ta = sum(sides[a]["rounds"][i][0] for i in picks)
+        wa = sum(sides[a]["rounds"][i][1] for i in picks)
+        tb = sum(sides[b]["rounds"][i][0] for i in picks)
+        wb = sum(sides[b]["rounds"][i][1] for i in picks)
+        return (ta / wa) / (tb / wb)
+
+    values = []
+    for _ in range(draws):
+        picks = [rng.randrange(n) for _ in range(n)]
+        r = ratio(picks, num, den)
+        values.append(r - ratio(picks, *vs) if vs else r)
+    values.sort()
+    return values[int(0.025 * draws)], values[int(0.975 * draws) - 1]
 
 
 # ============================================================================ processes
@@ -430,9 +470,13 @@ def report(title: str, res: dict) -> bool:
         ratio, rratio, spread = o["tps"] / b["tps"], t["tps"] / tb["tps"], h["tps"] / b["tps"]
         good = ratio >= 0.97 and ratio >= rratio
         ok &= good
+        lo, hi = ratio_interval(r, "ours", "bare")
+        dlo, dhi = ratio_interval(r, "ours", "bare", ("router", "rbare"))
         print(f"{route:<7}{k:>8}  {'tokens/s':<24}" + "".join(f"{x['tps']:>8.0f}" for x in (o, b, t, tb, h))
               + f"  ours/bare {ratio:.3f}, router/rchild {rratio:.3f} {'ok' if good else 'MISSED'}"
               + f" (hand/bare {spread:.3f})")
+        print(f"{'':<7}{'':>8}  {'95% intervals':<24}{'':>40}  ours/bare [{lo:.3f}, {hi:.3f}], ours - router "
+              f"[{dlo:+.3f}, {dhi:+.3f}]" + (" (no difference the rounds can tell)" if dlo <= 0 <= dhi else ""))
         added, radded = o["ttft_ms"] - b["ttft_ms"], t["ttft_ms"] - tb["ttft_ms"]
         limit = radded + 2 if k == 1 else 10
         good = added <= limit
