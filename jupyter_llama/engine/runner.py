@@ -53,6 +53,7 @@ HEALTH_TIMEOUT_S = 0.5
 # /health from its HTTP thread while it computes (a long prompt is not a stall).
 STALL_CHECK_S = 5.0
 LOG_READ_EVERY_S = 0.1  # how often a serving child's log is read (see _read_log); 0: as it comes
+LOG_READ_BYTES = 1 << 18  # the most one read of it takes
 STALL_HEALTH_TIMEOUT_S = 2.0
 STALL_MISSES = 2
 
@@ -303,8 +304,8 @@ class Runner:
         partial = b""
         try:
             while True:
-                # what has arrived, in one read: a request makes the child log ~20 lines at once
-                data = await stream.read(1 << 16)
+                # what has arrived, in one read: a request makes the child log ~40 lines at once
+                data = await stream.read(LOG_READ_BYTES)
                 if not data:
                     if partial:
                         self.parser.feed(partial.decode("utf-8", "replace"))
@@ -317,12 +318,13 @@ class Runner:
                 self.parser.feed_lines([raw.decode("utf-8", "replace") for raw in lines])
                 if self.parser.ready and not self._ready_line.is_set():
                     self._ready_line.set()
-                if self.parser.ready and self.parser.listening and LOG_READ_EVERY_S:
+                if self.parser.ready and self.parser.listening and LOG_READ_EVERY_S and len(data) < LOG_READ_BYTES:
                     # Serving: what it logs now is per-request chatter (~40 lines a request at
                     # the verbosity the memory figures need), written a line at a time. Read as
                     # it came, that was a wake-up of the event loop per line, some of them
                     # between a request and its first token; left in the pipe for a moment,
-                    # it is one read (bench/api_overhead.py).
+                    # it is one read (bench/api_overhead.py). A full read means more is
+                    # waiting: then it is read on at once, so a chatty child never gets ahead.
                     # Its exit ends the wait at once (whoever waits for the child, waits for
                     # this reader to read it to the end).
                     self.proc.hold_output(True)
