@@ -384,12 +384,13 @@ def default_predictor(ref: ModelRef, options: LoadOptions, gpus: list[str],
 
 def budget_room(device: devmod.DeviceState, used: dict[str, int], held: dict[str, int] | None) -> int | None:
     """Bytes of ``device``'s budget still open to this manager (None: the device has no
-    budget): the budget is the user's, so what the user's other managers hold there
-    (``held``) comes off it, as well as what this manager's runners use (``used``). The
-    planner leaves the rest of the device free; the fit check measures the need against it."""
+    budget; below 0: it is over by that much): the budget is the user's, so what the user's
+    other managers hold there (``held``) comes off it, as well as what this manager's runners
+    use (``used``). The planner leaves the rest of the device free, the fit check measures
+    the need against it, and once a load's real size is known the budget is enforced by it."""
     if device.budget is None:
         return None
-    return max(0, device.budget - (held or {}).get(device.id, 0) - used.get(device.id, 0))
+    return device.budget - (held or {}).get(device.id, 0) - used.get(device.id, 0)
 
 
 def _sentence(text: str) -> str:
@@ -647,8 +648,9 @@ class Scheduler:
         placement the scheduler would ask llama.cpp for."""
         ref = await self.resolver(name)
         inv = await self.inventory()
+        held = peermod.usage(await asyncio.to_thread(self.peer_holdings))
         _, preds = await asyncio.to_thread(self.plan, ref, self.effective_options(options or LoadOptions(), ref), inv,
-                                           self.usage())
+                                           self.usage(), held)
         return ref, preds
 
     async def estimate(self, name: str, options: LoadOptions | None = None, *, engine=None) -> dict:
@@ -868,7 +870,7 @@ class Scheduler:
                 keep = max(1024 * MiB, d.overhead)
                 room = budget_room(d, used, held)
                 if room is not None:  # leave free everything beyond what is left of the budget here
-                    keep = max(keep, d.free - room)
+                    keep = max(keep, d.free - max(0, room))
                 keeps.append(keep)
             weights = fit_layers(ref.info, options, [(d.id, max(0, d.free - k)) for d, k in zip(accel, keeps)],
                                  free=[d.free for d in accel])
@@ -986,19 +988,23 @@ class Scheduler:
         """Predictions can be wrong: once the actual figures are known, the budget still holds.
 
         If the new runner's real allocation pushes a device over its budget, evict others
-        (the usual victim order); if it alone is over, unload it and say by how much.
+        (the usual victim order); if it alone is over, unload it and say by how much. The
+        budget is the user's: what their other managers hold counts, as it did in the fit.
         """
         while True:
             inv = await self.inventory()
             used = self.usage()
-            over = {d.id: used.get(d.id, 0) - d.budget for d in inv.devices()
-                    if d.budget is not None and used.get(d.id, 0) > d.budget}
+            held = peermod.usage(await asyncio.to_thread(self.peer_holdings))
+            over = {d.id: -room for d in inv.devices() if (room := budget_room(d, used, held)) is not None
+                    and room < 0}
             if not over:
                 return
             dev, excess = next(iter(over.items()))
             words = (f"{new.name} was predicted at {format_bytes(new.predictions[new.fit_source].total(device=dev))} "
                      f"on {dev} but llama.cpp allocated {format_bytes(new.charge.total(device=dev))}; "
-                     f"{format_bytes(excess)} over the budget there")
+                     f"{format_bytes(excess)} over the budget there"
+                     + (f" (your other jupyter-llama managers hold {format_bytes(held[dev])} of it)"
+                        if held.get(dev) else ""))
             try:
                 victim, rule = self._choose_victim(new.ref, words)
             except DoesNotFit:

@@ -165,3 +165,36 @@ async def test_the_placement_leaves_what_the_other_managers_hold_out_of_a_gpu_bu
     # without the other manager's 20 GiB, the same budget takes the whole model
     placed, preds = sched.plan(ref, opts, inv, {}, {})
     assert preds[DETAILED].layers_offloaded == whole.layers_offloaded
+
+
+async def test_a_load_larger_than_predicted_is_held_to_the_budget_with_the_other_managers_share(
+        make_scheduler, make_model, tmp_path):
+    """Once a load's real size is known, the budget is enforced with what the user's other
+    managers hold counted in, as the fit before it counted it: a model the estimate got badly
+    wrong (here a predictor that says 1 MiB) is unloaded when it and the other manager's
+    models together pass the budget, and the message says who holds the rest."""
+    from jupyter_llama.memory.report import MemoryReport
+
+    def optimistic(ref, options, gpus, split=None):
+        rep = MemoryReport("coarse")
+        rep.add("cpu", "weights", 1 << 20)
+        return {"coarse": rep}
+
+    GiB, MiB = 1 << 30, 1 << 20
+    model = make_model("peer-enforce", seed=44, **SHAPE)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        other = peermod.PeerBoard(tmp_path, "http://127.0.0.1:1/llama/", pid=sleeper.pid)
+        other.publish([{"name": "big:latest", "by_device": {"cpu": GiB - 2 * MiB}}])
+        sched = make_scheduler(peers_dir=str(tmp_path), budget=GiB, fit_estimator="coarse", predictor=optimistic)
+        with pytest.raises(DoesNotFit) as e:
+            await sched.load(str(model), LoadOptions(**OPTS))
+        msg = str(e.value)
+        assert "over the budget there (your other jupyter-llama managers hold 1022.0 MiB of it)" in msg, msg
+        assert sched.loaded == {}
+        other.close()  # that manager lets go: the same load stays
+        lo = await sched.load(str(model), LoadOptions(**OPTS))
+        assert lo.runner.alive and lo.charge.total(device="cpu") > 2 * MiB
+    finally:
+        sleeper.kill()
+        sleeper.wait()
