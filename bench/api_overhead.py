@@ -179,13 +179,14 @@ async def streams_phase(servers: dict[str, Server], groups: list[list[str]], rou
                             prompts = [PROMPTS[(i + j) % len(PROMPTS)] for j in range(k)]
                             c0, t0 = cpu_seconds(srv.relay_pid), time.perf_counter()
                             res = await asyncio.gather(*(stream(srv, route, p, n) for p in prompts))
+                            wall = time.perf_counter() - t0  # (before the CPU figure's read of /proc)
                             a = acc[(route, k)][side]
-                            a["wall"] += time.perf_counter() - t0
+                            a["wall"] += wall
                             a["cpu"] += cpu_seconds(srv.relay_pid) - c0
                             a["tokens"] += sum(r[2] for r in res)
                             a["ttft"] += [r[0] for r in res]
                             a["rounds"][i][0] += sum(r[2] for r in res)
-                            a["rounds"][i][1] += time.perf_counter() - t0
+                            a["rounds"][i][1] += wall
                             if k == 1:  # more samples of the time to first token: short requests, one at a time
                                 for j in range(TTFT_SAMPLES):
                                     a["ttft"].append((await stream(srv, route, PROMPTS[(i + j + 1) % len(PROMPTS)], 8))[0])

@@ -1,8 +1,9 @@
 """Processes by PID, as this package's parts ask about them (each other, their children).
 
 A PID outlives its process: the kernel hands it out again. So a record that names a process
-by PID (a manager's state file, a peer's usage file) also keeps its start time, and a check
-compares both: :func:`same_process`.
+by PID for others to find later (a peer's usage file, :mod:`.memory.peers`) also keeps the
+process's start time, and the check compares both: :func:`same_process`. (The background
+manager's state file checks the command line instead, :func:`.background._alive`.)
 """
 
 from __future__ import annotations
