@@ -15,6 +15,8 @@ import asyncio
 import fcntl
 import os
 import subprocess
+import sys
+import termios
 from typing import Callable, Sequence
 
 __all__ = ["ChildProcess"]
@@ -68,6 +70,14 @@ class ChildProcess:
             self._transport.pause_reading()
         else:
             self._transport.resume_reading()
+
+    def output_waiting(self) -> int:
+        """Bytes of the child's output in the pipe, not read yet (0 where that cannot be asked)."""
+        try:
+            return int.from_bytes(fcntl.ioctl(self._popen.stdout.fileno(), termios.FIONREAD, b"\0\0\0\0"),
+                                  sys.byteorder)
+        except (OSError, ValueError):  # closed, or no FIONREAD here
+            return 0
 
     @property
     def returncode(self) -> int | None:

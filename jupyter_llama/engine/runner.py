@@ -318,13 +318,15 @@ class Runner:
                 self.parser.feed_lines([raw.decode("utf-8", "replace") for raw in lines])
                 if self.parser.ready and not self._ready_line.is_set():
                     self._ready_line.set()
-                if self.parser.ready and self.parser.listening and LOG_READ_EVERY_S and len(data) < LOG_READ_BYTES:
+                if (self.parser.ready and self.parser.listening and LOG_READ_EVERY_S and len(data) < LOG_READ_BYTES
+                        and not self.proc.output_waiting()):
                     # Serving: what it logs now is per-request chatter (~40 lines a request at
                     # the verbosity the memory figures need), written a line at a time. Read as
                     # it came, that was a wake-up of the event loop per line, some of them
                     # between a request and its first token; left in the pipe for a moment,
-                    # it is one read (bench/api_overhead.py). A full read means more is
-                    # waiting: then it is read on at once, so a chatty child never gets ahead.
+                    # it is one read (bench/api_overhead.py). While more is waiting (a full
+                    # read, or bytes left in the pipe) it is read on at once, so a chatty
+                    # child never gets ahead.
                     # Its exit ends the wait at once (whoever waits for the child, waits for
                     # this reader to read it to the end).
                     self.proc.hold_output(True)

@@ -131,17 +131,11 @@ async def test_a_serving_childs_log_is_read_in_batches_and_its_exit_at_once(star
     while r.parser.n_lines == n and loop.time() < deadline + 10:  # read, and now in a long pause
         await asyncio.sleep(0.02)
     assert r.parser.n_lines > n
-    import fcntl
-    import termios
-
-    def waiting() -> int:  # bytes in the pipe, not read yet
-        return int.from_bytes(fcntl.ioctl(r.proc._popen.stdout.fileno(), termios.FIONREAD, b"\0" * 4), "little")
-
     n = r.parser.n_lines
     await r.complete_text("Once upon a time", n_predict=2, temperature=0)  # its lines wait in the pipe
-    while waiting() == 0 and loop.time() < deadline + 20:
+    while r.proc.output_waiting() == 0 and loop.time() < deadline + 20:
         await asyncio.sleep(0.02)
-    assert waiting() > 0 and r.parser.n_lines == n
+    assert r.proc.output_waiting() > 0 and r.parser.n_lines == n
     os.kill(r.pid, signal.SIGKILL)
     await asyncio.wait_for(r._exited.wait(), 10)
     assert r.parser.n_lines > n  # read to the end
