@@ -121,12 +121,81 @@ def _text(route: str, server: str, line: bytes) -> bool:
     return bool((choices[0].get("delta") or {}).get("content"))
 
 
+class KeptConnections:
+    """The client's connections kept open between requests, as the clients users run keep
+    them (ollama-python's and openai-python's httpx pools, langchain's through them): a
+    request goes on an idle connection to its server when there is one. A server that
+    answers ``Connection: close`` (llama-server does, after every streamed answer, whether
+    asked directly or as the router) gets a new connection for each request, as it would
+    from those clients."""
+
+    def __init__(self):
+        self.idle: dict[int, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+
+    async def lines(self, port: int, path: str, body: bytes, headers: dict[str, str]):
+        """The answer's lines (chunked or with a length), as :func:`post_lines` gives them."""
+        idle = self.idle.setdefault(port, [])
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n{extra}"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        while True:
+            reused = bool(idle)
+            reader, writer = idle.pop() if reused else await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            try:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+                break
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+                if not reused:  # a kept connection the server has closed meanwhile: a new one, as httpx does
+                    raise
+        kept = False
+        try:
+            if not head.startswith("http/1.1 2"):
+                raise RuntimeError(f"answer: {head.splitlines()[0]}")
+            close = "connection: close" in head
+            pending = b""
+            if "transfer-encoding: chunked" in head:
+                while True:
+                    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                    if size == 0:
+                        await reader.readuntil(b"\r\n")  # (no trailers)
+                        break
+                    *done, pending = (pending + (await reader.readexactly(size + 2))[:-2]).split(b"\n")
+                    for line in done:
+                        yield line.rstrip(b"\r")
+            else:
+                length = int(head.split("content-length:", 1)[1].split("\r\n", 1)[0])
+                *done, pending = (await reader.readexactly(length)).split(b"\n")
+                for line in done:
+                    yield line.rstrip(b"\r")
+            if pending:
+                yield pending.rstrip(b"\r")
+            kept = not close
+        finally:
+            if kept:
+                idle.append((reader, writer))
+            else:
+                writer.close()
+
+    def close(self) -> None:
+        for conns in self.idle.values():
+            for _, writer in conns:
+                writer.close()
+        self.idle.clear()
+
+
+KEPT: KeptConnections | None = None  # --keep-alive: the clients' connections, kept between requests
+
+
 async def stream(server: Server, route: str, prompt: str, n: int) -> tuple[float, float, int]:
     """(seconds to the first text, seconds to the end, text chunks) of one streamed request."""
     path, body = server.request(route, prompt, n)
     t0 = time.perf_counter()
     first, count = None, 0
-    async for line in post_lines(server.port, path, json.dumps(body).encode(), server.headers):
+    lines = (KEPT.lines(server.port, path, json.dumps(body).encode(), server.headers) if KEPT is not None
+             else post_lines(server.port, path, json.dumps(body).encode(), server.headers))
+    async for line in lines:
         if _text(route, server.name, line):
             count += 1
             if first is None:
@@ -496,10 +565,13 @@ def report(title: str, res: dict) -> bool:
 
 
 async def main_async(args) -> int:
+    global KEPT
     engine = find_engine()
+    KEPT = KeptConnections() if args.keep_alive else None
     print(f"engine: {engine.path} ({engine.version}); {os.cpu_count()} CPUs; model: synthetic llama "
           f"{SHAPE.layers}x{SHAPE.embd} f16; {args.rounds} rounds of {args.n_predict} tokens per side, "
-          f"{args.swap_rounds} swaps")
+          f"{args.swap_rounds} swaps; client: " + ("connections kept between requests (--keep-alive)" if KEPT
+                                                  else "a new connection for each request"))
     ok = True
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
@@ -522,6 +594,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="the child's -t")
     ap.add_argument("--ctx", type=int, default=512, help="context per request (num_ctx)")
     ap.add_argument("--no-workers", dest="workers", action="store_false", help="skip the RPC-worker part")
+    ap.add_argument("--keep-alive", action="store_true",
+                    help="the client keeps its connections open between requests, as ollama-python's and "
+                         "openai-python's do (a server that closes them after a stream gets new ones)")
     return asyncio.run(main_async(ap.parse_args()))
 
 
