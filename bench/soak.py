@@ -43,8 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jupyter_llama.embedded import EmbeddedManager  # noqa: E402
 from jupyter_llama.engine.binary import find_engine  # noqa: E402
-from jupyter_llama.engine.runner import child_pids  # noqa: E402
-from jupyter_llama.procs import process_alive  # noqa: E402
+from jupyter_llama.procs import child_pids, process_alive  # noqa: E402
 from jupyter_llama.models.synth import SynthShape, write_synthetic  # noqa: E402
 
 MODELS = [f"soak{i}" for i in range(4)]

@@ -10,7 +10,18 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["process_alive", "same_process", "start_time"]
+__all__ = ["child_pids", "process_alive", "same_process", "start_time"]
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (which may hold spaces and
+    parentheses): the process's state first, then its parent, ... (None: no such process,
+    or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
 
 
 def process_alive(pid: int) -> bool:
@@ -21,21 +32,17 @@ def process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
+    fields = _stat(pid)
+    return bool(fields) and fields[0] != "Z"
 
 
 def start_time(pid: int) -> int | None:
     """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat``'s 22nd field), or
     None where there is no /proc or no such process."""
+    fields = _stat(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            # after the command name, which may hold spaces and parentheses: state is field 3
-            return int(f.read().rsplit(")", 1)[-1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
         return None
 
 
@@ -45,3 +52,25 @@ def same_process(pid: int, started: int | None) -> bool:
     if not process_alive(pid):
         return False
     return started is None or start_time(pid) in (None, started)
+
+
+def child_pids(parent: int, name: str | None = None) -> list[int]:
+    """Live (non-zombie) children of ``parent``, optionally only those whose program is ``name``
+    (e.g. ``"llama-server"``): how a manager, or a test, checks that nothing was left running."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        fields = _stat(d)
+        if not fields or fields[0] == "Z" or int(fields[1]) != parent:
+            continue
+        if name is not None:
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    program = os.path.basename(f.read().split(b"\0", 1)[0].decode(errors="replace"))
+            except OSError:
+                continue
+            if program != name:
+                continue
+        out.append(int(d))
+    return out

@@ -111,29 +111,6 @@ def _kill_live_children() -> None:
         r.kill_now()
 
 
-def child_pids(parent: int, name: str | None = None) -> list[int]:
-    """Live (non-zombie) children of ``parent``, optionally only those whose program is ``name``
-    (e.g. ``"llama-server"``): how a manager, or a test, checks that nothing was left running."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-            if name is not None:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    program = os.path.basename(f.read().split(b"\0", 1)[0].decode(errors="replace"))
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if fields[0] == "Z" or int(fields[1]) != parent:
-            continue
-        if name is None or program == name:
-            out.append(int(d))
-    return out
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on now (the kernel's pick; taken by the caller soon after)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

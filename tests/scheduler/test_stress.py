@@ -9,7 +9,7 @@ import random
 import pytest
 
 from jupyter_llama.load_options import LoadOptions
-from jupyter_llama.engine.runner import child_pids
+from jupyter_llama.procs import child_pids
 from jupyter_llama.scheduler import ServerBusy
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

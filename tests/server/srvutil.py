@@ -7,8 +7,7 @@ import json
 import os
 import time
 
-from jupyter_llama.engine.runner import child_pids
-from jupyter_llama.procs import process_alive
+from jupyter_llama.procs import child_pids, process_alive
 
 is_alive = process_alive  # the tests' name for it
 

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_llama.engine.runner import child_pids
-from jupyter_llama.procs import process_alive
+from jupyter_llama.procs import child_pids, process_alive
 
 TINY = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=4096, seed=3)
 OTHER = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=4096, seed=4)
