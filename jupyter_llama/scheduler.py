@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import enum
@@ -505,6 +506,7 @@ class Scheduler:
         self._retiring: list[Loaded] = []  # those runners, until they are gone
         self.peers = (peermod.PeerBoard(settings.peers_dir, settings.manager_url) if settings.peers_dir
                       else None)
+        self._board: concurrent.futures.ThreadPoolExecutor | None = None  # writes self.peers' file (_board_write)
 
     # -------------------------------------------------------------- public API
 
@@ -696,7 +698,9 @@ class Scheduler:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.peers is not None:
-            self.peers.close()
+            await asyncio.wrap_future(self._board_write(self.peers.close))  # after the writes before it
+            self._board.shutdown(wait=False)
+            self._board, self.peers = None, None  # off the board: nothing is published after this
 
     # -------------------------------------------------------------- internals: leasing
 
@@ -920,13 +924,25 @@ class Scheduler:
         self.settings.manager_url = url
         if self.peers is not None:
             self.peers.url = url
-            self._publish()
+            self._board_write(self.peers.publish, self._holdings())
 
-    def _publish(self) -> None:
-        """Tell this user's other managers what our models hold now."""
+    async def _publish(self) -> None:
+        """Tell this user's other managers what our models hold now (written when this returns)."""
         if self.peers is not None:
-            self.peers.publish([{"name": lo.name, "by_device": lo.charge.by_device()} for lo in self.loaded.values()
-                                if lo.state in (ModelState.READY, ModelState.LOADING)])
+            await asyncio.wrap_future(self._board_write(self.peers.publish, self._holdings()))
+
+    def _holdings(self) -> list[dict]:
+        return [{"name": lo.name, "by_device": lo.charge.by_device()} for lo in self.loaded.values()
+                if lo.state in (ModelState.READY, ModelState.LOADING)]
+
+    def _board_write(self, fn, *args) -> concurrent.futures.Future:
+        """``fn(*args)`` on the peer board's own thread: its file is in Jupyter's runtime folder,
+        which may be on a network file system (a JupyterHub's home directories), so it is never
+        written on the event loop; one thread keeps the writes in the order they were asked for,
+        so the newest holdings are the ones left in the file."""
+        if self._board is None:
+            self._board = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jupyter-llama-peers")
+        return self._board.submit(fn, *args)
 
     def _need(self, preds: dict[str, MemoryReport], fit_source: str) -> MemoryReport:
         rep = preds[fit_source]
@@ -973,7 +989,7 @@ class Scheduler:
         self.events.emit(EventKind.LOADED, ref.name, _loaded_message(lo, actual), load_seconds=round(lo.load_duration, 3),
                          pid=lo.runner.pid, predicted={k: v.total() for k, v in preds.items()},
                          actual=actual.to_dict() if actual else None)
-        self._publish()
+        await self._publish()
         try:
             await self._enforce_budgets(lo)
         except DoesNotFit as e:
@@ -1275,7 +1291,7 @@ class Scheduler:
         self.events.emit(EventKind.UNLOAD, lo.name, f"unloaded {lo.name}: {reason}", rule=rule,
                          freed=lo.charge.to_dict(), workers=workers, behind=behind)
         lo.gone.set()
-        self._publish()
+        await self._publish()
         if self._closed:
             return
         if gpu_used and before is not None:

@@ -75,10 +75,11 @@ async def test_a_scheduler_announces_the_url_its_server_listens_on(engine, tmp_p
 
     made = Scheduler(SchedulerSettings(binary=engine.path, peers_dir=str(tmp_path / "a"),
                                        manager_url="http://127.0.0.1:1/llama/"))
-    made._publish()
+    await made._publish()
     assert json.loads(made.peers.path.read_text())["url"] == "http://127.0.0.1:1/llama/"
     later = Scheduler(SchedulerSettings(binary=engine.path, peers_dir=str(tmp_path / "b")))
     later.announce("http://127.0.0.1:2/llama/")
+    await later._publish()  # (announce's own write goes first, on the board's thread)
     assert json.loads(later.peers.path.read_text())["url"] == "http://127.0.0.1:2/llama/"
     assert later.settings.manager_url == "http://127.0.0.1:2/llama/"
     for s in (made, later):
