@@ -61,8 +61,8 @@ from jupyter_llama.client import LlamaClient  # noqa: E402
 from jupyter_llama.embedded import EmbeddedManager  # noqa: E402
 from jupyter_llama.engine.binary import find_engine  # noqa: E402
 from jupyter_llama.engine.http1 import post_lines  # noqa: E402
-from jupyter_llama.engine.runner import child_pids, free_port  # noqa: E402
-from jupyter_llama.procs import process_alive  # noqa: E402
+from jupyter_llama.engine.runner import free_port  # noqa: E402
+from jupyter_llama.procs import child_pids, process_alive  # noqa: E402
 from jupyter_llama.engine.worker import LocalWorker  # noqa: E402
 from jupyter_llama.models.synth import SynthShape, write_synthetic  # noqa: E402
 
@@ -229,8 +229,8 @@ async def streams_phase(servers: dict[str, Server], groups: list[list[str]], rou
     up together by the first one's ``up`` (on RPC workers, where a ggml-rpc-server serves one
     llama-server at a time) and down after their turn. Groups take turns in an order that
     rotates from round to round, and the sides of a group alternate."""
-    acc = {(route, k): {s: {"tokens": 0, "wall": 0.0, "ttft": [], "cpu": 0.0, "rounds": [[0, 0.0] for _ in range(rounds)]}
-                        for s in servers}
+    # per side: each round's [tokens, wall seconds] (the totals are their sums), TTFTs, relay CPU
+    acc = {(route, k): {s: {"rounds": [[0, 0.0] for _ in range(rounds)], "ttft": [], "cpu": 0.0} for s in servers}
            for route in ROUTES for k in counts}
     for i in range(rounds):
         order = groups[i % len(groups):] + groups[:i % len(groups)]
@@ -250,9 +250,7 @@ async def streams_phase(servers: dict[str, Server], groups: list[list[str]], rou
                             res = await asyncio.gather(*(stream(srv, route, p, n) for p in prompts))
                             wall = time.perf_counter() - t0  # (before the CPU figure's read of /proc)
                             a = acc[(route, k)][side]
-                            a["wall"] += wall
                             a["cpu"] += cpu_seconds(srv.relay_pid) - c0
-                            a["tokens"] += sum(r[2] for r in res)
                             a["ttft"] += [r[0] for r in res]
                             a["rounds"][i][0] += sum(r[2] for r in res)
                             a["rounds"][i][1] += wall
@@ -262,10 +260,12 @@ async def streams_phase(servers: dict[str, Server], groups: list[list[str]], rou
             finally:
                 if first.down is not None:
                     await first.down()
-    return {key: {s: {"tps": a["tokens"] / a["wall"], "ttft_ms": statistics.median(a["ttft"]) * 1000,
-                      "tokens": a["tokens"], "cpu_us": a["cpu"] / a["tokens"] * 1e6, "rounds": a["rounds"]}
-                  for s, a in sides.items()}
-            for key, sides in acc.items()}
+    def summary(a: dict) -> dict:
+        tokens, wall = (sum(col) for col in zip(*a["rounds"]))
+        return {"tps": tokens / wall, "ttft_ms": statistics.median(a["ttft"]) * 1000, "tokens": tokens,
+                "cpu_us": a["cpu"] / tokens * 1e6, "rounds": a["rounds"]}
+
+    return {key: {s: summary(a) for s, a in sides.items()} for key, sides in acc.items()}
 
 
 def ratio_interval(sides: dict, num: str, den: str, vs: tuple[str, str] | None = None,

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..models.store import _atomic_write_json
+from ..models.store import atomic_write_json
 from ..procs import same_process, start_time
 
 PREFIX = "jupyter-llama-usage-"
@@ -62,7 +62,7 @@ class PeerBoard:
     def publish(self, models: list[dict]) -> None:
         """Write what this manager's models hold now (an empty list when nothing is loaded)."""
         try:  # (0600 in a 0700 folder; a write cut short leaves no temporary file)
-            _atomic_write_json(self.path, {"pid": self.pid, "started": self._started, "url": self.url,
+            atomic_write_json(self.path, {"pid": self.pid, "started": self._started, "url": self.url,
                                            "models": models}, fsync=False)
         except OSError:
             pass  # a read-only or missing folder: the others just do not see us

@@ -84,7 +84,7 @@ from .store import (
     ModelEntry,
     ModelStore,
     StoreError,
-    _atomic_write_json,
+    atomic_write_json,
     _projector_summary,
     free_bytes,
     _Throttle,
@@ -872,7 +872,7 @@ class Puller:
                         continue
                     blob = self.store.blob_path(hexd)
                     size = blob.stat().st_size
-                    _atomic_write_json(self.store.partial_dir / f"{key}.json",
+                    atomic_write_json(self.store.partial_dir / f"{key}.json",
                                        {"url": url, "etag": None, "last_modified": None, "total": size,
                                         "sha256": hexd}, fsync=False)
                     os.replace(blob, self.store.partial_dir / f"{key}.partial")
@@ -1169,7 +1169,7 @@ class Puller:
                 tick.total = total
                 inf.total = total
                 validators = {"etag": r.header("ETag"), "last_modified": r.header("Last-Modified")}
-                _atomic_write_json(meta_path, {"url": rf.url, **validators, "total": total, "sha256": rf.sha256},
+                atomic_write_json(meta_path, {"url": rf.url, **validators, "total": total, "sha256": rf.sha256},
                                    fsync=False)
                 try:
                     fh = open(partial, "ab" if offset else "wb", buffering=0)
@@ -1267,7 +1267,7 @@ class Puller:
         self._landed.append((hexd, rf.url))
         _unlink(meta_path)
         if not rf.sha256:
-            _atomic_write_json(self.store.urls_dir / f"{key}.json",
+            atomic_write_json(self.store.urls_dir / f"{key}.json",
                                {"url": rf.url, "digest": f"sha256:{hexd}", "size": offset, **validators}, fsync=False)
         return hexd, offset, parsed
 

@@ -64,6 +64,7 @@ from .names import InvalidName, ModelName, also_registry, parse_name, plainly_a_
 from .preset import MAX_LAYER_BYTES, PRESET_MEDIA_TYPES, Preset, PresetError
 
 __all__ = [
+    "atomic_write_json",
     "MODEL_MEDIA_TYPE",
     "PROJECTOR_MEDIA_TYPE",
     "MANIFEST_MEDIA_TYPE",
@@ -184,7 +185,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write_json(path: Path, data: Any, fsync: bool = True) -> None:
+def atomic_write_json(path: Path, data: Any, fsync: bool = True) -> None:
+    """``data`` as JSON at ``path``, whole or not at all (a temporary file beside it, renamed
+    over it), readable by this user only, its folder made 0700 when missing; ``fsync``: on
+    disk before this returns (manifests), else as the system gets to it (records remade at will)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
@@ -785,7 +789,7 @@ class ModelStore:
     def _write_sidecar(self, hexd: str, st: os.stat_result) -> None:
         rec = dict(_stamp(st), digest=f"sha256:{hexd}", verified_at=_now())
         try:
-            _atomic_write_json(self._sidecar(hexd), rec, fsync=False)
+            atomic_write_json(self._sidecar(hexd), rec, fsync=False)
         except OSError:
             pass  # only a cache: the next check rehashes
 
@@ -1018,7 +1022,7 @@ class ModelStore:
                 manifest["created_at"] = old.created_at or now  # when the name first appeared
             manifest["modified_at"] = now
             try:
-                _atomic_write_json(path, manifest)
+                atomic_write_json(path, manifest)
             except BaseException:
                 # a folder made for this manifest (a copy to a new name on a full disk) goes again
                 d = path.parent
@@ -1519,11 +1523,9 @@ class ModelStore:
             self._info_cache[path] = (stamp, info)
         return info
 
-    def _looks_like_path(self, text: str) -> bool:
-        return (text.startswith(("/", "./", "../", "~")) or os.sep in text or "/" in text
-                or text.lower().endswith(".gguf"))
-
-    plainly_a_path = staticmethod(plainly_a_path)
+    @staticmethod
+    def _looks_like_path(text: str) -> bool:
+        return plainly_a_path(text) or os.sep in text or "/" in text
 
     def may_read_path(self, path: str) -> bool:
         """Whether this caller may name ``path`` (absolute): the user's own callers anywhere,
@@ -1550,7 +1552,7 @@ class ModelStore:
         if not self.allow_paths or not self._looks_like_path(text):
             return None
         if not self.may_read_path(os.path.abspath(os.path.expanduser(text))):
-            if self.plainly_a_path(text):
+            if plainly_a_path(text):
                 self.server_file(text)  # raises, saying why
             return None  # a name such as "owner/model" that is not in the store: not found
         path = os.path.abspath(os.path.expanduser(text))

@@ -71,8 +71,7 @@ class CachedResolver:
         self.ttl = ttl
         self._cache: dict[str, tuple[float, tuple, tuple]] = {}  # name -> (when, (ref, preset), stamps)
         self._generation = 0  # forget() moves it on: a look-up begun before it does not store its answer
-        self._refreshing: set[str] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self._refreshing: dict[str, asyncio.Task] = {}  # name -> its look-up behind an answer (_look_again)
 
     @staticmethod
     def _stamps(paths) -> tuple:
@@ -141,7 +140,6 @@ class CachedResolver:
     def _look_again(self, name: str) -> None:
         if name in self._refreshing:
             return
-        self._refreshing.add(name)
         generation = self._generation
 
         async def again() -> None:
@@ -152,12 +150,9 @@ class CachedResolver:
                     self._cache.pop(name, None)
             else:
                 self._keep(name, value, stamps, generation)
-            finally:
-                self._refreshing.discard(name)
 
-        task = asyncio.get_running_loop().create_task(again())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task = self._refreshing[name] = asyncio.get_running_loop().create_task(again())
+        task.add_done_callback(lambda _: self._refreshing.pop(name, None))  # (one at a time per name)
 
     def forget(self) -> None:
         self._generation += 1
@@ -166,7 +161,7 @@ class CachedResolver:
     async def close(self) -> None:
         """Forget everything and end the look-ups under way (the server is stopping)."""
         self.forget()
-        tasks = list(self._tasks)
+        tasks = list(self._refreshing.values())
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -63,7 +63,7 @@ from ..load_options import LoadOptionsError
 from ..engine.runner import EngineError, RequestError, RunnerCrashed, reserve_for
 from ..models.gguf_info import GGUFError
 from ..errors import NoSuchRoute, NotLoaded, NotSupported
-from ..models.names import same_model
+from ..models.names import plainly_a_path, same_model
 from ..models.store import LOCAL_KEY_FILE_HEADER, LOCAL_KEY_HEADER, PathNotAllowed, local_caller
 from ..models.pull import PullError, derive_name, pull_stream
 from ..scheduler import BadRequest, ModelNotFound, SchedulerError
@@ -735,7 +735,7 @@ class CreateHandler(LlamaHandler):
                 statuses += [{"status": f"using layer {ly['digest']}"} for ly in entry.layers]
             else:
                 # a path only where this caller may name server files (else a 400 saying so)
-                path = store.server_file(src) if store.plainly_a_path(src) else ""
+                path = store.server_file(src) if plainly_a_path(src) else ""
                 if not path or not os.path.isfile(path):
                     raise BadRequest(f'from: "{src}" is neither a model in the store nor a GGUF file on the server')
                 entry = await asyncio.to_thread(functools.partial(store.create, req.model, path, preset=req.preset))
@@ -1026,7 +1026,6 @@ class VersionHandler(LlamaHandler):
                           "engine_error": None if eng else self.ext.engine_error})
 
 
-@functools.lru_cache(maxsize=1)
 @functools.lru_cache(maxsize=8)
 def openapi_body(base_url: str) -> str:
     """The OpenAPI description shipped beside this module, its server URL set to ``base_url``

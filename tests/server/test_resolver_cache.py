@@ -15,7 +15,7 @@ from jupyter_llama.server.app import CachedResolver
 
 
 async def settle(cache: CachedResolver) -> None:
-    await asyncio.gather(*list(cache._tasks))
+    await asyncio.gather(*list(cache._refreshing.values()))
 
 
 async def test_a_hit_is_answered_at_once_and_looked_up_again_behind_it(tmp_path, make_model, monkeypatch):
@@ -51,7 +51,7 @@ async def test_forget_is_not_undone_by_a_look_up_that_was_under_way(tmp_path, ma
     cache = CachedResolver(store, ttl=0.0)
     await cache("tiny")
     await cache("tiny")  # starts a look-up behind the answer
-    assert cache._tasks
+    assert cache._refreshing
     cache.forget()
     await settle(cache)
     assert cache._cache == {}  # what the look-up found was not kept: it began before forget()
@@ -67,7 +67,7 @@ async def test_close_ends_the_look_ups_under_way(tmp_path, make_model):
     cache = CachedResolver(store, ttl=0.0)
     await cache("tiny")
     await cache("tiny")
-    pending = list(cache._tasks)
+    pending = list(cache._refreshing.values())
     assert pending
     await cache.close()
-    assert all(t.done() for t in pending) and not cache._tasks and cache._cache == {}
+    assert all(t.done() for t in pending) and not cache._refreshing and cache._cache == {}
