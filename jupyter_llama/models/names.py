@@ -11,8 +11,10 @@ claim a provenance it does not have. A model pulled from Ollama's registry (``pu
 llama3.2:1b``) is filed under the registry's host, as Ollama files it
 (``registry.ollama.ai/library/llama3.2:1b``), and a bare name finds it when no model of that
 name was made here (:func:`registry_host`; the store looks there second, and
-:func:`same_model` counts both spellings as one model). The namespace stays ``library`` so
-that ``library/tiny`` and ``tiny`` are one model, as in Ollama.
+:func:`same_model` counts both spellings as one model). It is then shown by that bare name,
+``llama3.2:1b``, as Ollama shows it (:func:`without_registry`); only beside a model made here
+under the same name does it show its host. The namespace stays ``library`` so that
+``library/tiny`` and ``tiny`` are one model, as in Ollama.
 
 The grammar (each part ASCII):
 
@@ -45,6 +47,7 @@ __all__ = [
     "registry_url",
     "registry_host",
     "also_registry",
+    "without_registry",
     "plainly_a_path",
     "InvalidName",
     "ModelName",
@@ -257,6 +260,17 @@ def also_registry(name: ModelName) -> ModelName | None:
         return None
     host = _registry_host_or_none()
     return ModelName(host, name.namespace, name.model, name.tag) if host else None
+
+
+def without_registry(name: ModelName) -> ModelName | None:
+    """The other way round: the name without a host that finds a model pulled from the
+    registry (``registry.ollama.ai/library/tiny:latest`` -> ``tiny:latest``) when no model
+    made here has it, and so the name it is shown by then, as Ollama shows it; None for a
+    name of another host (a model of another registry, or of one configured before)."""
+    host = _registry_host_or_none()
+    if host is None or name.host.lower() != host:
+        return None
+    return ModelName(DEFAULT_HOST, name.namespace, name.model, name.tag)
 
 
 def plainly_a_path(text: str) -> bool:

@@ -7,8 +7,9 @@ Sources (see :func:`parse_source`):
   projector, and the template, system, params, license and messages layers, which become the
   model's preset. The registry is ``JUPYTER_LLAMA_REGISTRY`` (default
   https://registry.ollama.ai); the model is filed under the registry's name
-  (``registry.ollama.ai/library/llama3.2:1b``), which the bare name also finds. Pulling it
-  again fetches the manifest again and downloads only the blobs the store lacks.
+  (``registry.ollama.ai/library/llama3.2:1b``), which the bare name also finds and is shown
+  by (``llama3.2:1b``, unless a model made here has that name). Pulling it again fetches the
+  manifest again and downloads only the blobs the store lacks.
 * ``hf.co/OWNER/REPO[:QUANT]``, ``huggingface.co/OWNER/REPO[:QUANT]``, ``hf://OWNER/REPO[:QUANT]``,
   ``https://huggingface.co/OWNER/REPO`` (a repo: the GGUF is chosen by quantisation tag and
   the multimodal projector, ``mmproj*.gguf``, comes along when the repo has one), and

@@ -60,7 +60,7 @@ from .. import config
 from ..errors import BadRequest, ModelNotFound, SchedulerError, StorageFull
 from .ref import ModelRef
 from .gguf_info import GGUFError, GGUFInfo, read_gguf_info
-from .names import InvalidName, ModelName, also_registry, parse_name, plainly_a_path
+from .names import InvalidName, ModelName, also_registry, parse_name, plainly_a_path, without_registry
 from .preset import MAX_LAYER_BYTES, PRESET_MEDIA_TYPES, Preset, PresetError
 
 __all__ = [
@@ -459,10 +459,11 @@ class ModelEntry:
     name: ModelName
     manifest: dict
     manifest_path: Path
+    shown: str | None = None  # the name it is shown by, when not its own short form (see Store._entry)
 
     @property
     def display(self) -> str:
-        return self.name.display
+        return self.shown or self.name.display
 
     @property
     def layers(self) -> list[dict]:
@@ -970,7 +971,34 @@ class ModelStore:
                 int(ly["size"])
         except (KeyError, TypeError, ValueError, BadRequest):
             return None
-        return ModelEntry(ModelName(*parts), manifest, path)
+        return self._entry(ModelName(*parts), manifest, path)
+
+    def _entry(self, name: ModelName, manifest: dict, path: Path) -> ModelEntry:
+        """The entry of ``name``'s manifest. A model pulled from the registry shows the name
+        without a host that finds it (``tiny:latest`` for ``registry.ollama.ai/library/tiny:latest``),
+        as Ollama shows it, unless a model made here has that name (see ``names.without_registry``)."""
+        bare = without_registry(name)
+        shown = bare.display if bare is not None and self._manifest_file(bare) is None else None
+        return ModelEntry(name, manifest, path, shown)
+
+    def _manifest_file(self, name: ModelName) -> Path | None:
+        """The manifest file of ``name`` as it is spelled on disk, in any case (``Tiny`` was
+        created, ``tiny`` is asked for); None when there is none."""
+        path = self._manifest_path(name)
+        if path.is_file():
+            return path
+        d = self.manifests_dir
+        for i, part in enumerate(name.parts):
+            want = part.casefold()
+            try:
+                found = [e for e in os.scandir(d) if not e.name.startswith(".") and e.name.casefold() == want
+                         and (e.is_file() if i == 3 else e.is_dir())]
+            except OSError:
+                return None
+            if not found:
+                return None
+            d = Path(min(found, key=lambda e: e.name).path)
+        return d
 
     def _lookup(self, name: ModelName) -> ModelEntry | None:
         """The model a request for ``name`` means: :meth:`_find`, and for a name without a host
@@ -984,14 +1012,10 @@ class ModelStore:
         return e
 
     def _find(self, name: ModelName) -> ModelEntry | None:
-        path = self._manifest_path(name)
-        if path.is_file():
-            return self._load_entry(path, name.parts)
-        key = name.key
-        for p, parts in self._iter_manifest_paths():
-            if ModelName(*parts).key == key:
-                return self._load_entry(p, parts)
-        return None
+        path = self._manifest_file(name)
+        if path is None:
+            return None
+        return self._load_entry(path, tuple(path.relative_to(self.manifests_dir).parts))
 
     def _referenced(self) -> set[str]:
         refs: set[str] = set()
@@ -1033,7 +1057,7 @@ class ModelStore:
             if old is not None and old.manifest_path != path:
                 _unlink(old.manifest_path)  # same name, other case
                 self._prune_empty_dirs(old.manifest_path.parent)
-        return ModelEntry(name, manifest, path), old_digests
+        return self._entry(name, manifest, path), old_digests
 
     def _prune_empty_dirs(self, d: Path) -> None:
         base = self.manifests_dir.resolve()

@@ -123,3 +123,18 @@ def test_same_model_is_the_one_name_comparison():
     assert same_model("me/tiny:v1", "ME/Tiny:V1") and not same_model("me/tiny:v1", "tiny:v1")
     assert not same_model("tiny:q4", "tiny") and not same_model(None, "tiny") and not same_model("tiny", "")
     assert same_model("not a name!", "NOT A NAME!") and not same_model("not a name!", "tiny")
+
+
+def test_a_pulled_name_and_the_bare_name_that_finds_it_are_inverse(monkeypatch):
+    from jupyter_llama.models.names import also_registry, without_registry
+
+    monkeypatch.delenv("JUPYTER_LLAMA_REGISTRY", raising=False)
+    for text, bare in [("registry.ollama.ai/library/llama3.2:1b", "llama3.2:1b"),
+                       ("Registry.Ollama.AI/me/tiny:v1", "me/tiny:v1")]:
+        shown = without_registry(parse_name(text))
+        assert shown is not None and shown.display == bare and also_registry(shown) == parse_name(text)
+    for other in ("tiny:1b", "hf.co/owner/repo:Q4_K_M", "127.0.0.1:5000/library/tiny:1b"):
+        assert without_registry(parse_name(other)) is None
+    monkeypatch.setenv("JUPYTER_LLAMA_REGISTRY", "http://127.0.0.1:5000")  # a mirror: its models are the short ones
+    assert without_registry(parse_name("127.0.0.1:5000/library/tiny:1b")).display == "tiny:1b"
+    assert without_registry(parse_name("registry.ollama.ai/library/tiny:1b")) is None

@@ -97,7 +97,7 @@ def test_pull_by_name_end_to_end(registry, ggufs, store):
     events = []
     e = pull_mod.pull("tiny:1b", progress=events.append, store=store)
     host = registry.host
-    assert e.name.full == f"{host}/library/tiny:1b" and e.display == f"{host}/library/tiny:1b"
+    assert e.name.full == f"{host}/library/tiny:1b" and e.display == "tiny:1b"  # shown as Ollama shows it
     assert e.manifest_path == store.manifests_dir / host / "library" / "tiny" / "1b"
     assert [ly["digest"] for ly in e.layers] == [ly["digest"] for ly in manifest["layers"]]
     assert [ly["mediaType"] for ly in e.layers] == [ly["mediaType"] for ly in manifest["layers"]]
@@ -145,17 +145,22 @@ def test_a_bare_name_pulls_latest_and_finds_the_pulled_model(registry, ggufs, st
     publish(registry, ggufs, tag="latest")
     e = pull_mod.pull("tiny", store=store)
     assert urlpath(paths(registry, "/v2/library/tiny/manifests/")[0][1]) == "/v2/library/tiny/manifests/latest"
-    assert e.display == f"{registry.host}/library/tiny:latest"
-    for name in ("tiny", "tiny:latest", "library/tiny", e.display):
-        assert store.entry(name).manifest_path == e.manifest_path
-    assert same_model("tiny", e.display) and same_model(e.display, "TINY:latest")
-    assert not same_model("tiny:v2", e.display) and not same_model("hf.co/x/tiny", e.display)
-    # a model made here under the bare name comes first; the pulled one keeps its full name
-    store.create("tiny", ggufs["b"])
-    assert store.entry("tiny").manifest_path != e.manifest_path
-    assert store.entry(e.display).manifest_path == e.manifest_path
+    full = f"{registry.host}/library/tiny:latest"
+    assert e.name.full == full and e.display == "tiny:latest"
+    assert [x.display for x in store.list()] == ["tiny:latest"]
+    for name in ("tiny", "tiny:latest", "library/tiny", "TINY", full):
+        assert store.entry(name).manifest_path == e.manifest_path and store.entry(name).display == "tiny:latest"
+    assert same_model("tiny", full) and same_model(full, "TINY:latest")
+    assert not same_model("tiny:v2", full) and not same_model("hf.co/x/tiny", full)
+    # a model made here under the bare name (in another case) comes first; beside it, the pulled
+    # one is shown by its full name, which still finds it
+    store.create("Tiny", ggufs["b"])
+    assert store.entry("tiny").manifest_path != e.manifest_path and store.entry("tiny").display == "Tiny:latest"
+    assert store.entry(full).manifest_path == e.manifest_path and store.entry(full).display == full
+    assert sorted(x.display for x in store.list()) == sorted(["Tiny:latest", full])
+    assert asyncio.run(store.resolve(full)).name == full
     store.remove_sync("tiny")
-    assert store.entry("tiny").manifest_path == e.manifest_path
+    assert store.entry("tiny").manifest_path == e.manifest_path and store.entry("tiny").display == "tiny:latest"
     store.remove_sync("tiny")  # the bare name removes the pulled model when it is the only one
     assert store.list() == [] and os.listdir(store.blobs_dir) == []
 
