@@ -452,28 +452,26 @@ class GenerateHandler(LlamaHandler):
                 self.finish_json(oa.load_chunk(req.model, "load", chat=False, total_s=time.monotonic() - started,
                                                load_s=lease.load_duration))
                 return
+            runner = lease.runner
+            tr = oa.GenerateTranslator(req.model, started, lease.load_duration)
             if req.thinks and lease.loaded.ref.has_chat_template:  # the child's chat route separates the reasoning
                 tr = oa.ThinkingGenerateTranslator(req.model, started, lease.load_duration)
-                await self.relay(lambda on_data: lease.runner.relay_chat(req.prompt_messages(), on_data,
-                                                                         truncate=req.truncate, **req.chat_params),
-                                 tr, req.stream)
-                return
-            tr = oa.GenerateTranslator(req.model, started, lease.load_duration)
-            if req.suffix:  # fill in the middle: the child's /infill puts the model's FIM tokens around both
-                await self.relay(lambda on_data: lease.runner.relay_infill(req.prompt, req.suffix, on_data,
-                                                                           **req.sampling), tr, req.stream)
-                return
-            if req.template is not None:  # the model's preset template, or the request's
-                prompt = req.template.render(req.prompt_messages())
+                start = functools.partial(runner.relay_chat, req.prompt_messages(), truncate=req.truncate,
+                                          **req.chat_params)
+            elif req.suffix:  # fill in the middle: the child's /infill puts the model's FIM tokens around both
+                start = functools.partial(runner.relay_infill, req.prompt, req.suffix, **req.sampling)
             else:
-                prompt = await lease.runner.prompt(req.prompt, req.system or req.default_system, raw=req.raw,
-                                                   templated=lease.loaded.ref.has_chat_template, history=req.history)
-            if req.answers_context:
-                await self._with_context(req, lease, prompt, started)
-                return
-            prompt = await lease.runner.fit_to_context(prompt, reserve=reserve_for(req.sampling), truncate=req.truncate)
-            await self.relay(lambda on_data: lease.runner.relay_completion(prompt, on_data, **req.sampling),
-                             tr, req.stream)
+                if req.template is not None:  # the model's preset template, or the request's
+                    prompt = req.template.render(req.prompt_messages())
+                else:
+                    prompt = await runner.prompt(req.prompt, req.system or req.default_system, raw=req.raw,
+                                                 templated=lease.loaded.ref.has_chat_template, history=req.history)
+                if req.answers_context:
+                    await self._with_context(req, lease, prompt, started)
+                    return
+                prompt = await runner.fit_to_context(prompt, reserve=reserve_for(req.sampling), truncate=req.truncate)
+                start = functools.partial(runner.relay_completion, prompt, **req.sampling)
+            await self.relay(start, tr, req.stream)
         finally:
             lease.release()
 
@@ -505,8 +503,8 @@ class GenerateHandler(LlamaHandler):
                                  req.model, e)
 
         try:
-            await self.relay(lambda on_data: runner.relay_completion(prompt, on_data, **req.sampling), tr,
-                             req.stream, complete)
+            await self.relay(functools.partial(runner.relay_completion, prompt, **req.sampling), tr, req.stream,
+                             complete)
         finally:
             if not counted.done():
                 counted.cancel()
@@ -544,17 +542,16 @@ class ChatHandler(LlamaHandler):
             if req.has_images and not lease.loaded.ref.mmproj:
                 raise BadRequest(f"{lease.loaded.name} has no multimodal projector, so it cannot read images; "
                                  "use a vision model (one pulled with its mmproj file, or created with a projector)")
+            runner = lease.runner
             if req.templated is not None:  # the model's preset template makes the prompt
                 text = req.templated.render(req.all_messages, think=bool(req.think))
-                prompt = await lease.runner.fit_to_context(text, reserve=reserve_for(req.sampling),
-                                                           truncate=req.truncate)
+                prompt = await runner.fit_to_context(text, reserve=reserve_for(req.sampling), truncate=req.truncate)
                 tr = oa.TemplatedChatTranslator(req.model, started, lease.load_duration)
-                await self.relay(lambda on_data: lease.runner.relay_completion(prompt, on_data, **req.sampling),
-                                 tr, req.stream)
-                return
-            tr = oa.ChatTranslator(req.model, started, lease.load_duration)
-            await self.relay(lambda on_data: lease.runner.relay_chat(req.all_messages, on_data, truncate=req.truncate,
-                                                                     **req.chat_params), tr, req.stream)
+                start = functools.partial(runner.relay_completion, prompt, **req.sampling)
+            else:
+                tr = oa.ChatTranslator(req.model, started, lease.load_duration)
+                start = functools.partial(runner.relay_chat, req.all_messages, truncate=req.truncate, **req.chat_params)
+            await self.relay(start, tr, req.stream)
         finally:
             lease.release()
 
