@@ -24,7 +24,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from ..errors import RequestError
 
-__all__ = ["BadResponse", "get_json", "post", "post_json", "post_lines", "relay_sse", "sse_data", "sse_events",
+__all__ = ["BadResponse", "post", "post_lines", "request_json", "relay_sse", "sse_data", "sse_events",
            "error_text"]
 
 CONNECT_TIMEOUT_S = 5.0
@@ -407,19 +407,15 @@ async def _iterate(start: Callable[[LineSink], Awaitable[None]], backlog: int = 
             task.exception()  # a failure the consumer left before reaching: retrieved, not logged
 
 
-async def get_json(port: int, path: str, headers: dict[str, str] | None = None, timeout: float = 0.5,
-                   host: str = "127.0.0.1"):
-    """GET ``path`` and parse its JSON body (a RequestError for a status of 400 or more)."""
+async def request_json(port: int, path: str, payload=None, headers: dict[str, str] | None = None,
+                       timeout: float | None = None, host: str = "127.0.0.1"):
+    """POST ``payload`` as JSON (None: a GET) and parse the JSON answer: a RequestError for a
+    status of 400 or more, ValueError for a body that is not JSON, TimeoutError after
+    ``timeout`` seconds (None: no limit). What a runner asks its child besides streams
+    (``/health``, ``/tokenize``, ``/apply-template``, an answer not streamed)."""
     lines: list[bytes] = []
-    await asyncio.wait_for(post(port, path, None, headers, lines.extend, host), timeout)
-    return json.loads(b"\n".join(lines))
-
-
-async def post_json(port: int, path: str, payload, headers: dict[str, str] | None = None, host: str = "127.0.0.1"):
-    """POST ``payload`` as JSON and parse the JSON answer (a RequestError for a status of 400
-    or more): a small request without httpx (a tokenize beside a stream, say)."""
-    lines: list[bytes] = []
-    await post(port, path, json.dumps(payload).encode(), headers, lines.extend, host)
+    body = None if payload is None else json.dumps(payload).encode()
+    await asyncio.wait_for(post(port, path, body, headers, lines.extend, host), timeout)
     return json.loads(b"\n".join(lines))
 
 

@@ -2,9 +2,9 @@
 
 A :class:`Runner` owns exactly one child process. It starts it with the argv of
 :mod:`.launch`, reads its log as it arrives into a :class:`~.logparse.LogParser` (which
-yields the memory llama.cpp actually allocated), waits for ``/health``, streams
-completions and chats through one shared ``httpx.AsyncClient``, and always reaps the
-child on :meth:`Runner.stop`.
+yields the memory llama.cpp actually allocated), waits for ``/health``, talks to it over
+plain HTTP/1.1 on loopback (:mod:`.http1`: a fresh connection per request, no client
+library between), and always reaps the child on :meth:`Runner.stop`.
 
 Children never outlive the manager: each runs in its own process group, is started under
 ``setpriv --pdeathsig KILL`` (or ``prctl(PR_SET_PDEATHSIG)`` when setpriv is missing) so
@@ -30,7 +30,6 @@ import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable
 
-import httpx
 
 from ..memory.report import MemoryReport
 from ..errors import BadRequest, EngineError, RequestError
@@ -127,23 +126,6 @@ def _pdeathsig_preexec() -> None:  # pragma: no cover - runs in the forked child
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def child_client() -> httpx.AsyncClient:
-    """An HTTP client for one child: no proxies, no read timeout, and no keep-alive pool.
-
-    llama-server closes connections behind a client's back (after streamed answers), so a
-    pooled connection is often stale: the next request fails on it and must be retried, which
-    cost +4 ms to first token in bench/engine_overhead.py; a fresh loopback connection costs
-    about 0.1 ms. Idle pooled connections also made llama-server wait ~100 ms at shutdown
-    (112 ms to exit with one open, 5 ms without). Each runner owns its client and closes it
-    before stopping its child.
-    """
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
-        limits=httpx.Limits(max_connections=64, max_keepalive_connections=0),
-        trust_env=False,  # children are on loopback; never route them through a proxy
-    )
-
-
 class RunnerState(enum.StrEnum):
     """A runner's life: new -> starting -> ready -> stopping -> stopped, or failed."""
 
@@ -164,8 +146,7 @@ class Runner:
 
     def __init__(self, model_path: str | os.PathLike, options: LoadOptions | None = None, *,
                  binary: str | os.PathLike, name: str | None = None, load_timeout: float = 300.0,
-                 extra_args: list[str] | None = None, log_lines: int = 2000,
-                 client: httpx.AsyncClient | None = None):
+                 extra_args: list[str] | None = None, log_lines: int = 2000):
         self.model_path = str(model_path)
         self.options = options or LoadOptions()
         self.binary = str(binary)
@@ -173,8 +154,6 @@ class Runner:
         self.load_timeout = load_timeout
         self.extra_args = list(extra_args or [])
         self.parser = LogParser(max_lines=log_lines)
-        self._client = client
-        self._owns_client = client is None
         self.proc: ChildProcess | None = None
         self.port: int | None = None
         self.api_key = ""
@@ -214,12 +193,6 @@ class Runner:
         if self.started_at is None or self.ready_at is None:
             return None
         return self.ready_at - self.started_at
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None or self._client.is_closed:
-            self._client = child_client()
-        return self._client
 
     def memory(self) -> MemoryReport:
         """What llama.cpp actually allocated, as read from this child's log."""
@@ -369,7 +342,7 @@ class Runner:
 
     async def _health_ok(self, timeout: float = HEALTH_TIMEOUT_S) -> bool:
         try:
-            body = await http1.get_json(self.port, "/health", self._headers(), timeout=timeout)
+            body = await http1.request_json(self.port, "/health", None, self._headers(), timeout=timeout)
         except (RequestError, ValueError, *_TRANSPORT_ERRORS):
             return False
         return isinstance(body, dict) and body.get("status") == "ok"
@@ -416,7 +389,7 @@ class Runner:
             if self.options.rpc:
                 await self.lost_workers()
             return self._crash_error()
-        return EngineError(f"request to {self.name} failed: {exc!r}")
+        return EngineError(f"request to llama-server for {self.name} failed: {exc or type(exc).__name__}")
 
     def _check_ready(self) -> None:
         if self.state != RunnerState.READY or not self.alive:
@@ -424,39 +397,40 @@ class Runner:
                 raise self._crash_error()
             raise EngineError(f"runner for {self.name} is not ready ({self.state})")
 
-    async def post(self, path: str, payload: dict, timeout: float | None = None) -> dict:
-        """A non-streaming request; returns the decoded JSON body."""
-        self._check_ready()
-        try:  # a fresh connection each time (child_client keeps no pool), so nothing to retry
-            # watched as a stream is, with no progress to see: /health decides after STALL_CHECK_S
-            r = await self._watched(self.client.post(self.url + path, json=payload, headers=self._headers(),
-                                                     timeout=timeout))
-        except httpx.HTTPError as e:
-            raise await self._after_transport_error(e) from None
-        if r.status_code >= 400:
-            raise child_error(r.status_code, r.text)
-        return r.json()
+    async def post(self, path: str, payload: dict) -> Any:
+        """A request that is answered whole (an embedding, a template applied, a chat not
+        streamed); returns its decoded JSON body. Watched as a stream is (see :meth:`_watched`),
+        with no progress to see: /health decides after STALL_CHECK_S."""
+        return await self._json(path, payload)
 
     async def get(self, path: str) -> Any:
+        return await self._json(path, None)
+
+    async def _json(self, path: str, payload) -> Any:
+        """POST ``payload`` (None: a GET) on a fresh connection of our own HTTP/1.1 (see
+        :mod:`.http1`): no client library between, whose layers cost about as much CPU again as
+        the request itself, and a request before the first token (the template applied to a
+        generate's prompt) waits for all of it. A status of 400 or more is the child's
+        RequestError; a broken connection says whether the child is gone."""
         self._check_ready()
         try:
-            r = await self.client.get(self.url + path, headers=self._headers())
-        except httpx.HTTPError as e:
+            return await self._watched(http1.request_json(self.port, path, payload, self._headers()))
+        except _TRANSPORT_ERRORS as e:
             raise await self._after_transport_error(e) from None
-        if r.status_code >= 400:
-            raise child_error(r.status_code, r.text)
-        return r.json()
+        except ValueError as e:  # not the JSON llama-server answers with
+            raise EngineError(f"llama-server for {self.name} answered {path} with something that is not JSON "
+                              f"({e})") from None
 
     def stream_sse(self, path: str, payload: dict) -> AsyncIterator[dict]:
         """POST with ``stream: true``; yield each server-sent event's JSON object.
 
         Closing the iterator (or cancelling its consumer) closes the connection, which
         makes llama-server stop generating for it. This path carries every token a user
-        receives, so it talks HTTP/1.1 to the child over a plain asyncio stream rather than
-        through httpx: the child is ours, on loopback, and answers a streamed request with
-        chunked SSE, and per token httpx's layers cost more CPU than the rest of the relay
-        together (bench/api_overhead.py; the CPU it takes is taken from the child, which
-        uses every core).
+        receives, so it talks HTTP/1.1 to the child over a plain asyncio protocol (see
+        :mod:`.http1`) rather than through a client library: the child is ours, on loopback,
+        and answers a streamed request with chunked SSE, and per token httpx's layers cost
+        more CPU than the rest of the relay together (bench/api_overhead.py; the CPU it takes
+        is taken from the child, which uses every core).
         """
         return self._guarded(sse_events(self.port, path, payload, self.api_key))
 
@@ -632,18 +606,8 @@ class Runner:
     async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """``text``'s token ids as the child makes them (``/tokenize``; ``add_special``: with the
         model's BOS, as ``/completion`` tokenizes a text prompt). A small request on the child's
-        HTTP thread, without httpx: it may run beside a stream. Watched as every request to the
-        child is (a wedged child fails it, see :meth:`_watched`)."""
-        self._check_ready()
-        try:
-            res = await self._watched(http1.post_json(self.port, "/tokenize", {"content": text,
-                                                                                "add_special": add_special},
-                                                      self._headers()))
-        except _TRANSPORT_ERRORS as e:
-            raise await self._after_transport_error(e) from None
-        except ValueError as e:  # not the JSON llama-server answers with
-            raise EngineError(f"llama-server for {self.name} answered /tokenize with something that is not JSON "
-                              f"({e})") from None
+        HTTP thread: it may run beside a stream."""
+        res = await self.post("/tokenize", {"content": text, "add_special": add_special})
         return list(res.get("tokens") or []) if isinstance(res, dict) else []
 
     async def prompt_tokens(self, prompt: str | list) -> list[int]:
@@ -812,8 +776,6 @@ class Runner:
                 return
             if self.state is not RunnerState.FAILED:
                 self.state = RunnerState.STOPPING
-            if self._client is not None and self._owns_client:
-                await self._client.aclose()  # no keep-alive connection left for the child to wait on
             if self.proc.returncode is None:
                 self._signal(signal.SIGTERM)
                 try:

@@ -195,13 +195,21 @@ async def test_cancelling_the_relay_hangs_up_at_once():
     assert srv.written < 10000
 
 
-async def test_get_json_reads_health():
+async def test_request_json_gets_and_posts():
     body = b'{"status":"ok"}'
     async with Answer([b"HTTP/1.1 200 OK\r\nContent-Length: 15\r\nContent-Type: application/json\r\n\r\n" + body]) as srv:
-        assert await http1.get_json(srv.port, "/health") == {"status": "ok"}
+        assert await http1.request_json(srv.port, "/health") == {"status": "ok"}
     assert srv.request.startswith(b"GET /health HTTP/1.1\r\n")
     async with Answer([b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 40\r\n\r\n"
                        b'{"error":{"code":503,"message":"Loading"}']) as srv:
         with pytest.raises(RequestError) as e:
-            await http1.get_json(srv.port, "/health")
+            await http1.request_json(srv.port, "/health")
     assert e.value.status == 503
+    chunked = b"".join(b"%x\r\n%b\r\n" % (len(c), c) for c in (b'{"prompt":', b'"hi"}\n', b""))
+    async with Answer([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked]) as srv:
+        assert await http1.request_json(srv.port, "/apply-template", {"messages": []}) == {"prompt": "hi"}
+    assert srv.request.startswith(b"POST /apply-template HTTP/1.1\r\n")
+    assert srv.request.endswith(b'\r\n\r\n{"messages": []}')
+    async with Answer([b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"]) as srv:
+        with pytest.raises(ValueError):
+            await http1.request_json(srv.port, "/tokenize", {"content": "x"})
