@@ -111,7 +111,7 @@ class _LineProtocol(asyncio.Protocol):
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
         self._buf = b""  # bytes not yet parsed (head, chunk framing)
-        self._pending = b""  # body bytes after the last line end
+        self._pending: list[bytes] = []  # body bytes after the last line end (a long line comes in many reads)
         self._status = 0
         self._chunked = False
         self._left: int | None = None  # body bytes still to come (content length), or of this chunk
@@ -231,10 +231,14 @@ class _LineProtocol(asyncio.Protocol):
 
     def _lines(self, body: bytes) -> None:
         if b"\n" not in body:
-            self._pending += body
+            self._pending.append(body)
             return
-        lines = (self._pending + body).split(b"\n") if self._pending else body.split(b"\n")
-        self._pending = lines.pop()
+        if self._pending:
+            self._pending.append(body)
+            body = b"".join(self._pending)
+        lines = body.split(b"\n")
+        rest = lines.pop()
+        self._pending = [rest] if rest else []
         waiting = self.sink([ln[:-1] if ln.endswith(b"\r") else ln for ln in lines])
         if waiting is None:
             return
@@ -261,8 +265,8 @@ class _LineProtocol(asyncio.Protocol):
             return
         try:
             if self._pending:
-                self.sink([self._pending])
-                self._pending = b""
+                self.sink([b"".join(self._pending)])
+                self._pending = []
         except BaseException as e:  # noqa: BLE001
             self._fail(e)
             return

@@ -210,6 +210,12 @@ async def test_request_json_gets_and_posts():
         assert await http1.request_json(srv.port, "/apply-template", {"messages": []}) == {"prompt": "hi"}
     assert srv.request.startswith(b"POST /apply-template HTTP/1.1\r\n")
     assert srv.request.endswith(b'\r\n\r\n{"messages": []}')
+    # a long answer of one line (an embedding of many inputs), in many reads
+    big = json.dumps({"embedding": [[i / 7 for i in range(2000)] for _ in range(50)]}).encode()
+    pieces = [big[i:i + 65536] for i in range(0, len(big), 65536)]
+    async with Answer([b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big), *pieces], gap=0.001) as srv:
+        assert await http1.request_json(srv.port, "/embedding", {"content": ["x"] * 50}) == json.loads(big)
+    assert len(pieces) > 20
     async with Answer([b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"]) as srv:
         with pytest.raises(ValueError):
             await http1.request_json(srv.port, "/tokenize", {"content": "x"})
