@@ -622,15 +622,21 @@ class Scheduler:
         that it no longer points at (another file, or nothing), so that ``stop``, ``rm``, the
         cap and the next request all see what the name means now. Returns their names."""
         try:
-            key = (await self.resolver(name)).key
+            ref = await self.resolver(name)
         except SchedulerError:
-            key = None  # deleted
+            ref = None  # deleted
         retired = []
         for lo in self.live():
-            if same_model(lo.name, name) and lo.ref.key != key:
-                what = "now names another file" if key is not None else "was deleted"
+            if not same_model(lo.name, name):
+                continue
+            if ref is None or lo.ref.key != ref.key:
+                what = "now names another file" if ref is not None else "was deleted"
                 await self._unload(lo, f"{name} {what}", rule="replaced")
                 retired.append(lo.name)
+            elif ref.name != lo.ref.name:
+                # the same file, shown by another name now (a pulled model's full name once the
+                # model made here under its bare name is gone): ps shows it as tags does
+                lo.ref = dataclasses.replace(lo.ref, name=ref.name)
         return retired
 
     async def find_loaded(self, name: str) -> Loaded | None:

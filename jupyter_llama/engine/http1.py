@@ -147,7 +147,7 @@ class _LineProtocol(asyncio.Protocol):
         else:
             self._fail(exc or ConnectionResetError("the connection closed before the answer ended"))
 
-    def pause_writing(self) -> None:  # our request is small; nothing to do
+    def pause_writing(self) -> None:  # the request is written once, whole, and the transport buffers it
         pass
 
     def resume_writing(self) -> None:

@@ -30,12 +30,11 @@ import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable
 
-
 from ..memory.report import MemoryReport
 from ..errors import BadRequest, EngineError, RequestError
 from ..load_options import LoadOptions
 from . import http1
-from .http1 import BadResponse, child_error, sse_events
+from .http1 import BadResponse, sse_events
 from .launch import build_argv
 from .process import ChildProcess
 from .logparse import LogParser
@@ -389,7 +388,7 @@ class Runner:
             if self.options.rpc:
                 await self.lost_workers()
             return self._crash_error()
-        return EngineError(f"request to llama-server for {self.name} failed: {exc or type(exc).__name__}")
+        return EngineError(f"request to llama-server for {self.name} failed: {str(exc) or type(exc).__name__}")
 
     def _check_ready(self) -> None:
         if self.state != RunnerState.READY or not self.alive:

@@ -978,27 +978,33 @@ class ModelStore:
         without a host that finds it (``tiny:latest`` for ``registry.ollama.ai/library/tiny:latest``),
         as Ollama shows it, unless a model made here has that name (see ``names.without_registry``)."""
         bare = without_registry(name)
-        shown = bare.display if bare is not None and self._manifest_file(bare) is None else None
+        shown = bare.display if bare is not None and self._find(bare) is None else None  # as _lookup finds it
         return ModelEntry(name, manifest, path, shown)
 
     def _manifest_file(self, name: ModelName) -> Path | None:
-        """The manifest file of ``name`` as it is spelled on disk, in any case (``Tiny`` was
-        created, ``tiny`` is asked for); None when there is none."""
+        """The manifest file of ``name`` in any case (``Tiny`` was created, ``tiny`` is asked
+        for): the path as asked when it is there (on a file system that ignores case, always),
+        else the first, in sorted order, whose folders and file name match it case-folded;
+        None when there is none."""
         path = self._manifest_path(name)
         if path.is_file():
             return path
-        d = self.manifests_dir
-        for i, part in enumerate(name.parts):
-            want = part.casefold()
-            try:
-                found = [e for e in os.scandir(d) if not e.name.startswith(".") and e.name.casefold() == want
-                         and (e.is_file() if i == 3 else e.is_dir())]
-            except OSError:
-                return None
-            if not found:
-                return None
-            d = Path(min(found, key=lambda e: e.name).path)
-        return d
+        return self._casefolded(self.manifests_dir, [part.casefold() for part in name.parts])
+
+    def _casefolded(self, d: Path, parts: list[str]) -> Path | None:
+        """Under ``d``, the first path (folders sorted by name, and each tried in turn) whose
+        remaining parts are ``parts`` case-folded, the last one a file."""
+        last = len(parts) == 1
+        try:
+            found = sorted((e for e in os.scandir(d) if not e.name.startswith(".") and e.name.casefold() == parts[0]
+                            and (e.is_file() if last else e.is_dir())), key=lambda e: e.name)
+        except OSError:
+            return None
+        for e in found:
+            hit = Path(e.path) if last else self._casefolded(Path(e.path), parts[1:])
+            if hit is not None:
+                return hit
+        return None
 
     def _lookup(self, name: ModelName) -> ModelEntry | None:
         """The model a request for ``name`` means: :meth:`_find`, and for a name without a host
@@ -1369,7 +1375,7 @@ class ModelStore:
         if entry is None:
             raise self._not_found(str(src), sname)
         source = dict(entry.source)
-        source.setdefault("from_model", entry.display)
+        source.setdefault("from_model", entry.name.full if entry.shown else entry.display)  # (a name that lasts)
         return self._commit(dname, entry.layers, entry.info, source, entry.manifest.get("projector_info"),
                             preset=preset)
 

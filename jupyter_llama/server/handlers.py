@@ -453,9 +453,10 @@ class GenerateHandler(LlamaHandler):
                                                load_s=lease.load_duration))
                 return
             runner = lease.runner
-            tr = oa.GenerateTranslator(req.model, started, lease.load_duration)
-            if req.thinks and lease.loaded.ref.has_chat_template:  # the child's chat route separates the reasoning
-                tr = oa.ThinkingGenerateTranslator(req.model, started, lease.load_duration)
+            thinking = req.thinks and lease.loaded.ref.has_chat_template  # the child's chat route separates the reasoning
+            tr = (oa.ThinkingGenerateTranslator if thinking else oa.GenerateTranslator)(req.model, started,
+                                                                                        lease.load_duration)
+            if thinking:
                 start = functools.partial(runner.relay_chat, req.prompt_messages(), truncate=req.truncate,
                                           **req.chat_params)
             elif req.suffix:  # fill in the middle: the child's /infill puts the model's FIM tokens around both

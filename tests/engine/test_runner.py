@@ -154,6 +154,40 @@ async def test_child_killed_mid_stream_gives_clear_error(start_runner, tiny_mode
     assert not r.alive
 
 
+async def test_a_request_that_fails_while_the_child_lives_says_why_in_words(start_runner, tiny_model):
+    """Not a Python repr: what failed, and the reason (its type's name when it has no text)."""
+    from jupyter_llama.errors import EngineError
+    from jupyter_llama.engine.runner import free_port
+
+    r = await start_runner(tiny_model, LoadOptions(num_ctx=512, num_parallel=1))
+    assert (await r.tokenize("Once upon")) and (await r.post("/apply-template", {"messages": []}))["prompt"].endswith("assistant\n")
+    port = r.port
+
+    async def not_json(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(not_json, "127.0.0.1", 0)
+    try:
+        r.port = free_port()  # nothing listens there: the connection is refused
+        with pytest.raises(EngineError) as refused:
+            await r.tokenize("Once upon")
+        assert str(refused.value).startswith(f"request to llama-server for {r.name} failed: ")
+        assert "Error(" not in str(refused.value) and len(str(refused.value)) > len(f"request to llama-server for {r.name} failed: ")
+        err = await r._after_transport_error(asyncio.TimeoutError())
+        assert str(err) == f"request to llama-server for {r.name} failed: TimeoutError"
+        r.port = server.sockets[0].getsockname()[1]
+        with pytest.raises(EngineError, match="answered /tokenize with something that is not JSON"):
+            await r.tokenize("Once upon")
+    finally:
+        r.port = port
+        server.close()
+        await server.wait_closed()
+    assert r.alive and await r.tokenize("Once upon")
+
+
 async def test_corrupt_gguf_fails_with_the_childs_last_lines(start_runner, tiny_model, tmp_path):
     bad = tmp_path / "corrupt.gguf"
     data = Path(tiny_model).read_bytes()

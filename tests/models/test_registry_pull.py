@@ -150,6 +150,9 @@ def test_a_bare_name_pulls_latest_and_finds_the_pulled_model(registry, ggufs, st
     assert [x.display for x in store.list()] == ["tiny:latest"]
     for name in ("tiny", "tiny:latest", "library/tiny", "TINY", full):
         assert store.entry(name).manifest_path == e.manifest_path and store.entry(name).display == "tiny:latest"
+    store.copy("tiny", "mine")  # a copy records its parent by the name that lasts: the full one
+    assert store.entry("mine").source["from_model"] == full
+    store.remove_sync("mine")
     assert same_model("tiny", full) and same_model(full, "TINY:latest")
     assert not same_model("tiny:v2", full) and not same_model("hf.co/x/tiny", full)
     # a model made here under the bare name (in another case) comes first; beside it, the pulled
@@ -163,6 +166,29 @@ def test_a_bare_name_pulls_latest_and_finds_the_pulled_model(registry, ggufs, st
     assert store.entry("tiny").manifest_path == e.manifest_path and store.entry("tiny").display == "tiny:latest"
     store.remove_sync("tiny")  # the bare name removes the pulled model when it is the only one
     assert store.list() == [] and os.listdir(store.blobs_dir) == []
+
+
+async def test_a_loaded_pulled_model_is_listed_by_the_name_it_is_shown_by(registry, ggufs, store, engine):
+    """ps names a loaded model as tags does: once the model made here under the bare name is
+    gone, the pulled one, loaded by its full name, is shown (and listed) by the bare name."""
+    from jupyter_llama.load_options import LoadOptions
+    from jupyter_llama.scheduler import Scheduler, SchedulerSettings
+
+    publish(registry, ggufs, tag="latest")
+    full = pull_mod.pull("tiny", store=store).name.full
+    store.create("tiny", ggufs["b"])
+    sched = Scheduler(SchedulerSettings(binary=engine.path), resolver=store.resolve)
+    try:
+        lease = await sched.acquire(full, LoadOptions(num_ctx=256, num_parallel=1), keep_alive="5m")
+        lease.release()
+        assert [m["name"] for m in sched.ps()] == [full]
+        store.remove_sync("tiny")
+        assert await sched.name_changed("tiny") == []  # the same file: kept, and shown as tags shows it
+        assert [m["name"] for m in sched.ps()] == ["tiny:latest"] == [e.display for e in store.list()]
+        store.create("tiny", ggufs["b"])  # a model made here takes the bare name: the loaded one is retired
+        assert await sched.name_changed("tiny") == ["tiny:latest"] and sched.ps() == []
+    finally:
+        await sched.shutdown()
 
 
 def test_a_dropped_connection_resumes_with_range(registry, ggufs, store):

@@ -311,6 +311,20 @@ def test_overwriting_a_name_collects_its_old_blob(store, ggufs):
     assert blobs(store) == [f"sha256-{sha256(ggufs['c'])}"]
 
 
+def test_a_name_is_found_in_any_case_when_folders_differ_only_in_case(store, ggufs):
+    """Case-folded, a name may match more than one folder at a level (``Me`` and ``me``); each
+    is tried in turn, so a model under the second one is still found."""
+    store.create("Me/tiny", ggufs["a"])
+    store.create("me/other", ggufs["b"])
+    for asked in ("me/other", "ME/other", "Me/Other:LATEST"):
+        assert store.entry(asked).manifest_path == store.manifests_dir / "local/me/other/latest"
+    store.create("ME/OTHER", ggufs["c"])  # the same model by another case: replaced, not a second one
+    assert manifests(store) == ["local/ME/OTHER/latest", "local/Me/tiny/latest"]
+    store.create("Library/foo", ggufs["a"])
+    store.create("Tiny", ggufs["b"])  # beside it, in the namespace spelled "library"
+    assert store.entry("tiny").display == "Tiny:latest" and store.entry("library/FOO").display == "foo:latest"
+
+
 def test_prune_removes_orphans(store, ggufs):
     store.create("tiny", ggufs["a"])
     orphan = store.blob_path("ab" * 32)
