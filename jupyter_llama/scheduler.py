@@ -619,23 +619,24 @@ class Scheduler:
 
     async def name_changed(self, name: str) -> list[str]:
         """``name`` was created, copied over or deleted: retire the runners loaded under it
-        that it no longer points at (another file, or nothing), so that ``stop``, ``rm``, the
-        cap and the next request all see what the name means now. Returns their names."""
-        try:
-            ref = await self.resolver(name)
-        except SchedulerError:
-            ref = None  # deleted
+        whose own name no longer points at their file (another file, or nothing), so that
+        ``stop``, ``rm``, the cap and the next request all see what the name means now; one
+        whose name still points at its file stays, under the name that file is shown by now
+        (a pulled model's full name, once a model made here under its bare name is gone, is
+        the bare name again). Returns the names retired."""
         retired = []
         for lo in self.live():
             if not same_model(lo.name, name):
                 continue
-            if ref is None or lo.ref.key != ref.key:
+            try:
+                ref = await self.resolver(lo.name)
+            except SchedulerError:
+                ref = None  # deleted
+            if ref is None or ref.key != lo.ref.key:
                 what = "now names another file" if ref is not None else "was deleted"
                 await self._unload(lo, f"{name} {what}", rule="replaced")
                 retired.append(lo.name)
-            elif ref.name != lo.ref.name:
-                # the same file, shown by another name now (a pulled model's full name once the
-                # model made here under its bare name is gone): ps shows it as tags does
+            elif ref.name != lo.ref.name:  # ps shows it as tags does
                 lo.ref = dataclasses.replace(lo.ref, name=ref.name)
         return retired
 

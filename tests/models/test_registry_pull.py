@@ -182,6 +182,8 @@ async def test_a_loaded_pulled_model_is_listed_by_the_name_it_is_shown_by(regist
         lease = await sched.acquire(full, LoadOptions(num_ctx=256, num_parallel=1), keep_alive="5m")
         lease.release()
         assert [m["name"] for m in sched.ps()] == [full]
+        store.create("tiny", ggufs["c"])  # the model made here changes: the pulled one, by its full name, stays
+        assert await sched.name_changed("tiny") == [] and [m["name"] for m in sched.ps()] == [full]
         store.remove_sync("tiny")
         assert await sched.name_changed("tiny") == []  # the same file: kept, and shown as tags shows it
         assert [m["name"] for m in sched.ps()] == ["tiny:latest"] == [e.display for e in store.list()]
