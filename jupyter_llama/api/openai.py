@@ -36,6 +36,7 @@ ENDPOINTS = {
     "completions": "/v1/completions",
     "embeddings": "/v1/embeddings",
     "responses": "/v1/responses",
+    "responses/input_tokens": "/v1/responses/input_tokens",  # what a Responses request's input counts
 }
 
 _ERROR_TYPES = {
@@ -95,7 +96,7 @@ def parse_request(route: str, body: dict) -> OpenAIRequest:
         raise BadRequest(f"unknown endpoint v1/{route}")
     model, stream = request_basics(body)
     needs: list[str] = []
-    if route == "responses":
+    if route in ("responses", "responses/input_tokens"):
         inp = body.get("input")
         if inp is None:
             raise BadRequest("input is required: a string, or a list of input items")
@@ -105,6 +106,7 @@ def parse_request(route: str, body: dict) -> OpenAIRequest:
             raise BadRequest("previous_response_id is not supported: responses are not stored; send the "
                              "conversation in input")
         needs = tool_needs(body)
+        stream = stream and route == "responses"  # a count is one object
     elif route == "chat/completions":
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -134,13 +136,14 @@ def with_preset(req: OpenAIRequest, preset) -> OpenAIRequest:
     split = split_options(preset.parameters or None)
     body = dict(req.body)
     anthropic = req.endpoint.startswith("/v1/messages")
+    responses = req.endpoint.startswith("/v1/responses")  # and the count of a Responses request's input
     for key, value in split.sampling.items():
         if key == "n_predict":
             if not anthropic and not any(k in body for k in ("max_tokens", "max_completion_tokens",
                                                                "max_output_tokens", "n_predict")):
-                body["max_output_tokens" if req.endpoint == "/v1/responses" else "max_tokens"] = value
+                body["max_output_tokens" if responses else "max_tokens"] = value
         elif key == "stop":
-            if not anthropic and "stop" not in body and req.endpoint != "/v1/responses":
+            if not anthropic and "stop" not in body and not responses:
                 body["stop"] = value
         else:
             body.setdefault(key, value)
@@ -155,7 +158,7 @@ def with_preset(req: OpenAIRequest, preset) -> OpenAIRequest:
             body["system"] = preset.system
         body["messages"] = [m for m in prefix if m.get("role") in ("user", "assistant")] + list(body.get("messages")
                                                                                                   or [])
-    elif req.endpoint == "/v1/responses" and preset.system:
+    elif responses and preset.system:
         body.setdefault("instructions", preset.system)
     # the preset's load options, with the one the route itself sets (embeddings: embedding)
     options = split.load_options(embedding=req.options.embedding or None)

@@ -11,6 +11,7 @@ Routes (Ollama-compatible unless noted):
     POST   api/blobs/sha256:<hex>        streamed upload, 201
     POST   v1/chat/completions  v1/completions  v1/embeddings     (OpenAI; SSE when streaming)
     POST   v1/responses                                           (OpenAI Responses; named SSE events)
+    POST   v1/responses/input_tokens                              (OpenAI: what a Responses input counts)
     POST   v1/messages  v1/messages/count_tokens                  (Anthropic; named SSE events)
     GET    v1/models  v1/models/<name>                            (OpenAI)
     POST   api/push                      501: not supported
@@ -1255,7 +1256,8 @@ def default_handlers() -> list[tuple]:
         (p + r"/api/openapi\.json", OpenAPIHandler),
         (p + r"/v1/models", OpenAIModelsHandler),
         (p + r"/v1/models/(?P<model>.+)", OpenAIModelsHandler),
-        (p + r"/v1/(?P<route>chat/completions|completions|embeddings|responses)", OpenAIHandler),
+        (p + r"/v1/(?P<route>chat/completions|completions|embeddings|responses|responses/input_tokens)",
+         OpenAIHandler),
         (p + r"/v1/(?P<route>messages|messages/count_tokens)", AnthropicHandler),
         (p + r"/api/push", PushHandler),
         (p + r"/(?P<path>.+)", UnknownRouteHandler),  # last: anything else is a JSON 404

@@ -152,6 +152,16 @@ async def test_openai_tools_and_the_responses_api(llama_url, token):
     with pytest.raises(openai.BadRequestError) as e:
         await run(c.responses.create, model="tiny", input=None)
     assert e.value.status_code == 400 and "input is required" in e.value.message
+
+    # what a Responses request's input counts, through the model's template (the child's own count)
+    short = await run(c.responses.input_tokens.count, model="tiny", input="Hello")
+    assert short.object == "response.input_tokens" and short.input_tokens > 0
+    longer = await run(c.responses.input_tokens.count, model="tiny", input="Hello there, how are you today?",
+                       instructions="Answer in one short sentence.")
+    assert longer.input_tokens > short.input_tokens + 5
+    with pytest.raises(openai.BadRequestError) as e:
+        await run(c.responses.input_tokens.count, model="tiny")
+    assert e.value.status_code == 400 and "input is required" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         await run(c.chat.completions.create, model="tiny", messages=ASK, tools=[WEATHER])
     assert '"tiny" does not support tools' in e.value.message and e.value.body["type"] == "invalid_request_error"

@@ -228,6 +228,12 @@ def test_openai_requests():
                                ("chat/completions", {"messages": [{}]}, "model")):
         with pytest.raises(BadRequest, match=words):
             oai.parse_request(route, body)
+    count = oai.parse_request("responses/input_tokens", {"model": "m", "input": "x", "stream": True})
+    assert count.endpoint == "/v1/responses/input_tokens" and not count.stream and not count.named
+    from jupyter_llama.models.preset import Preset
+
+    counted = oai.with_preset(count, Preset(system="Be brief.", parameters={"num_predict": 5}))
+    assert counted.body["instructions"] == "Be brief." and counted.body["max_output_tokens"] == 5  # as a create
     assert oai.error_body(404, "gone")["error"] == {"message": "gone", "type": "not_found_error", "param": None,
                                                     "code": 404}
     assert oai.sse({"a": 1}) == b'data: {"a":1}\n\n'
