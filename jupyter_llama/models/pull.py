@@ -318,7 +318,7 @@ class RemoteFile:
     role: str  # "model" | "projector" | a preset part: "template", "system", "params", "license", "messages"
     size: int | None = None
     sha256: str | None = None
-    auth: bool = False  # send the HF token (to the Hub only)
+    auth: bool = False  # send the source's credentials: the HF token to the Hub, a registry's pull token to it
     media_type: str | None = None  # the manifest layer's (default: by role, model or projector)
     hf_repo: str | None = None  # a Hub file: OWNER/REPO, whose Hugging Face cache may already hold it
 
@@ -676,6 +676,7 @@ class Puller:
         self.retries = max(0, int(retries))
         self.backoff = backoff
         self.token = token if token is not None else hfcache.hf_token()
+        self._registry_token: str | None = None  # a pull token the registry handed out (registry.token_url)
         self.http = _Http(timeout=timeout, max_redirects=max_redirects)
         self._landed: list[tuple[str, str]] = []  # (hex, url) of the blobs this pull put into blobs/
         self._cancel = threading.Event()
@@ -712,12 +713,49 @@ class Puller:
 
     # -- plan -------------------------------------------------------------------------
 
-    def _hub_headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+    def _auth_headers(self) -> dict:
+        """The source's credentials (the opener drops them on a redirect to another origin)."""
+        token = self._registry_token if self.src.kind == "registry" else self.token
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    def _registry_login(self, challenge: str | None) -> bool:
+        """Ask the token service a registry's 401 names (Docker's token protocol, see
+        :mod:`.registry`) for a pull token, without credentials; True when it gave one. A
+        realm a registry over TLS names over plain http is refused in words."""
+        ref = self.src.ref
+        ch = registry.bearer_challenge(challenge)
+        if ch is None:
+            return False
+        url = registry.token_url(ch, ref.base)
+        if url is None:
+            raise PullError(f"the registry {ref.base} sends clients for a token to {ch['realm']}, which is not "
+                            f"https: refused (a token service must use TLS when the registry does)")
+        try:
+            r = self.http.open(url, {"Accept": "application/json"})
+            try:
+                body = r.read(1 << 20)
+            finally:
+                r.close()
+        except PullError:
+            raise
+        except (OSError, http.client.HTTPException) as e:
+            raise RegistryUnreachable(f"cannot reach {ch['realm']} for a pull token of {ref.text}: "
+                                      f"{getattr(e, 'strerror', None) or e}") from None
+        if r.status != 200:
+            return False
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return False
+        token = (doc.get("token") or doc.get("access_token")) if isinstance(doc, dict) else None
+        if not isinstance(token, str) or not token:
+            return False
+        self._registry_token = token
+        return True
 
     def _json(self, url: str, what: str) -> tuple[object, str | None]:
         try:
-            r = self.http.open(url, {**self._hub_headers(), "Accept": "application/json"})
+            r = self.http.open(url, {**self._auth_headers(), "Accept": "application/json"})
         except PullError:
             raise
         except (OSError, http.client.HTTPException) as e:
@@ -768,7 +806,7 @@ class Puller:
         while True:
             self._check_cancel()
             try:
-                r = self.http.open(ref.manifest_url, {"Accept": registry.MANIFEST_V2})
+                r = self.http.open(ref.manifest_url, {"Accept": registry.MANIFEST_V2, **self._auth_headers()})
                 try:
                     body = r.read(registry.MAX_MANIFEST_BYTES + 1) if r.status == 200 else r.read(4096)
                 finally:
@@ -788,9 +826,11 @@ class Puller:
             hint = " (the models and their tags are listed at https://ollama.com/library)" \
                 if ref.base == DEFAULT_REGISTRY else ""
             raise NotInRegistry(f'model "{ref.text}" not found in registry {ref.base}: no such model or tag{hint}')
+        if r.status == 401 and self._registry_token is None and self._registry_login(r.header("WWW-Authenticate")):
+            return self._registry_manifest()  # again, with the token it handed out
         if r.status in (401, 403):
             raise PullError(f'the registry {ref.base} refused {ref.text} (HTTP {r.status} {r.reason}): it may be '
-                            f"private; jupyter-llama pulls models that need no login")
+                            f"private; jupyter-llama pulls models that need no login (or an anonymous pull token)")
         if r.status != 200:
             snippet = " ".join(body[:200].decode("utf-8", "replace").split())
             raise BadManifest(f"{what}: HTTP {r.status} {r.reason}" + (f": {snippet}" if snippet else ""))
@@ -807,7 +847,8 @@ class Puller:
         ref = self.src.ref
         manifest = self._registry_manifest()
         files = [RemoteFile(url=ref.blob_url(ly.hexd), path=f"{ref.text} ({ly.role} layer sha256:{ly.hexd[:12]})",
-                            role=ly.role, size=ly.size, sha256=ly.hexd, media_type=ly.media_type)
+                            role=ly.role, size=ly.size, sha256=ly.hexd, media_type=ly.media_type,
+                            auth=self._registry_token is not None)
                  for ly in manifest.layers]
         record = {"type": "registry", "registry": ref.base, "name": ref.text,
                   "manifest_digest": f"sha256:{manifest.digest}", "url": ref.manifest_url}
@@ -1122,7 +1163,7 @@ class Puller:
             self._check_cancel()
             r = None
             try:
-                headers = self._hub_headers() if rf.auth else {}
+                headers = self._auth_headers() if rf.auth else {}
                 if offset:
                     headers["Range"] = f"bytes={offset}-"
                     etag, modified = validators.get("etag"), validators.get("last_modified")
@@ -1321,9 +1362,14 @@ class Puller:
             snippet = ""
         r.close()
         snippet = " ".join(snippet.split())[:160]
+        if status == 401 and rf.auth and self.src.kind == "registry" and self._registry_login(
+                r.header("WWW-Authenticate")):
+            raise _Dropped("the registry's pull token expired; a new one was given")  # tried again, with it
         if status in (401, 403):
-            hint = ("; the repository may be gated or private: set HF_TOKEN to a token that can read it"
-                    if rf.auth else "")
+            hint = ""
+            if rf.auth:
+                hint = ("; the registry refused its own pull token" if self.src.kind == "registry" else
+                        "; the repository may be gated or private: set HF_TOKEN to a token that can read it")
             raise PullError(f"{rf.url}: access denied (HTTP {status} {reason}){hint}")
         if status in (404, 410):
             raise PullError(f"{rf.url}: not found (HTTP {status} {reason})")

@@ -20,6 +20,13 @@ transfers with the same machinery as its other sources (resume, retries, digests
   A LoRA ``.adapter`` is refused (the store cannot apply one); a layer of a media type we do
   not know is skipped and named in the model's source record. The config blob is not
   fetched: everything it says is in the GGUF; its digest is recorded.
+* A registry that hands out pull tokens (Docker's token protocol: Docker Hub, GHCR, Harbor,
+  a distribution registry with token auth) answers the first request with a 401 and
+  ``WWW-Authenticate: Bearer realm="URL",service="...",scope="repository:NS/MODEL:pull"``;
+  ``GET URL?service=...&scope=...`` answers ``{"token": "..."}`` (or ``access_token``), sent
+  back as ``Authorization: Bearer`` to the registry, never across a redirect to its content
+  server. Asked without credentials (:func:`bearer_challenge`, :func:`token_url`): a public
+  model's anonymous token; a private model's login (Ollama's signed keys) is not done.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from .preset import MAX_LAYER_BYTES, PRESET_MEDIA_TYPES
 from .store import MODEL_MEDIA_TYPE, PROJECTOR_MEDIA_TYPE
 
 __all__ = [
+    "bearer_challenge",
+    "token_url",
     "MANIFEST_V2",
     "ADAPTER_MEDIA_TYPE",
     "MAX_MANIFEST_BYTES",
@@ -193,3 +202,29 @@ def parse_manifest(body: bytes, content_type: str = "", what: str = "the manifes
     else:
         config = None
     return Manifest(kept, hashlib.sha256(body).hexdigest(), config, skipped)
+
+
+def bearer_challenge(header: str | None) -> dict[str, str] | None:
+    """The parameters of a ``WWW-Authenticate: Bearer realm="...", service="...", scope="..."``
+    challenge (names lower-cased); None for a missing header, another scheme, or no realm."""
+    if not header:
+        return None
+    scheme, _, rest = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    params = {k.lower(): v for k, v in re.findall(r'([A-Za-z_]+)\s*=\s*"([^"]*)"', rest)}
+    return params if params.get("realm") else None
+
+
+def token_url(challenge: dict[str, str], base: str) -> str | None:
+    """Where to ask for a pull token: the challenge's realm with its service and scope; None
+    for a realm that is not https (or http when the registry itself is reached over http:
+    a registry configured here, or pulled from with ``insecure``), so that a registry reached
+    over TLS cannot send the client to a plain-http token service."""
+    realm = urllib.parse.urlsplit(challenge["realm"])
+    allowed = ("https", "http") if urllib.parse.urlsplit(base).scheme == "http" else ("https",)
+    if realm.scheme not in allowed or not realm.hostname:
+        return None
+    query = urllib.parse.parse_qsl(realm.query, keep_blank_values=True)
+    query += [(k, challenge[k]) for k in ("service", "scope") if challenge.get(k)]
+    return urllib.parse.urlunsplit((realm.scheme, realm.netloc, realm.path, urllib.parse.urlencode(query), ""))

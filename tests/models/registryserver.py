@@ -14,8 +14,13 @@ server); nothing leaves 127.0.0.1. Routes:
 * ``GET|HEAD /cdn/sha256-{hex}``: the bytes, with ``Range``, ``ETag``, ``If-Range``, and per
   blob ``drop_after``/``drop_times``/``rate`` (``blob_file(hex)``), as ``/files/`` serves them.
 
+* ``GET /token?service=...&scope=...``: with ``pull_tokens`` set, Docker's token protocol: the
+  ``/v2/`` routes answer 401 with a ``WWW-Authenticate: Bearer`` challenge naming this realm
+  until a request carries a token it handed out (``{"token": ...}``); ``token_status`` makes it
+  refuse, and ``token_uses`` makes each token expire after that many uses.
+
 Counters: ``blob_sent(hex)`` (body bytes sent of a blob) and ``requests`` (method, path,
-headers), from ``HFServer``.
+headers), from ``HFServer``; ``token_requests`` (the query of each token request).
 """
 
 from __future__ import annotations
@@ -40,13 +45,19 @@ class _RegistryHandler(_Handler):
         srv = self.server_ref
         parsed = urllib.parse.urlsplit(self.path)
         path = urllib.parse.unquote(parsed.path)
+        if path == "/token":
+            return self._token(urllib.parse.parse_qs(parsed.query))
         m = re.match(r"^/v2/([^/]+/[^/]+)/manifests/([^/]+)$", path)
         if m:
             self._record()
+            if not self._authorized(m.group(1)):
+                return None
             return self._manifest(m.group(1), m.group(2))
         m = re.match(r"^/v2/([^/]+/[^/]+)/blobs/sha256:([0-9a-f]{64})$", path)
         if m:
             self._record()
+            if not self._authorized(m.group(1)):
+                return None
             if f"sha256-{m.group(2)}" not in srv.files:
                 return self._json(404, {"errors": [{"code": "BLOB_UNKNOWN", "message": "blob unknown to registry"}]})
             self.send_response(307)
@@ -59,6 +70,34 @@ class _RegistryHandler(_Handler):
             self._record()
             return self._serve_file(m.group(1))
         return super().do_GET()
+
+    def _authorized(self, repo: str) -> bool:
+        """With ``pull_tokens``: whether the request carries a live token; if not, the 401 is sent."""
+        srv = self.server_ref
+        if not srv.pull_tokens:
+            return True
+        auth = self.headers.get("Authorization") or ""
+        with srv._lock:
+            uses = srv.tokens.get(auth[7:]) if auth.startswith("Bearer ") else None
+            if uses is not None and (srv.token_uses is None or uses < srv.token_uses):
+                srv.tokens[auth[7:]] = uses + 1
+                return True
+        challenge = f'Bearer realm="{srv.url}/token",service="test-registry",scope="repository:{repo}:pull"'
+        self._reply(401, json.dumps({"errors": [{"code": "UNAUTHORIZED", "message": "authentication required"}]})
+                    .encode(), "application/json", headers={"WWW-Authenticate": challenge})
+        return False
+
+    def _token(self, query: dict):
+        srv = self.server_ref
+        with srv._lock:
+            srv.token_requests.append({k: v[0] for k, v in query.items()})
+            srv.requests.append(("GET", self.path, dict(self.headers.items())))
+            if srv.token_status != 200 or query.get("service") != ["test-registry"]:
+                status = srv.token_status if srv.token_status != 200 else 400
+                return self._reply(status, b'{"errors": [{"code": "DENIED"}]}', "application/json")
+            token = f"tok-{len(srv.tokens) + 1}"
+            srv.tokens[token] = 0
+        return self._json(200, {"token": token, "expires_in": 300})
 
     def _record(self):
         srv = self.server_ref
@@ -96,6 +135,11 @@ class RegistryServer(HFServer):
         self.blob_dir.mkdir(parents=True, exist_ok=True)
         self.manifests: dict[tuple[str, str], dict] = {}
         self.manifest_override: dict[tuple[str, str], tuple[int, str, bytes]] = {}
+        self.pull_tokens = False  # the /v2/ routes need a token from /token
+        self.token_status = 200  # what /token answers
+        self.token_uses: int | None = None  # how many requests a token serves before it expires
+        self.tokens: dict[str, int] = {}  # handed out -> requests served
+        self.token_requests: list[dict] = []
         self._good: dict[str, Path] = {}
 
     @property

@@ -168,6 +168,48 @@ def test_a_bare_name_pulls_latest_and_finds_the_pulled_model(registry, ggufs, st
     assert store.list() == [] and os.listdir(store.blobs_dir) == []
 
 
+def test_a_registry_that_hands_out_pull_tokens(registry, ggufs, store):
+    """Docker's token protocol, anonymously: the 401's challenge names a token service, whose
+    token goes with every request to the registry (the manifest and each blob)."""
+    manifest = publish(registry, ggufs)
+    registry.pull_tokens = True
+    e = pull_mod.pull("tiny:1b", store=store, retries=1, backoff=0.01)
+    assert e.model_digest == sha256(Path(ggufs["a"]).read_bytes()) and e.display == "tiny:1b"
+    assert registry.token_requests == [{"service": "test-registry", "scope": "repository:library/tiny:pull"}]
+    v2 = paths(registry, "/v2/")
+    assert v2[0][2].get("Authorization") is None and v2[1:], v2  # asked first without a token
+    assert all(r[2].get("Authorization") == "Bearer tok-1" for r in v2[1:])
+    assert len(paths(registry, "/cdn/")) == len(manifest["layers"])  # (on the registry's own origin here, so
+    # the token goes along; the opener drops it on a redirect to another origin, as for the Hub)
+
+    # a token that expires part-way (after the manifest and one layer) is renewed, and the pull goes on
+    store2 = ModelStore(store.root.parent / "store2")
+    registry.tokens.clear(), registry.token_requests.clear()
+    registry.token_uses = 2
+    e2 = pull_mod.pull("tiny:1b", store=store2, retries=3, backoff=0.01)
+    assert e2.digest == e.digest and len(registry.token_requests) >= 2
+
+    # a token service that refuses: the registry's refusal, in words
+    registry.token_status = 401
+    registry.tokens.clear()
+    with pytest.raises(PullError, match=r"refused tiny:1b \(HTTP 401.*anonymous pull token"):
+        pull_mod.pull("tiny:1b", store=ModelStore(store.root.parent / "store3"), retries=0)
+
+
+def test_a_token_service_is_asked_over_tls_when_the_registry_is():
+    from jupyter_llama.models import registry as reg
+
+    ch = reg.bearer_challenge('Bearer realm="https://auth.example/token",service="reg.example",'
+                              'scope="repository:library/tiny:pull"')
+    assert ch == {"realm": "https://auth.example/token", "service": "reg.example",
+                  "scope": "repository:library/tiny:pull"}
+    assert reg.token_url(ch, "https://reg.example") == ("https://auth.example/token?service=reg.example&"
+                                                        "scope=repository%3Alibrary%2Ftiny%3Apull")
+    assert reg.token_url({"realm": "http://auth.example/token"}, "https://reg.example") is None
+    assert reg.token_url({"realm": "http://127.0.0.1:1/token?x=1"}, "http://127.0.0.1:1") == "http://127.0.0.1:1/token?x=1"
+    assert reg.bearer_challenge('Basic realm="x"') is None and reg.bearer_challenge("Bearer") is None
+
+
 async def test_a_loaded_pulled_model_is_listed_by_the_name_it_is_shown_by(registry, ggufs, store, engine):
     """ps names a loaded model as tags does: once the model made here under the bare name is
     gone, the pulled one, loaded by its full name, is shown (and listed) by the bare name."""
