@@ -619,19 +619,32 @@ class Scheduler:
 
     async def name_changed(self, name: str) -> list[str]:
         """``name`` was created, copied over or deleted: retire the runners loaded under it
-        whose own name no longer points at their file (another file, or nothing), so that
-        ``stop``, ``rm``, the cap and the next request all see what the name means now; one
-        whose name still points at its file stays, under the name that file is shown by now
-        (a pulled model's full name, once a model made here under its bare name is gone, is
-        the bare name again). Returns the names retired."""
+        whose name (the one they were loaded under) no longer points at their file (another
+        file, or nothing), so that ``stop``, ``rm``, the cap and the next request all see what
+        the name means now. One whose name still points at its file stays, shown by the name
+        that file is shown by now (a pulled model loaded by its full name is ``tiny:latest``
+        once no model made here has that name, and its full name again beside one). Names
+        it has also served (``also_as``) that no longer point at it are dropped. Returns the
+        names retired."""
+        try:
+            named = (await self.resolver(name)).key
+        except SchedulerError:
+            named = None
+        except (OSError, ValueError):
+            return []  # the store cannot say now: every runner is left as it is
         retired = []
         for lo in self.live():
-            if not same_model(lo.name, name):
+            loaded_as = lo.runner.name if lo.runner is not None else lo.name
+            if named != lo.ref.key:
+                lo.also_as = {n for n in lo.also_as if not same_model(n, name)}
+            if not (same_model(loaded_as, name) or same_model(lo.name, name)):
                 continue
             try:
-                ref = await self.resolver(lo.name)
+                ref = await self.resolver(loaded_as)
             except SchedulerError:
                 ref = None  # deleted
+            except (OSError, ValueError):
+                continue
             if ref is None or ref.key != lo.ref.key:
                 what = "now names another file" if ref is not None else "was deleted"
                 await self._unload(lo, f"{name} {what}", rule="replaced")

@@ -170,6 +170,17 @@ class BadManifest(PullError):
     status = 502
 
 
+class _Renewed(Exception):
+    """The registry's pull token expired mid-pull and a new one was given: ask again at once
+    (not a failed try; at most MAX_RENEWALS times a file)."""
+
+
+MAX_RENEWALS = 3
+
+_TOKEN = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")  # RFC 6750's token characters
+MAX_TOKEN_CHARS = 8192
+
+
 class _Dropped(Exception):
     """The body ended early or the connection broke: retry with Range."""
 
@@ -733,23 +744,28 @@ class Puller:
         try:
             r = self.http.open(url, {"Accept": "application/json"})
             try:
-                body = r.read(1 << 20)
+                body = r.read(1 << 16)
             finally:
                 r.close()
         except PullError:
             raise
         except (OSError, http.client.HTTPException) as e:
             raise RegistryUnreachable(f"cannot reach {ch['realm']} for a pull token of {ref.text}: "
-                                      f"{getattr(e, 'strerror', None) or e}") from None
+                                      f"{getattr(e, 'strerror', None) or e}; try the pull again") from None
+        if urllib.parse.urlsplit(url).scheme == "https" and urllib.parse.urlsplit(r.url).scheme != "https":
+            raise PullError(f"the token service {ch['realm']} redirected to {_origin(r.url)[0]}://: refused")
+        if r.status >= 500 or r.status == 429:
+            raise RegistryUnreachable(f"the token service {ch['realm']} of {ref.base} answered HTTP {r.status} "
+                                      f"{r.reason}; try the pull again")
         if r.status != 200:
-            return False
+            return False  # refused: the registry's own refusal says the rest
         try:
             doc = json.loads(body)
         except ValueError:
             return False
         token = (doc.get("token") or doc.get("access_token")) if isinstance(doc, dict) else None
-        if not isinstance(token, str) or not token:
-            return False
+        if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS or not _TOKEN.match(token):
+            return False  # none, or not a token a header can carry
         self._registry_token = token
         return True
 
@@ -847,8 +863,7 @@ class Puller:
         ref = self.src.ref
         manifest = self._registry_manifest()
         files = [RemoteFile(url=ref.blob_url(ly.hexd), path=f"{ref.text} ({ly.role} layer sha256:{ly.hexd[:12]})",
-                            role=ly.role, size=ly.size, sha256=ly.hexd, media_type=ly.media_type,
-                            auth=self._registry_token is not None)
+                            role=ly.role, size=ly.size, sha256=ly.hexd, media_type=ly.media_type, auth=True)
                  for ly in manifest.layers]
         record = {"type": "registry", "registry": ref.base, "name": ref.text,
                   "manifest_digest": f"sha256:{manifest.digest}", "url": ref.manifest_url}
@@ -1153,7 +1168,7 @@ class Puller:
         total = rf.size if rf.size is not None else meta.get("total")
         if rf.size is not None:
             self._check_disk(rf.size - offset)
-        attempts = 0
+        attempts = renewals = 0
         # what identifies the bytes already in the partial file: sent back as If-Range, so a
         # server whose file changed answers 200 (start again) instead of 206 (append)
         same_source = meta.get("url") == rf.url or (rf.sha256 is not None and meta.get("sha256") == rf.sha256)
@@ -1258,6 +1273,10 @@ class Puller:
                 if r is not None:
                     r.close()
                 raise
+            except _Renewed:
+                renewals += 1
+                if renewals > MAX_RENEWALS:
+                    raise PullError(f"{rf.url}: the registry refused {renewals} pull tokens in a row") from None
             except BaseException as e:
                 if r is not None:
                     r.close()
@@ -1362,9 +1381,9 @@ class Puller:
             snippet = ""
         r.close()
         snippet = " ".join(snippet.split())[:160]
-        if status == 401 and rf.auth and self.src.kind == "registry" and self._registry_login(
-                r.header("WWW-Authenticate")):
-            raise _Dropped("the registry's pull token expired; a new one was given")  # tried again, with it
+        if (status == 401 and rf.auth and self.src.kind == "registry" and _origin(r.url) == _origin(self.src.ref.base)
+                and self._registry_login(r.header("WWW-Authenticate"))):
+            raise _Renewed()  # asked again at once, with the new token
         if status in (401, 403):
             hint = ""
             if rf.auth:

@@ -17,7 +17,8 @@ server); nothing leaves 127.0.0.1. Routes:
 * ``GET /token?service=...&scope=...``: with ``pull_tokens`` set, Docker's token protocol: the
   ``/v2/`` routes answer 401 with a ``WWW-Authenticate: Bearer`` challenge naming this realm
   until a request carries a token it handed out (``{"token": ...}``); ``token_status`` makes it
-  refuse, and ``token_uses`` makes each token expire after that many uses.
+  refuse, ``token_uses`` makes each token expire after that many uses, ``guard_manifests``
+  False leaves the manifests open, and ``token_value`` is the token handed out.
 
 Counters: ``blob_sent(hex)`` (body bytes sent of a blob) and ``requests`` (method, path,
 headers), from ``HFServer``; ``token_requests`` (the query of each token request).
@@ -50,7 +51,7 @@ class _RegistryHandler(_Handler):
         m = re.match(r"^/v2/([^/]+/[^/]+)/manifests/([^/]+)$", path)
         if m:
             self._record()
-            if not self._authorized(m.group(1)):
+            if srv.guard_manifests and not self._authorized(m.group(1)):
                 return None
             return self._manifest(m.group(1), m.group(2))
         m = re.match(r"^/v2/([^/]+/[^/]+)/blobs/sha256:([0-9a-f]{64})$", path)
@@ -95,7 +96,7 @@ class _RegistryHandler(_Handler):
             if srv.token_status != 200 or query.get("service") != ["test-registry"]:
                 status = srv.token_status if srv.token_status != 200 else 400
                 return self._reply(status, b'{"errors": [{"code": "DENIED"}]}', "application/json")
-            token = f"tok-{len(srv.tokens) + 1}"
+            token = srv.token_value or f"tok-{len(srv.tokens) + 1}"
             srv.tokens[token] = 0
         return self._json(200, {"token": token, "expires_in": 300})
 
@@ -140,6 +141,8 @@ class RegistryServer(HFServer):
         self.token_uses: int | None = None  # how many requests a token serves before it expires
         self.tokens: dict[str, int] = {}  # handed out -> requests served
         self.token_requests: list[dict] = []
+        self.guard_manifests = True  # False: only the blobs need a token
+        self.token_value: str | None = None  # the token handed out (default tok-N)
         self._good: dict[str, Path] = {}
 
     @property

@@ -186,14 +186,32 @@ def test_a_registry_that_hands_out_pull_tokens(registry, ggufs, store):
     store2 = ModelStore(store.root.parent / "store2")
     registry.tokens.clear(), registry.token_requests.clear()
     registry.token_uses = 2
-    e2 = pull_mod.pull("tiny:1b", store=store2, retries=3, backoff=0.01)
+    e2 = pull_mod.pull("tiny:1b", store=store2, retries=0)  # a renewal is not a failed try
     assert e2.digest == e.digest and len(registry.token_requests) >= 2
 
-    # a token service that refuses: the registry's refusal, in words
+    # a registry that guards only its blobs gets its token asked for there
+    registry.token_uses = None
+    registry.tokens.clear(), registry.token_requests.clear()
+    registry.guard_manifests = False
+    e3 = pull_mod.pull("tiny:1b", store=ModelStore(store.root.parent / "store2b"), retries=0)
+    assert e3.digest == e.digest and len(registry.token_requests) == 1
+    registry.guard_manifests = True
+    # a token a header cannot carry is not used
+    registry.tokens.clear(), registry.token_requests.clear()
+    registry.token_value = "bad\r\ntoken"
+    with pytest.raises(PullError, match=r"refused tiny:1b \(HTTP 401") as bad:
+        pull_mod.pull("tiny:1b", store=ModelStore(store.root.parent / "store2c"), retries=0)
+    assert "bad" not in str(bad.value)
+    registry.token_value = None
+
+    # a token service that refuses: the registry's refusal, in words; one that fails: try again
     registry.token_status = 401
     registry.tokens.clear()
     with pytest.raises(PullError, match=r"refused tiny:1b \(HTTP 401.*anonymous pull token"):
         pull_mod.pull("tiny:1b", store=ModelStore(store.root.parent / "store3"), retries=0)
+    registry.token_status = 503
+    with pytest.raises(PullError, match=r"token service .* answered HTTP 503 .*try the pull again"):
+        pull_mod.pull("tiny:1b", store=ModelStore(store.root.parent / "store4"), retries=0)
 
 
 def test_a_token_service_is_asked_over_tls_when_the_registry_is():
@@ -229,7 +247,16 @@ async def test_a_loaded_pulled_model_is_listed_by_the_name_it_is_shown_by(regist
         store.remove_sync("tiny")
         assert await sched.name_changed("tiny") == []  # the same file: kept, and shown as tags shows it
         assert [m["name"] for m in sched.ps()] == ["tiny:latest"] == [e.display for e in store.list()]
-        store.create("tiny", ggufs["b"])  # a model made here takes the bare name: the loaded one is retired
+        store.create("tiny", ggufs["b"])  # a model made here takes the bare name: the full name again
+        assert await sched.name_changed("tiny") == [] and [m["name"] for m in sched.ps()] == [full]
+        store.remove_sync("tiny")
+        store.remove_sync(full)  # and once its file is gone, so is the runner
+        assert await sched.name_changed(full) == [full] and sched.ps() == []
+        pull_mod.pull("tiny", store=store)  # loaded by the bare name, then a model made here takes it: retired
+        lease = await sched.acquire("tiny", LoadOptions(num_ctx=256, num_parallel=1), keep_alive="5m")
+        lease.release()
+        assert [m["name"] for m in sched.ps()] == ["tiny:latest"]
+        store.create("tiny", ggufs["b"])
         assert await sched.name_changed("tiny") == ["tiny:latest"] and sched.ps() == []
     finally:
         await sched.shutdown()
