@@ -637,7 +637,7 @@ class Scheduler:
             loaded_as = lo.runner.name if lo.runner is not None else lo.name
             if named != lo.ref.key:
                 lo.also_as = {n for n in lo.also_as if not same_model(n, name)}
-            if not (same_model(loaded_as, name) or same_model(lo.name, name)):
+            if not same_model(loaded_as, name):  # (its shown name is a spelling of the same)
                 continue
             try:
                 ref = await self.resolver(loaded_as)

@@ -737,8 +737,8 @@ class Puller:
         ch = registry.bearer_challenge(challenge)
         if ch is None:
             return False
-        url = registry.token_url(ch, ref.base)
-        if url is None:
+        url = registry.token_url(ch)
+        if not registry.tls_kept(url, ref.base):
             raise PullError(f"the registry {ref.base} sends clients for a token to {ch['realm']}, which is not "
                             f"https: refused (a token service must use TLS when the registry does)")
         try:
@@ -752,8 +752,9 @@ class Puller:
         except (OSError, http.client.HTTPException) as e:
             raise RegistryUnreachable(f"cannot reach {ch['realm']} for a pull token of {ref.text}: "
                                       f"{getattr(e, 'strerror', None) or e}; try the pull again") from None
-        if urllib.parse.urlsplit(url).scheme == "https" and urllib.parse.urlsplit(r.url).scheme != "https":
-            raise PullError(f"the token service {ch['realm']} redirected to {_origin(r.url)[0]}://: refused")
+        if not registry.tls_kept(r.url, ref.base):
+            raise PullError(f"the token service {ch['realm']} redirected to {_origin(r.url)[0]}://: refused (a "
+                            f"token service must use TLS when the registry does)")
         if r.status >= 500 or r.status == 429:
             raise RegistryUnreachable(f"the token service {ch['realm']} of {ref.base} answered HTTP {r.status} "
                                       f"{r.reason}; try the pull again")

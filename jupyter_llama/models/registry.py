@@ -26,7 +26,8 @@ transfers with the same machinery as its other sources (resume, retries, digests
   ``GET URL?service=...&scope=...`` answers ``{"token": "..."}`` (or ``access_token``), sent
   back as ``Authorization: Bearer`` to the registry, never across a redirect to its content
   server. Asked without credentials (:func:`bearer_challenge`, :func:`token_url`): a public
-  model's anonymous token; a private model's login (Ollama's signed keys) is not done.
+  model's anonymous token; a private model's login (Ollama's signed keys) is not done. A
+  registry reached over TLS has its token service reached over TLS too (:func:`tls_kept`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from .store import MODEL_MEDIA_TYPE, PROJECTOR_MEDIA_TYPE
 __all__ = [
     "bearer_challenge",
     "token_url",
+    "tls_kept",
     "MANIFEST_V2",
     "ADAPTER_MEDIA_TYPE",
     "MAX_MANIFEST_BYTES",
@@ -216,15 +218,17 @@ def bearer_challenge(header: str | None) -> dict[str, str] | None:
     return params if params.get("realm") else None
 
 
-def token_url(challenge: dict[str, str], base: str) -> str | None:
-    """Where to ask for a pull token: the challenge's realm with its service and scope; None
-    for a realm that is not https (or http when the registry itself is reached over http:
-    a registry configured here, or pulled from with ``insecure``), so that a registry reached
-    over TLS cannot send the client to a plain-http token service."""
+def tls_kept(url: str, base: str) -> bool:
+    """Whether ``url`` (a token service, first named or redirected to) may serve the registry
+    at ``base``: https always; plain http only when the registry itself is reached over http
+    (a registry configured here, or pulled from with ``insecure``)."""
+    scheme = urllib.parse.urlsplit(url).scheme
+    return scheme == "https" or (scheme == "http" and urllib.parse.urlsplit(base).scheme == "http")
+
+
+def token_url(challenge: dict[str, str]) -> str:
+    """Where to ask for a pull token: the challenge's realm with its service and scope."""
     realm = urllib.parse.urlsplit(challenge["realm"])
-    allowed = ("https", "http") if urllib.parse.urlsplit(base).scheme == "http" else ("https",)
-    if realm.scheme not in allowed or not realm.hostname:
-        return None
     query = urllib.parse.parse_qsl(realm.query, keep_blank_values=True)
     query += [(k, challenge[k]) for k in ("service", "scope") if challenge.get(k)]
     return urllib.parse.urlunsplit((realm.scheme, realm.netloc, realm.path, urllib.parse.urlencode(query), ""))

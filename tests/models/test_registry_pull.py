@@ -221,10 +221,12 @@ def test_a_token_service_is_asked_over_tls_when_the_registry_is():
                               'scope="repository:library/tiny:pull"')
     assert ch == {"realm": "https://auth.example/token", "service": "reg.example",
                   "scope": "repository:library/tiny:pull"}
-    assert reg.token_url(ch, "https://reg.example") == ("https://auth.example/token?service=reg.example&"
-                                                        "scope=repository%3Alibrary%2Ftiny%3Apull")
-    assert reg.token_url({"realm": "http://auth.example/token"}, "https://reg.example") is None
-    assert reg.token_url({"realm": "http://127.0.0.1:1/token?x=1"}, "http://127.0.0.1:1") == "http://127.0.0.1:1/token?x=1"
+    assert reg.token_url(ch) == "https://auth.example/token?service=reg.example&scope=repository%3Alibrary%2Ftiny%3Apull"
+    assert reg.tls_kept(reg.token_url(ch), "https://reg.example")
+    assert not reg.tls_kept("http://auth.example/token", "https://reg.example")
+    assert not reg.tls_kept("ftp://auth.example/token", "http://127.0.0.1:1")
+    assert reg.token_url({"realm": "http://127.0.0.1:1/token?x=1"}) == "http://127.0.0.1:1/token?x=1"
+    assert reg.tls_kept("http://127.0.0.1:1/token?x=1", "http://127.0.0.1:1")
     assert reg.bearer_challenge('Basic realm="x"') is None and reg.bearer_challenge("Bearer") is None
 
 
