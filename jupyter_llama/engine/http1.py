@@ -9,6 +9,11 @@ generator chain, no httpx; under load, every event that came in one read goes ou
 write. A callback that returns a pending future (the client is slower than the child)
 pauses reading from the child until it resolves, so nothing piles up.
 
+A successful answer's head reaches the callback at once, as a batch of no lines: llama-server
+sends its head (200, or an error status) as soon as a stream's first result is in, and its
+first token can be milliseconds behind (the prompt is still being read). A relay sends its
+own head then, while the child works, and not on the first token's way out.
+
 On top of the same parser: :func:`post_lines` (an async iterator of lines, what the bench
 uses as its client), :func:`sse_data` and :func:`sse_events` (events as bytes or objects,
 for callers that want an iterator). Closing or cancelling any of them closes the
@@ -29,7 +34,8 @@ __all__ = ["BadResponse", "post", "post_lines", "request_json", "relay_sse", "ss
 
 CONNECT_TIMEOUT_S = 5.0
 
-# what a line callback gets (complete lines, without line ends) and may return
+# what a line callback gets (complete lines, without line ends; no lines at all, once, when an
+# answer of status below 400 has begun and none of its lines has come with its head) and may return
 LineSink = Callable[[list[bytes]], "Awaitable | None"]
 
 
@@ -129,11 +135,15 @@ class _LineProtocol(asyncio.Protocol):
         if self.done.done():
             return
         try:
+            in_head = self._in_head
             body = self._parse(data)
             if self._error_body is not None:
                 self._error_body.append(body)
-            elif body:
-                self._lines(body)
+            else:
+                if in_head and not self._in_head and b"\n" not in body:
+                    self._deliver([])  # the answer has begun, and no line of it has come yet
+                if body:
+                    self._lines(body)
             if self._ended():
                 self._finish()
         except BaseException as e:  # noqa: BLE001 - the sink's or the parser's failure ends the request
@@ -239,7 +249,10 @@ class _LineProtocol(asyncio.Protocol):
         lines = body.split(b"\n")
         rest = lines.pop()
         self._pending = [rest] if rest else []
-        waiting = self.sink([ln[:-1] if ln.endswith(b"\r") else ln for ln in lines])
+        self._deliver([ln[:-1] if ln.endswith(b"\r") else ln for ln in lines])
+
+    def _deliver(self, lines: list[bytes]) -> None:
+        waiting = self.sink(lines)
         if waiting is None:
             return
         if waiting.done():
@@ -299,7 +312,8 @@ async def post(port: int, path: str, body: bytes | None, headers: dict[str, str]
 
 def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"], named: bool = False) -> LineSink:
     """A line sink that passes on the data of each server-sent event (JSON bytes, untouched)
-    and raises RequestError for an error event; ``[DONE]`` and other lines are dropped.
+    and raises RequestError for an error event; ``[DONE]`` and other lines are dropped. The
+    answer's beginning (a batch of no lines) goes on as an empty batch of data.
 
     ``named``: the stream names its events (``event: NAME`` before its ``data:``, as
     llama-server's Responses and Anthropic Messages streams do), and each event goes on as
@@ -338,7 +352,7 @@ def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"], named: bool =
                 else:
                     d = b"data: " + d
             data.append(d)
-        return on_data(data) if data else None
+        return on_data(data) if data or not lines else None
 
     def _failed(data: list[bytes], message: str) -> RequestError:
         if data:  # what came before the error in the same read still goes on first
@@ -374,6 +388,8 @@ async def _iterate(start: Callable[[LineSink], Awaitable[None]], backlog: int = 
 
     def sink(items: list[bytes]):
         nonlocal drained
+        if not items:  # (the answer's head: nothing to hand on)
+            return None
         queue.extend(items)
         if wake is not None and not wake.done():
             wake.set_result(None)

@@ -416,6 +416,8 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         write = self.stream_writer()
 
         def send_on(batch: list[bytes]):
+            if not batch:  # the child's answer has begun: our head goes now, while it makes the first token
+                return write(b"")
             out = b"".join([translator.lines(data) for data in batch])
             return write(out) if out else None
 
@@ -945,7 +947,8 @@ class OpenAIHandler(LlamaHandler):
             # under; a request by another name (``tiny`` for ``tiny:latest``, or a copy of the
             # same file) gets its own name back, by a replace of that one JSON string.
             # A stream of named events (Responses, Anthropic) comes with its ``event:`` lines
-            # (the relay passes them on) and ends without [DONE].
+            # (the relay passes them on) and ends without [DONE]. The child's head (a batch of
+            # no events) sends ours, while the child makes its first token.
             write = self.stream_writer()
             head = b"" if req.named else b"data: "
             # spelled as llama-server spells it (UTF-8 as it is, not \u escapes)

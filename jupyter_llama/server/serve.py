@@ -13,6 +13,7 @@ the token as API key. Ctrl-C and SIGTERM stop every model runner before the serv
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 from typing import Sequence
@@ -64,7 +65,29 @@ def make_server(argv: Sequence[str] | None = None):
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     app = ServerApp.instance(jpserver_extensions={"jupyter_llama": True})
     app.initialize(argv=server_argv(args), find_extensions=False, starter_extension="jupyter_llama")
+    point = app.extension_manager.extension_points.get("jupyter_llama")
+    skip_unshown_records(app.log, logging.getLogger("tornado"), *([point.app.log] if point and point.app else []))
     return app
+
+
+def skip_unshown_records(*loggers: logging.Logger) -> None:
+    """Raise each logger's level to the lowest its handlers show, so that a record none of
+    them would show is never made.
+
+    traitlets leaves an application's logger at DEBUG and puts its ``log_level`` on the
+    handler; jupyter_server then makes a debug record on every API request (the token check
+    accepted, the access log line) that the handler drops: two records a request, one of them
+    before a stream's first token. This server's loggers and their handlers are its own, so
+    their levels can agree. ``--log-level DEBUG`` still shows everything."""
+    for logger in loggers:
+        floor: int | None = None
+        node: logging.Logger | None = logger
+        while node is not None:
+            for h in node.handlers:
+                floor = h.level if floor is None else min(floor, h.level)
+            node = node.parent if node.propagate else None
+        if floor is not None and floor > logger.level:
+            logger.setLevel(floor)
 
 
 def use_fast_loop() -> str:

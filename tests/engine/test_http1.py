@@ -181,6 +181,53 @@ async def test_a_pending_sink_pauses_reading_until_it_resolves():
     assert loop.time() - t0 >= 0.2 and len(calls) >= 2
 
 
+async def test_a_successful_head_reaches_the_sink_before_any_event_does():
+    """What lets a relay send its own head while the child is still making its first token:
+    the child's head alone is an empty batch, and the events follow only once the sink has
+    had it (the server here waits for that). An error head, or a head that comes with its
+    first events, gives no empty batch."""
+    heard = asyncio.Event()
+
+    async def serve(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+        writer.write(HEAD_CHUNKED)
+        await writer.drain()
+        await asyncio.wait_for(heard.wait(), 5)
+        writer.write(chunked(SSE, [7, 30]))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        batches = []
+
+        def sink(batch):
+            batches.append(batch)
+            if not batch:
+                heard.set()
+
+        await http1.relay_sse(server.sockets[0].getsockname()[1], "/completion", {}, "", sink)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert batches[0] == [] and all(batches[1:])
+    assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
+
+    async with Answer([HEAD_CHUNKED + chunked(SSE, [])]) as srv:  # head and events in one piece
+        batches = []
+        await http1.relay_sse(srv.port, "/completion", {}, "", batches.append)
+    assert batches and all(batches)
+    err = b'{"error":{"code":400,"message":"bad"}}'
+    async with Answer([b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n" % len(err), err]) as srv:
+        batches = []
+        with pytest.raises(RequestError):
+            await http1.relay_sse(srv.port, "/completion", {}, "", batches.append)
+    assert batches == []
+    async with Answer([HEAD_CHUNKED, chunked(SSE, [])]) as srv:  # an iterator hands on events only
+        assert len([ev async for ev in http1.sse_events(srv.port, "/completion", {})]) == 3
+
+
 async def test_cancelling_the_relay_hangs_up_at_once():
     """What stops llama-server generating for a client that left."""
     async with Answer([HEAD_CHUNKED] + [chunked(b'data: {"content":"x"}\n\n', [])[:-5]] * 10000, gap=0.001,

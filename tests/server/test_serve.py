@@ -123,3 +123,29 @@ def test_api_clients_and_browsers_both_authenticate(serve):
         browser.cookies.set("_xsrf", "0123456789abcdef")  # the double submit a page's script makes
         r = browser.post(url + "api/show", json={"model": "tiny"}, headers={"X-XSRFToken": "0123456789abcdef"})
         assert r.status_code == 200, r.text
+
+
+_LEVELS = """
+import logging, sys
+from jupyter_llama.server.serve import make_server
+app = make_server(["--log-level", sys.argv[1], "--port", "0", "--allow-root"])
+app.log.warning("a warning still shows")
+app.log.debug("a debug line shows only at DEBUG")
+print([logging.getLogger(n).isEnabledFor(logging.DEBUG) for n in ("ServerApp", "tornado.access")])
+"""
+
+
+@pytest.mark.parametrize("level, debug", [("WARN", False), ("DEBUG", True)])
+def test_serve_makes_no_log_record_its_handlers_would_drop(level, debug, tmp_path):
+    """jupyter_server makes two debug records per API request (one before a stream's first
+    token) that a handler at WARN drops; serve's loggers are raised to what their handlers
+    show, so such records are not made, and at DEBUG they all still show."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_LLAMA_", "JPY_"))}
+    home = tmp_path / "home"
+    env.update(HOME=str(home), JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_DATA_DIR=str(home / "data"),
+               JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_LLAMA_MODELS=str(tmp_path / "models"))
+    out = subprocess.run([sys.executable, "-c", _LEVELS, level], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == str([debug, debug])
+    assert "a warning still shows" in out.stderr
+    assert ("a debug line shows only at DEBUG" in out.stderr) is debug
