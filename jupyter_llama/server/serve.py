@@ -65,8 +65,8 @@ def make_server(argv: Sequence[str] | None = None):
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     app = ServerApp.instance(jpserver_extensions={"jupyter_llama": True})
     app.initialize(argv=server_argv(args), find_extensions=False, starter_extension="jupyter_llama")
-    point = app.extension_manager.extension_points.get("jupyter_llama")
-    skip_unshown_records(app.log, logging.getLogger("tornado"), *([point.app.log] if point and point.app else []))
+    ext = _extension(app)
+    skip_unshown_records(app.log, logging.getLogger("tornado"), *([ext.log] if ext is not None else []))
     return app
 
 
@@ -80,14 +80,13 @@ def skip_unshown_records(*loggers: logging.Logger) -> None:
     before a stream's first token. This server's loggers and their handlers are its own, so
     their levels can agree. ``--log-level DEBUG`` still shows everything."""
     for logger in loggers:
-        floor: int | None = None
+        levels: list[int] = []
         node: logging.Logger | None = logger
-        while node is not None:
-            for h in node.handlers:
-                floor = h.level if floor is None else min(floor, h.level)
+        while node is not None:  # the handlers its records reach
+            levels += [h.level for h in node.handlers]
             node = node.parent if node.propagate else None
-        if floor is not None and floor > logger.level:
-            logger.setLevel(floor)
+        if levels and min(levels) > logger.level:
+            logger.setLevel(min(levels))
 
 
 def use_fast_loop() -> str:
