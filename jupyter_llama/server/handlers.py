@@ -456,6 +456,7 @@ class GenerateHandler(LlamaHandler):
                                                load_s=lease.load_duration))
                 return
             runner = lease.runner
+            runner.connect_ahead()  # the stream's connection, made while its prompt is written
             thinking = req.thinks and lease.loaded.ref.has_chat_template  # the child's chat route separates the reasoning
             tr = (oa.ThinkingGenerateTranslator if thinking else oa.GenerateTranslator)(req.model, started,
                                                                                         lease.load_duration)
@@ -543,6 +544,7 @@ class ChatHandler(LlamaHandler):
                 self.finish_json(oa.load_chunk(req.model, "load", chat=True, total_s=time.monotonic() - started,
                                                load_s=lease.load_duration))
                 return
+            lease.runner.connect_ahead()  # the stream's connection, made while its prompt is written
             if req.has_images and not lease.loaded.ref.mmproj:
                 raise BadRequest(f"{lease.loaded.name} has no multimodal projector, so it cannot read images; "
                                  "use a vision model (one pulled with its mmproj file, or created with a projector)")
@@ -929,7 +931,9 @@ class OpenAIHandler(LlamaHandler):
     async def _run(self, req: oai.OpenAIRequest) -> None:
         lease = await self.acquire(req.model, req.options, req.keep_alive, req.needs)
         try:
-            if not req.stream:
+            if req.stream:
+                lease.runner.connect_ahead()  # the stream's connection, made while the relay is set up
+            else:
                 try:  # (a chat longer than the context loses its oldest turns, as on /api/chat)
                     res = await (lease.runner.send_chat(req.body) if req.endpoint == "/v1/chat/completions"
                                  else lease.runner.post(req.endpoint, req.body))

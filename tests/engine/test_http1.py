@@ -266,3 +266,110 @@ async def test_request_json_gets_and_posts():
     async with Answer([b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"]) as srv:
         with pytest.raises(ValueError):
             await http1.request_json(srv.port, "/tokenize", {"content": "x"})
+
+
+class Accepting:
+    """A server on 127.0.0.1 that records each connection: whether it was made before its
+    request came, and its request; it answers with ``SSE``, or, with ``idle`` set, closes a
+    connection that has sent nothing for that long (as llama-server does after 5 s)."""
+
+    def __init__(self, idle: float | None = None):
+        self.idle = idle
+        self.accepted = asyncio.Event()
+        self.closed_idle = asyncio.Event()
+        self.hung_up = asyncio.Event()  # a client closed a connection without a request
+        self.requests: list[bytes] = []
+        self.connections = 0
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader, writer):
+        self.connections += 1
+        self.accepted.set()
+        try:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.idle)
+            except asyncio.TimeoutError:
+                self.closed_idle.set()
+                return
+            except asyncio.IncompleteReadError as e:
+                if not e.partial:
+                    self.hung_up.set()
+                return
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            self.requests.append(head + await reader.readexactly(length))
+            writer.write(HEAD_CHUNKED + chunked(SSE, []))
+            await writer.drain()
+        finally:
+            writer.close()
+
+
+async def test_a_connection_opened_ahead_carries_the_request_given_later():
+    """What takes the connection off the way to a stream's first token: it is made first,
+    and the request, once written, goes out on it (one connection in all)."""
+    async with Accepting() as srv:
+        ahead = http1.Ahead(srv.port)
+        await asyncio.wait_for(srv.accepted.wait(), 5)
+        assert srv.requests == []  # connected, and nothing sent yet
+        batches = []
+        await http1.relay_sse(srv.port, "/completion", {"prompt": "x"}, "", batches.append, ahead=ahead.take())
+        assert srv.connections == 1 and srv.requests[0].startswith(b"POST /completion HTTP/1.1\r\n")
+        assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
+        assert ahead.take() is None  # a connection carries one request
+
+        # given its request before it is even connected: written once it is
+        batches = []
+        await http1.relay_sse(srv.port, "/completion", {}, "", batches.append, ahead=http1.Ahead(srv.port).take())
+        assert srv.connections == 2 and len(srv.requests) == 2
+        assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
+
+
+async def test_a_connection_ahead_that_closed_or_failed_leaves_the_request_to_a_fresh_one():
+    async with Accepting(idle=0.05) as srv:  # closes a connection that sends nothing for 50 ms
+        ahead = http1.Ahead(srv.port)
+        await asyncio.wait_for(srv.closed_idle.wait(), 5)
+        while not ahead.proto.lost:  # (its end reaches this side a moment later)
+            await asyncio.sleep(0.005)
+        assert ahead.take() is None
+        srv.idle = None
+        await http1.relay_sse(srv.port, "/completion", {}, "", lambda b: None, ahead=ahead.take())
+        assert srv.connections == 2 and len(srv.requests) == 1
+
+    # nothing listening: an ahead that has failed is not taken, and one taken while it was
+    # still connecting leaves the request to a fresh connection, whose refusal the caller hears
+    probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = probe.sockets[0].getsockname()[1]
+    probe.close()
+    await probe.wait_closed()
+    failed = http1.Ahead(port)
+    with pytest.raises(ConnectionRefusedError):
+        await failed._connecting
+    assert failed.take() is None
+    with pytest.raises(ConnectionRefusedError):
+        await http1.relay_sse(port, "/completion", {}, "", lambda b: None, ahead=http1.Ahead(port).take())
+
+
+async def test_a_connection_ahead_nobody_takes_is_closed_after_its_time():
+    async with Accepting() as srv:
+        ahead = http1.Ahead(srv.port, ttl=0.05)
+        await asyncio.wait_for(srv.hung_up.wait(), 5)  # closed by this side, with no request
+        assert srv.requests == [] and ahead.take() is None
+        srv.hung_up.clear()
+        srv.accepted.clear()
+        ahead = http1.Ahead(srv.port)
+        await asyncio.wait_for(srv.accepted.wait(), 5)
+        ahead.close()  # (what a runner that stops does with its own)
+        await asyncio.wait_for(srv.hung_up.wait(), 5)
+        assert ahead.take() is None
+        ahead = http1.Ahead(srv.port)
+        ahead.close()  # closed while still connecting: no connection is left behind
+        assert ahead.take() is None
+        with pytest.raises(asyncio.CancelledError):
+            await ahead._connecting

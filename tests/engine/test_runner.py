@@ -285,3 +285,25 @@ async def test_real_english_from_stories260k(start_runner, stories_model):
     words = re.findall(r"[A-Za-z]+", text)
     common = {"the", "a", "and", "was", "he", "she", "to", "it", "they", "her", "his", "of", "in", "with", "said"}
     assert len(words) >= 10 and sum(w.lower() in common for w in words) >= 3, text
+
+
+async def test_a_stream_goes_out_on_the_connection_opened_ahead_for_it(start_runner, tiny_model):
+    """What a server does as soon as a request has a runner (runner.connect_ahead): the stream
+    sent later uses that connection; one that is never used closes with the runner."""
+    r = await start_runner(tiny_model)
+    r.connect_ahead()
+    r.connect_ahead()  # one at a time: each holds one of the child's HTTP threads while idle
+    assert len(r._ahead) == 1
+    ahead = r._ahead[0]
+    assert await ahead.connected() is not None
+    batches = []
+    await r.relay_completion("Once upon a time", batches.append, n_predict=4, temperature=0)
+    assert ahead.taken and r._ahead == []
+    assert ahead.proto.done.done() and ahead.proto.done.exception() is None  # the stream came on it
+    assert sum(len(b) for b in batches) >= 2
+    assert (await r.post("/tokenize", {"content": "hi"}))["tokens"]  # answered whole: on a fresh connection
+    r.connect_ahead()
+    idle = r._ahead[0]
+    transport = await idle.connected()
+    await r.stop()
+    assert idle.taken and transport.is_closing()
