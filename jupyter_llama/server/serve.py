@@ -67,7 +67,19 @@ def make_server(argv: Sequence[str] | None = None):
     app.initialize(argv=server_argv(args), find_extensions=False, starter_extension="jupyter_llama")
     ext = _extension(app)
     skip_unshown_records(app.log, logging.getLogger("tornado"), *([ext.log] if ext is not None else []))
+    use_front(app)
     return app
+
+
+def use_front(app) -> None:
+    """Serve with :class:`.front.FrontServer`: Tornado's server, with the API's requests on
+    a lean connection of our own (see that module), unless ``JUPYTER_LLAMA_FRONT=tornado``.
+    jupyter_server binds its server once the loop runs, so it can be swapped until then."""
+    from ..config import env
+    from .front import front_for
+
+    if (env("FRONT") or "lean").lower() != "tornado" and getattr(app, "_http_server", None) is not None:
+        app._http_server = front_for(app)
 
 
 def skip_unshown_records(*loggers: logging.Logger) -> None:

@@ -1,0 +1,413 @@
+"""``serve``'s HTTP server: Tornado's, with the API's requests read and answered by a lean
+connection of our own.
+
+On two slow cores Tornado's HTTP/1.1 server costs about 0.8 ms of CPU per request on a new
+connection (an IOStream, two coroutines, a header timeout, a regex read, a buffered write
+path; measured against 0.18 ms for a bare uvloop protocol), and for a stream all of it is
+before the first token. llama-server's router, which the manager is measured against
+(bench/api_overhead.py), does the same in C++ in a tenth of that. The application itself
+(routing, jupyter_server's authentication, our handlers) is not what costs: only the
+connection around it. So :class:`FrontServer` keeps Tornado's application and handlers
+and replaces the connection, for the requests where that is safe:
+
+* a GET, POST or DELETE under ``<base_url>llama/`` on a plain (not TLS) connection, HTTP/1.1, whose
+  head and whole body (a Content-Length of at most :data:`MAX_BODY` bytes) have arrived,
+  with no ``Transfer-Encoding``, ``Expect`` or ``Upgrade``, and not a blob upload (which
+  streams its body);
+* anything else (JupyterLab's pages, kernels and websockets, an upload, a request still
+  arriving, TLS, ``trust_xheaders``) goes to Tornado's own connection, untouched.
+
+The choice is made by *peeking* at the socket (``MSG_PEEK``): nothing is read until the
+request is known to be ours, and then exactly its bytes are, so a connection can go on to
+Tornado at any request boundary with nothing lost. A lean connection hands each request to
+the application as Tornado's would (:meth:`~tornado.web.Application.start_request`, the
+head, the body, finish) and writes its answer to the socket itself, one ``send`` per write
+(the rest waits for the socket, and the writer for it). While an answer is being written it
+watches the socket for the client hanging up, which the handlers take as a disconnect
+(:meth:`~tornado.web.RequestHandler.on_connection_close`), as with Tornado's connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+from typing import Any, Callable
+
+from tornado import httputil, iostream
+from tornado.httpserver import HTTPServer
+
+__all__ = ["FrontServer", "MAX_BODY", "front_for"]
+
+MAX_BODY = 1 << 20  # bodies larger than this (images in a chat) go to Tornado's connection
+_PEEK = 16384  # the first look at a request; a larger body is looked at again, whole
+_MAX_HEAD = 65536
+_NOT_OURS = (b"transfer-encoding", b"expect", b"upgrade")
+_METHODS = (b"GET", b"POST", b"DELETE")  # (HEAD and OPTIONS, rare, stay with Tornado's rules for them)
+
+
+class FrontServer(HTTPServer):
+    """Tornado's HTTPServer, with the requests :func:`ours` accepts answered by
+    :class:`_LeanConnection` (see the module's docstring). ``prefix``: the path under which
+    requests are ours (``<base_url>llama/``); ``skip``: prefixes under it that stay with
+    Tornado (the blob uploads)."""
+
+    def initialize(self, *args, prefix: str = "/llama/", skip: tuple[str, ...] = (), **kwargs) -> None:
+        super().initialize(*args, **kwargs)
+        self.lean_prefix = prefix.encode()
+        self.lean_skip = tuple(s.encode() for s in skip)
+        self.lean = not self.ssl_options and not self.xheaders
+        self.lean_requests = 0  # requests answered on a lean connection (what the tests look at)
+
+    def _handle_connection(self, connection: socket.socket, address: Any) -> None:
+        if not self.lean or connection.family not in (socket.AF_INET, socket.AF_INET6):
+            super()._handle_connection(connection, address)
+            return
+        connection.setblocking(False)
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _LeanConnection(self, connection, address).wait()
+
+    def to_tornado(self, connection: socket.socket, address: Any) -> None:
+        """Give a connection (nothing of its next request read) to Tornado's own."""
+        super()._handle_connection(connection, address)
+
+    def ours(self, peeked: bytes) -> tuple[int, int] | None:
+        """(head length, body length) of the request at the start of ``peeked`` when it is
+        one for the lean connection; None for Tornado's (or for a request not all here yet:
+        Tornado's connection waits for the rest)."""
+        end = peeked.find(b"\r\n\r\n")
+        if end < 0:
+            return None
+        line_end = peeked.find(b"\r\n")
+        parts = peeked[:line_end].split(b" ")
+        if (len(parts) != 3 or parts[2] != b"HTTP/1.1" or parts[0] not in _METHODS
+                or not parts[1].startswith(self.lean_prefix)):
+            return None
+        if self.lean_skip and parts[1].startswith(self.lean_skip):
+            return None
+        length = 0
+        for line in peeked[line_end + 2:end].split(b"\r\n"):
+            name, colon, value = line.partition(b":")
+            if not colon or name[:1] in (b" ", b"\t"):
+                return None  # not a plain header line: Tornado's parser says what is wrong
+            name = name.lower()
+            if name in _NOT_OURS:
+                return None
+            if name == b"content-length":
+                value = value.strip()
+                if not value.isdigit() or length:
+                    return None
+                length = int(value)
+        if length > MAX_BODY:
+            return None
+        return end + 4, length
+
+
+def front_for(app) -> FrontServer:
+    """A FrontServer for a jupyter_server ``ServerApp``'s application, with the settings
+    its own HTTPServer is made with."""
+    from jupyter_server.utils import url_path_join
+
+    prefix = url_path_join(app.base_url, "llama/")
+    return FrontServer(app.web_app, ssl_options=app.ssl_options, xheaders=app.trust_xheaders,
+                       max_body_size=app.max_body_size, max_buffer_size=app.max_buffer_size,
+                       prefix=prefix, skip=(prefix + "api/blobs/",))
+
+
+class _Context:
+    """What a request's connection tells it about the client (as Tornado's does)."""
+
+    protocol = "http"
+    trusted_downstream: set = set()
+
+    def __init__(self, address: Any, family: int):
+        self.address = address
+        self.address_family = family
+        self.remote_ip = address[0] if isinstance(address, tuple) and address else "0.0.0.0"
+
+    def __str__(self) -> str:
+        return self.remote_ip
+
+
+class _LeanConnection(httputil.HTTPConnection):
+    """One client's connection while its requests are ours (see the module's docstring)."""
+
+    def __init__(self, server: FrontServer, sock: socket.socket, address: Any):
+        self.server = server
+        self.sock = sock
+        self.address = address
+        self.fd = sock.fileno()
+        self.loop = asyncio.get_running_loop()
+        self.context = _Context(address, sock.family)
+        self._close_callback: Callable[[], None] | None = None
+        self._out = bytearray()  # what the socket has not taken yet
+        self._drained: asyncio.Future | None = None  # resolved when _out has gone
+        self._reading = False
+        self._writing = False
+        self._closed = False
+        self._idle: asyncio.TimerHandle | None = None
+        self._chunked = False
+        self._close_after = False
+        self._answering = False
+        server._connections.add(self)
+
+    # ------------------------------------------------------------------ waiting for a request
+
+    def wait(self) -> None:
+        """Wait for the next request (the first, or one after an answer), then decide."""
+        if self._closed:
+            return
+        self._answering = False
+        self._look()  # a request may be here already (a client writes at once after connecting)
+
+    def _watch(self, on: bool) -> None:
+        if on and not self._reading:
+            self.loop.add_reader(self.fd, self._look)
+            self._reading = True
+        elif not on and self._reading:
+            self.loop.remove_reader(self.fd)
+            self._reading = False
+
+    def _look(self) -> None:
+        if self._closed:
+            return
+        if self._answering:  # readable while an answer goes out: the client left, or sent more
+            self._check_gone()
+            return
+        try:
+            peeked = self.sock.recv(_PEEK, socket.MSG_PEEK)
+        except BlockingIOError:
+            self._watch(True)
+            if self._idle is None:
+                self._idle = self.loop.call_later(self.server.conn_params.header_timeout or 3600, self.close_now)
+            return
+        except OSError:
+            self.close_now()
+            return
+        if not peeked:  # the client closed between requests
+            self.close_now()
+            return
+        sizes = self.server.ours(peeked)
+        if sizes is not None and sum(sizes) > len(peeked):  # a larger body: all of it here yet?
+            try:
+                peeked = self.sock.recv(sum(sizes), socket.MSG_PEEK)
+            except OSError:
+                peeked = b""
+            if sum(sizes) > len(peeked):
+                sizes = None
+        if sizes is None:
+            self._hand_over()
+            return
+        self._watch(False)
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        head_len, body_len = sizes
+        data = self._take(head_len + body_len)  # exactly this request (all of it is here: just peeked)
+        if data is None:
+            self.close_now()
+            return
+        self._dispatch(data[:head_len - 4].decode("latin1"), data[head_len:])
+
+    def _take(self, n: int) -> bytes | None:
+        """Read ``n`` bytes that a peek has seen (None when the connection broke meanwhile)."""
+        parts, left = [], n
+        try:
+            while left:
+                part = self.sock.recv(left)
+                if not part:
+                    return None
+                parts.append(part)
+                left -= len(part)
+        except OSError:  # (BlockingIOError included: what was peeked is gone)
+            return None
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _hand_over(self) -> None:
+        """Tornado's connection takes it from here (nothing of the request is read)."""
+        self._watch(False)
+        if self._idle is not None:
+            self._idle.cancel()
+        self._closed = True
+        self.server._connections.discard(self)
+        self.server.to_tornado(self.sock, self.address)
+
+    # ------------------------------------------------------------------ one request
+
+    def _dispatch(self, head: str, body: bytes) -> None:
+        line, _, rest = head.partition("\r\n")
+        try:
+            start = httputil.parse_request_start_line(line)
+            headers = httputil.HTTPHeaders.parse(rest)
+        except httputil.HTTPInputError:
+            self._bad_request()
+            return
+        self._close_after = headers.get("Connection", "").lower() == "close"
+        self._chunked = False
+        self._answering = True
+        self._watch(True)  # to hear of the client leaving while the answer is made
+        self.server.lean_requests += 1
+        delegate = self.server.start_request(self, self)
+        try:
+            delegate.headers_received(start, headers)
+            if body:
+                delegate.data_received(body)
+            delegate.finish()
+        except httputil.HTTPInputError:
+            self._bad_request()
+
+    def _bad_request(self) -> None:
+        self._send(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        self._close_after = True
+        self._finish_request()
+
+    def _check_gone(self) -> None:
+        try:
+            more = self.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return
+        except OSError:
+            more = b""
+        if not more:
+            self.close_now()
+        else:  # the next request came early: read once this answer is out
+            self._watch(False)
+
+    # ------------------------------------------------------------------ httputil.HTTPConnection
+
+    def set_close_callback(self, callback: Callable[[], None] | None) -> None:
+        self._close_callback = callback
+
+    def write_headers(self, start_line, headers: httputil.HTTPHeaders, chunk: bytes | None = None) -> asyncio.Future:
+        code = start_line.code
+        self._chunked = code not in (204, 304) and code >= 200 and "Content-Length" not in headers
+        if self._chunked:
+            headers["Transfer-Encoding"] = "chunked"
+        if self._close_after:
+            headers["Connection"] = "close"
+        lines = [f"HTTP/1.1 {code} {start_line.reason}"]
+        lines += [f"{name}: {value}" for name, value in headers.get_all()]
+        bad = [line for line in lines if "\n" in line or "\r" in line]
+        if bad:  # (as Tornado's connection refuses them)
+            raise ValueError(f"a line end in a response header: {bad!r}")
+        data = "\r\n".join(lines).encode("latin1") + b"\r\n\r\n"
+        if chunk:
+            data += self._frame(chunk)
+        return self._send(data)
+
+    def write(self, chunk: bytes) -> asyncio.Future:
+        return self._send(self._frame(chunk))
+
+    def finish(self) -> None:
+        if self._chunked:
+            self._send(b"0\r\n\r\n")
+        self._finish_request()
+
+    def _frame(self, chunk: bytes) -> bytes:
+        if self._chunked and chunk:
+            return b"%x\r\n%b\r\n" % (len(chunk), chunk)
+        return chunk
+
+    def _finish_request(self) -> None:
+        self._close_callback = None
+        if self._close_after:
+            if self._out:
+                self._drained_then(self.close_now)
+            else:
+                self.close_now()
+        elif self._out:
+            self._drained_then(self.wait)
+        else:
+            self.wait()
+
+    def _drained_then(self, then: Callable[[], None]) -> None:
+        assert self._drained is not None
+        self._drained.add_done_callback(lambda f: then())
+
+    # ------------------------------------------------------------------ the socket
+
+    def _send(self, data: bytes) -> asyncio.Future:
+        """Write ``data`` now or once the socket takes it; the future resolves when it has
+        gone, and fails with StreamClosedError when the client has left."""
+        fut = self.loop.create_future()
+        if self._closed:
+            fut.set_exception(iostream.StreamClosedError())
+            fut.exception()
+            return fut
+        if not self._out:
+            try:
+                n = self.sock.send(data)
+            except BlockingIOError:
+                n = 0
+            except OSError:
+                self.close_now()
+                fut.set_exception(iostream.StreamClosedError())
+                fut.exception()
+                return fut
+            if n == len(data):
+                fut.set_result(None)
+                return fut
+            data = data[n:]
+        self._out += data
+        if self._drained is None or self._drained.done():
+            self._drained = self.loop.create_future()
+        if not self._writing:
+            self.loop.add_writer(self.fd, self._flush)
+            self._writing = True
+        drained = self._drained
+
+        def settle(f: asyncio.Future) -> None:
+            if fut.done():
+                return
+            if f.exception() is not None:
+                fut.set_exception(f.exception())
+                fut.exception()
+            else:
+                fut.set_result(None)
+
+        drained.add_done_callback(settle)
+        return fut
+
+    def _flush(self) -> None:
+        try:
+            n = self.sock.send(self._out)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.close_now()
+            return
+        del self._out[:n]
+        if not self._out:
+            self.loop.remove_writer(self.fd)
+            self._writing = False
+            if self._drained is not None and not self._drained.done():
+                self._drained.set_result(None)
+
+    def close_now(self) -> None:
+        """Close the connection (the client left, or it is done); the request's handler is
+        told, and writes still waiting fail."""
+        if self._closed:
+            return
+        self._closed = True
+        self._watch(False)
+        if self._writing:
+            self.loop.remove_writer(self.fd)
+            self._writing = False
+        if self._idle is not None:
+            self._idle.cancel()
+        try:
+            self.sock.close()
+        except OSError as e:  # pragma: no cover - close does not fail on a socket we own
+            if e.errno != errno.EBADF:
+                raise
+        self.server._connections.discard(self)
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_exception(iostream.StreamClosedError())
+            self._drained.exception()
+        callback, self._close_callback = self._close_callback, None
+        if callback is not None:
+            callback()
+
+    async def close(self) -> None:
+        """What HTTPServer.close_all_connections awaits."""
+        self.close_now()

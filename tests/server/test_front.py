@@ -1,0 +1,205 @@
+"""serve's HTTP server (server/front.py) over a real Jupyter server's application and real
+children: the API's requests on the lean connection, everything else on Tornado's, one
+connection going from one to the other at a request boundary, and a client that leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from srvutil import LONG, OPTS, wait_until
+
+from jupyter_llama.engine.runner import free_port
+from jupyter_llama.server.front import MAX_BODY, front_for
+
+pytestmark = pytest.mark.engine
+
+
+BASE = "/"  # the test server's base URL (set by the fixture: pytest-jupyter's is not "/")
+
+
+@pytest.fixture
+async def front(jp_serverapp, jp_base_url):
+    """A FrontServer over the test server's application, on a port of its own: (server, port)."""
+    global BASE
+    BASE = jp_base_url
+    server = front_for(jp_serverapp)
+    port = free_port()
+    server.listen(port, "127.0.0.1")
+    try:
+        yield server, port
+    finally:
+        server.stop()
+        await server.close_all_connections()
+
+
+def request(path: str, token: str, body: dict | None = None, extra: str = "", version: str = "HTTP/1.1",
+            method: str | None = None) -> bytes:
+    """A request for ``<base>llama/<path>`` (``/<path>`` for one of Jupyter's own), as bytes."""
+    data = json.dumps(body).encode() if body is not None else b""
+    method = method or ("POST" if body is not None else "GET")
+    length = f"Content-Length: {len(data)}\r\n" if body is not None else ""
+    where = BASE + path[1:] if path.startswith("/") else BASE + "llama/" + path
+    return (f"{method} {where} {version}\r\nHost: 127.0.0.1\r\nAuthorization: token {token}\r\n"
+            f"{length}{extra}\r\n").encode() + data
+
+
+async def response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response: status, headers (lower-case names), body (by length, chunks or close)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin1").rstrip("\r\n").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines)}
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            body += await reader.readexactly(size + 2)
+            body = body[:-2]
+            if size == 0:
+                break
+    elif "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    else:
+        body = await reader.read()
+    return int(status_line.split()[1]), headers, body
+
+
+async def test_api_requests_are_answered_on_the_lean_connection(front, token, ext):
+    server, port = front
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}{BASE}llama/", trust_env=False, timeout=60,
+                                 headers={"Authorization": f"token {token}"}) as c:
+        assert (await c.get("api/version")).json()["version"]
+        async with c.stream("POST", "api/generate", json={"model": "tiny", "prompt": "Once", "raw": True,
+                                                          "options": dict(OPTS, num_predict=5)}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+            chunks = [json.loads(ln) async for ln in r.aiter_lines() if ln.strip()]
+        assert chunks[-1]["done"] is True and chunks[-1]["eval_count"] == 5 and len(chunks) == 6
+        sse = await c.post("v1/chat/completions", json={"model": "tiny", "stream": True, "max_tokens": 3,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+        assert sse.status_code == 200 and sse.text.rstrip().endswith("data: [DONE]")
+        # what a person gets wrong is still said in a sentence, on this connection too
+        missing = await c.post("api/generate", json={"model": "no-such-model", "prompt": "x"})
+        assert missing.status_code == 404 and "no-such-model" in missing.json()["error"]
+        bad = await c.post("api/generate", content=b"{not json")
+        assert bad.status_code == 400 and "JSON" in bad.json()["error"]
+    assert server.lean_requests == 5
+    async with httpx.AsyncClient(trust_env=False) as c:  # no token: refused in words, as on Tornado's connection
+        denied = await c.get(f"http://127.0.0.1:{port}{BASE}llama/api/tags")
+    assert denied.status_code == 401 and denied.json()["error"] and server.lean_requests == 6
+    await wait_until(lambda: not server._connections, timeout=5)  # each closed with its client
+
+
+async def test_a_connection_goes_on_to_tornado_at_a_request_boundary(front, token):
+    """Two requests sent in one write (both ours), then one for Jupyter itself: Tornado's
+    connection takes over with nothing of it read, and keeps the connection."""
+    server, port = front
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request("api/version", token) + request("api/tags", token))
+        status, _, body = await response(reader)
+        assert status == 200 and "version" in json.loads(body)
+        status, _, body = await response(reader)
+        assert status == 200 and "models" in json.loads(body)
+        assert server.lean_requests == 2
+        writer.write(request("/api/status", token))
+        status, _, body = await response(reader)
+        assert status == 200 and "started" in json.loads(body)
+        writer.write(request("api/version", token))  # the same connection, Tornado's now
+        status, _, body = await response(reader)
+        assert status == 200 and "version" in json.loads(body) and server.lean_requests == 2
+    finally:
+        writer.close()
+
+
+async def test_requests_left_to_tornado_are_answered_by_it(front, token):
+    server, port = front
+    body = json.dumps({"model": "tiny", "prompt": "Once", "raw": True, "stream": False,
+                       "options": dict(OPTS, num_predict=2)}).encode()
+    chunked = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    cases = {
+        "chunked body": request("api/generate", token, method="POST", extra="Transfer-Encoding: chunked\r\n") + chunked,
+        "HTTP/1.0": request("api/version", token, version="HTTP/1.0"),
+        "outside llama/": request("/api/status", token),
+        "HEAD": request("api/version", token, method="HEAD"),
+    }
+    for what, raw in cases.items():
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(raw)
+            if what == "HEAD":
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 405"), what  # (that route has no HEAD)
+                continue
+            status, _, answer = await response(reader)
+            assert status == 200, (what, answer)
+            if what == "chunked body":
+                assert json.loads(answer)["eval_count"] == 2
+        finally:
+            writer.close()
+    assert server.lean_requests == 0
+
+    # a head that came alone, its body a moment later: Tornado's connection waits for it
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        raw = request("api/generate", token, json.loads(body))
+        cut = raw.index(b"\r\n\r\n") + 4
+        writer.write(raw[:cut])
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(raw[cut:])
+        status, _, answer = await response(reader)
+        assert status == 200 and json.loads(answer)["done"] is True and server.lean_requests == 0
+    finally:
+        writer.close()
+
+    # a header line that is not one: Tornado's 400
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request("api/version", token, extra="not a header\r\n"))
+        status, _, _ = await response(reader)
+        assert status == 400 and server.lean_requests == 0
+    finally:
+        writer.close()
+
+
+async def test_a_large_body_is_read_whole_and_connection_close_is_kept(front, token):
+    server, port = front
+    prompt = "Once upon a time " * 6000  # ~100 KiB: more than the first look at a request takes
+    body = {"model": "tiny", "prompt": prompt, "raw": True, "stream": False, "truncate": True,
+            "options": dict(OPTS, num_predict=1)}
+    raw = request("api/generate", token, body, extra="Connection: close\r\n")
+    assert len(raw) < MAX_BODY
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(raw)
+        status, headers, answer = await response(reader)
+        assert status == 200 and json.loads(answer)["done"] is True, answer[:300]
+        assert headers.get("connection") == "close"
+        assert await reader.read() == b""  # and it was closed after the answer
+    finally:
+        writer.close()
+    assert server.lean_requests == 1
+
+
+async def test_a_client_that_leaves_mid_stream_stops_the_generation(front, token, ext):
+    server, port = front
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request("api/generate", token, {"model": "tiny", "prompt": "Once", "raw": True,
+                                                 "options": dict(LONG, num_predict=100000, ignore_eos=True)}))
+    await reader.readuntil(b"\r\n\r\n")
+    for _ in range(3):  # three chunks of the stream
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        await reader.readexactly(size + 2)
+    lo = next(lo for lo in ext.scheduler.loaded.values() if lo.name == "tiny:latest")
+    assert lo.refcount == 1
+    writer.close()
+
+    async def stopped():
+        slots = await lo.runner.get("/slots")
+        return lo.refcount == 0 and not any(s.get("is_processing") for s in slots)
+
+    await wait_until(stopped, timeout=10)
+    await wait_until(lambda: not server._connections, timeout=5)
+    assert server.lean_requests == 1
