@@ -41,7 +41,6 @@ __all__ = ["FrontServer", "MAX_BODY", "front_for"]
 
 MAX_BODY = 1 << 20  # bodies larger than this (images in a chat) go to Tornado's connection
 _PEEK = 16384  # the first look at a request; a larger body is looked at again, whole
-_MAX_HEAD = 65536
 _NOT_OURS = (b"transfer-encoding", b"expect", b"upgrade")
 _METHODS = (b"GET", b"POST", b"DELETE")  # (HEAD and OPTIONS, rare, stay with Tornado's rules for them)
 
@@ -85,7 +84,7 @@ class FrontServer(HTTPServer):
             return None
         if self.lean_skip and parts[1].startswith(self.lean_skip):
             return None
-        length = 0
+        length: int | None = None
         for line in peeked[line_end + 2:end].split(b"\r\n"):
             name, colon, value = line.partition(b":")
             if not colon or name[:1] in (b" ", b"\t"):
@@ -95,9 +94,10 @@ class FrontServer(HTTPServer):
                 return None
             if name == b"content-length":
                 value = value.strip()
-                if not value.isdigit() or length:
-                    return None
+                if not value.isdigit() or length is not None:
+                    return None  # (two lengths: Tornado's connection refuses the request)
                 length = int(value)
+        length = length or 0
         if length > MAX_BODY:
             return None
         return end + 4, length
@@ -149,6 +149,7 @@ class _LeanConnection(httputil.HTTPConnection):
         self._chunked = False
         self._close_after = False
         self._answering = False
+        self._max_body: int | None = None  # a handler's limit on its body (set_max_body_size)
         server._connections.add(self)
 
     # ------------------------------------------------------------------ waiting for a request
@@ -244,17 +245,30 @@ class _LeanConnection(httputil.HTTPConnection):
             return
         self._close_after = headers.get("Connection", "").lower() == "close"
         self._chunked = False
+        self._max_body = None
         self._answering = True
         self._watch(True)  # to hear of the client leaving while the answer is made
         self.server.lean_requests += 1
         delegate = self.server.start_request(self, self)
-        try:
-            delegate.headers_received(start, headers)
-            if body:
-                delegate.data_received(body)
+        waiting = delegate.headers_received(start, headers)
+        if waiting is None and body:
+            waiting = delegate.data_received(body)
+            body = b""
+        if waiting is None:
             delegate.finish()
-        except httputil.HTTPInputError:
-            self._bad_request()
+        else:  # a handler that takes its body as it comes (and so may make it wait)
+            self.loop.create_task(self._feed(delegate, waiting, body))
+
+    async def _feed(self, delegate, waiting, body: bytes) -> None:
+        await waiting
+        if body:
+            if self._max_body is not None and len(body) > self._max_body:
+                self._bad_request()  # (what Tornado's connection answers to a body over the handler's limit)
+                return
+            waiting = delegate.data_received(body)
+            if waiting is not None:
+                await waiting
+        delegate.finish()
 
     def _bad_request(self) -> None:
         self._send(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
@@ -277,6 +291,13 @@ class _LeanConnection(httputil.HTTPConnection):
 
     def set_close_callback(self, callback: Callable[[], None] | None) -> None:
         self._close_callback = callback
+
+    def set_max_body_size(self, max_body_size: int) -> None:
+        """A handler's own limit (a blob upload's); the body is here already, and checked against it."""
+        self._max_body = max_body_size
+
+    def set_body_timeout(self, timeout: float) -> None:
+        """(The body has arrived whole: nothing to time.)"""
 
     def write_headers(self, start_line, headers: httputil.HTTPHeaders, chunk: bytes | None = None) -> asyncio.Future:
         code = start_line.code

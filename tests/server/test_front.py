@@ -203,3 +203,34 @@ async def test_a_client_that_leaves_mid_stream_stops_the_generation(front, token
     await wait_until(stopped, timeout=10)
     await wait_until(lambda: not server._connections, timeout=5)
     assert server.lean_requests == 1
+
+
+async def test_a_handler_that_takes_its_body_as_it_comes_gets_it_on_the_lean_connection(jp_serverapp, jp_base_url,
+                                                                                       token, models_dir):
+    """A blob upload (a handler of Tornado's ``stream_request_body``) is Tornado's in serve;
+    given to the lean connection all the same, it gets its body and answers as it would
+    there (the connection waits for the handler's pace)."""
+    import hashlib
+
+    from jupyter_llama.server.front import FrontServer
+
+    global BASE
+    BASE = jp_base_url
+    server = FrontServer(jp_serverapp.web_app, prefix=jp_base_url + "llama/")  # no blob prefix left out
+    port = free_port()
+    server.listen(port, "127.0.0.1")
+    try:
+        data = b"a small blob " * 1000
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}{BASE}llama/", trust_env=False, timeout=60,
+                                     headers={"Authorization": f"token {token}"}) as c:
+            r = await c.post(f"api/blobs/{digest}", content=data)
+            assert r.status_code == 201, r.text
+            assert server.lean_requests == 1
+            wrong = await c.post(f"api/blobs/sha256:{'0' * 64}", content=data)
+            assert wrong.status_code == 400 and "digest" in wrong.json()["error"]
+            assert (await c.head(f"api/blobs/{digest}")).status_code == 200  # (HEAD: Tornado's)
+        assert server.lean_requests == 2
+    finally:
+        server.stop()
+        await server.close_all_connections()
