@@ -15,7 +15,7 @@ first token can be milliseconds behind (the prompt is still being read). A relay
 own head then, while the child works, and not on the first token's way out.
 
 A connection can be opened ahead of its request (:class:`Ahead`): a runner opens one to its
-child as soon as a request has been given the child, and the stream's request goes out on
+child as soon as a request has that runner, and the stream's request goes out on
 it once its body is ready (a prompt templated, a payload written), so the connection (0.4
 ms on 2 slow cores, and the child's accept) is not on the way to the first token.
 
@@ -318,7 +318,6 @@ class Ahead:
 
     def __init__(self, port: int, host: str = "127.0.0.1", ttl: float = 1.0):
         loop = asyncio.get_running_loop()
-        self.host, self.port = host, port
         self.proto = _LineProtocol(None, None)
         self._connecting = loop.create_task(loop.create_connection(lambda: self.proto, host, port))
         self._connecting.add_done_callback(_retrieved)

@@ -67,19 +67,22 @@ def make_server(argv: Sequence[str] | None = None):
     app.initialize(argv=server_argv(args), find_extensions=False, starter_extension="jupyter_llama")
     ext = _extension(app)
     skip_unshown_records(app.log, logging.getLogger("tornado"), *([ext.log] if ext is not None else []))
-    use_front(app)
+    app.llama_front = use_front(app)
     return app
 
 
-def use_front(app) -> None:
+def use_front(app) -> str:
     """Serve with :class:`.front.FrontServer`: Tornado's server, with the API's requests on
-    a lean connection of our own (see that module), unless ``JUPYTER_LLAMA_FRONT=tornado``.
-    jupyter_server binds its server once the loop runs, so it can be swapped until then."""
+    a lean connection of our own (see that module), unless ``JUPYTER_LLAMA_FRONT=tornado``;
+    returns which (logged at start). jupyter_server binds its server once the loop runs, so
+    it can be swapped until then."""
     from ..config import env
     from .front import front_for
 
-    if (env("FRONT") or "lean").lower() != "tornado" and getattr(app, "_http_server", None) is not None:
-        app._http_server = front_for(app)
+    if (env("FRONT") or "lean").lower() == "tornado" or getattr(app, "_http_server", None) is None:
+        return "tornado"
+    app._http_server = front_for(app)
+    return "lean"
 
 
 def skip_unshown_records(*loggers: logging.Logger) -> None:
@@ -134,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, app._signal_stop)
     url = app.connection_url.rstrip("/") + "/llama"
     token = app.identity_provider.token
-    app.log.info("jupyter-llama %s serving %s (event loop: %s)", __version__, url, loop_name)
+    app.log.info("jupyter-llama %s serving %s (event loop: %s, connections: %s)", __version__, url, loop_name,
+                 getattr(app, "llama_front", "tornado"))
     # A token made for this run is shown, so that a person can use it; one given to us
     # (--token, JUPYTER_TOKEN) is the user's secret and stays out of the log.
     shown = token if getattr(app.identity_provider, "token_generated", False) else "<your token>"

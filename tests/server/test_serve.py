@@ -95,12 +95,14 @@ def test_no_child_outlives_the_server(serve, sig, tmp_path):
     assert token not in log, "a token given to serve (--token) is the user's secret: never logged"
 
 
-def test_api_clients_and_browsers_both_authenticate(serve):
+def test_api_clients_and_browsers_both_authenticate(serve, tmp_path):
     """serve's identity provider: a request with the token in its Authorization header is the
     API user at once (no login cookie minted for it); a wrong token is still the 401 with a
     sentence; a browser that logged in with ?token= keeps its cookie session, and a POST on
-    that cookie alone still needs the XSRF token."""
+    that cookie alone still needs the XSRF token. (All of it on serve's lean connections,
+    server/front.py, which its start line names.)"""
     _, url, token = serve()
+    assert "connections: lean" in (tmp_path / "serve.log").read_text()
     with httpx.Client(trust_env=False, timeout=10) as c:
         for scheme in ("token", "Bearer", "bearer"):
             r = c.get(url + "api/tags", headers={"Authorization": f"{scheme} {token}"})
