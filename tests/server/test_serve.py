@@ -151,3 +151,23 @@ def test_serve_makes_no_log_record_its_handlers_would_drop(level, debug, tmp_pat
     assert out.stdout.strip().splitlines()[-1] == str([debug, debug])
     assert "a warning still shows" in out.stderr
     assert ("a debug line shows only at DEBUG" in out.stderr) is debug
+
+
+def test_the_access_log_shows_what_it_showed_and_every_request_is_still_counted(serve, tmp_path):
+    """serve formats an access line only when it shows (log_only_what_shows): at the usual
+    level a 404 is still a warning line and a 200 is not a line, and both are counted in
+    jupyter_server's Prometheus metrics."""
+    _, url, token = serve()
+    auth = {"Authorization": f"token {token}"}
+    with httpx.Client(trust_env=False, timeout=10, headers=auth) as c:
+        assert c.get(url + "api/tags").status_code == 200
+        assert c.post(url + "api/show", json={"model": "no-such-model"}).status_code == 404
+        metrics = c.get(url.replace("/llama/", "/metrics")).text
+    log = (tmp_path / "serve.log").read_text()
+    assert "404 POST /llama/api/show" in log
+    assert "200 GET /llama/api/tags" not in log
+    counted = [ln for ln in metrics.splitlines() if ln.startswith("http_request_duration_seconds_count")]
+    assert any('handler="jupyter_llama.server.handlers.TagsHandler"' in ln and 'status_code="200"' in ln
+               and not ln.endswith(" 0.0") for ln in counted), counted
+    assert any('handler="jupyter_llama.server.handlers.ShowHandler"' in ln and 'status_code="404"' in ln
+               for ln in counted), counted
