@@ -334,8 +334,11 @@ class Ahead:
 
     def close(self) -> None:
         """Close it unless a request has it."""
-        if self.taken:
-            return
+        if not self.taken:
+            self.drop()
+
+    def drop(self) -> None:
+        """Close it (or stop connecting), whoever has it."""
         self.taken = True
         self._expiry.cancel()
         if not self._connecting.done():
@@ -352,8 +355,6 @@ class Ahead:
             except (OSError, asyncio.TimeoutError):
                 self._connecting.cancel()
                 return None
-        if self._connecting.cancelled() or self._connecting.exception() is not None or self.proto.lost:
-            return None
         return self.proto.transport
 
 
@@ -377,13 +378,8 @@ async def post(port: int, path: str, body: bytes | None, headers: dict[str, str]
         try:
             transport = await ahead.connected()
         except BaseException:
-            ahead.taken = False
-            ahead.close()
+            ahead.drop()
             raise
-        if transport is None or proto.lost:
-            if proto.transport is not None:
-                proto.transport.abort()
-            transport = None
     if transport is None:
         loop = asyncio.get_running_loop()
         proto = _LineProtocol(request, sink)

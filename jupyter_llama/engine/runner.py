@@ -53,12 +53,6 @@ STALL_CHECK_S = 5.0
 LOG_READ_EVERY_S = 0.1  # how often a serving child's log is read (see _read_log); 0: as it comes
 LOG_READ_BYTES = 1 << 18  # the most one read of it takes
 STALL_HEALTH_TIMEOUT_S = 2.0
-# connections opened ahead and not yet taken, at most: each holds one of llama-server's HTTP
-# threads (it has n_parallel + 2 or more) until its stream is sent or a second has passed, and
-# a request may first need a thread of its own (a template applied, a prompt tokenized), so
-# idle ones must never take them all. One is what a request at a time needs; in a burst the
-# others connect as they always did.
-MAX_AHEAD = 1
 STALL_MISSES = 2
 
 
@@ -172,7 +166,7 @@ class Runner:
         self._ready_line = asyncio.Event()
         self._exited = asyncio.Event()
         self._stop_lock = asyncio.Lock()
-        self._ahead: list[http1.Ahead] = []  # connections opened for streams about to be sent (connect_ahead)
+        self._ahead: http1.Ahead | None = None  # the connection opened for the next stream (connect_ahead)
         self._lost_workers: list[str] | None = None
 
     # ------------------------------------------------------------------ properties
@@ -367,24 +361,25 @@ class Runner:
         use, now: a server calls this as soon as a request has this runner, and the
         connection is made while the request's body is written (a template applied, a prompt
         fitted), not on the way to its first token. One not used within a second is closed
-        (see :class:`.http1.Ahead`); requests answered whole connect as they always did."""
+        (see :class:`.http1.Ahead`); requests answered whole connect as they always did.
+
+        One waits at a time: each holds one of llama-server's HTTP threads (it has
+        n_parallel + 2 or more) until its stream is sent, and a request may first need a
+        thread of its own (a template applied, a prompt tokenized), so idle ones must never
+        take them all. In a burst the others connect as they always did."""
         if self.state != RunnerState.READY or not self.alive:
             return
-        self._ahead = [a for a in self._ahead if not a.taken]
-        if len(self._ahead) < MAX_AHEAD:
-            self._ahead.append(http1.Ahead(self.port))
+        if self._ahead is None or self._ahead.taken:
+            self._ahead = http1.Ahead(self.port)
 
     def _take_ahead(self) -> http1.Ahead | None:
-        while self._ahead:
-            ahead = self._ahead.pop(0).take()
-            if ahead is not None:
-                return ahead
-        return None
+        ahead, self._ahead = self._ahead, None
+        return ahead.take() if ahead is not None else None
 
     def _close_ahead(self) -> None:
-        for ahead in self._ahead:
-            ahead.close()
-        self._ahead = []
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
 
     async def lost_workers(self) -> list[str]:
         """The RPC workers of this child that no longer accept connections (asked once, after

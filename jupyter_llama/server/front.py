@@ -331,19 +331,11 @@ class _LeanConnection(httputil.HTTPConnection):
 
     def _finish_request(self) -> None:
         self._close_callback = None
-        if self._close_after:
-            if self._out:
-                self._drained_then(self.close_now)
-            else:
-                self.close_now()
-        elif self._out:
-            self._drained_then(self.wait)
+        then = self.close_now if self._close_after else self.wait  # (the next request)
+        if self._out:  # once the socket has taken the rest
+            self._drained.add_done_callback(lambda f: then())
         else:
-            self.wait()
-
-    def _drained_then(self, then: Callable[[], None]) -> None:
-        assert self._drained is not None
-        self._drained.add_done_callback(lambda f: then())
+            then()
 
     # ------------------------------------------------------------------ the socket
 

@@ -79,7 +79,6 @@ def log_only_what_shows(app) -> None:
     answer only records its Prometheus metric (when the server records them), as that
     function would; every other answer, and every one at ``--log-level DEBUG``, goes through
     it as before."""
-    import logging
     from functools import partial
 
     from jupyter_server.log import log_request

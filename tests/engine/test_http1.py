@@ -19,15 +19,9 @@ from jupyter_llama.errors import RequestError
 pytestmark = pytest.mark.asyncio
 
 
-class Answer:
-    """A one-shot HTTP server on 127.0.0.1 that writes ``pieces`` (with ``gap`` seconds
-    between them) to the first client, then closes, unless ``hold`` keeps it open."""
-
-    def __init__(self, pieces: list[bytes], gap: float = 0.0, hold: bool = False):
-        self.pieces, self.gap, self.hold = pieces, gap, hold
-        self.request = b""
-        self.client_left = asyncio.Event()
-        self.written = 0
+class LocalServer:
+    """An asyncio server on 127.0.0.1 (a free port, ``port``) for the life of an ``async with``,
+    serving each client with ``_serve``."""
 
     async def __aenter__(self):
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -37,6 +31,20 @@ class Answer:
     async def __aexit__(self, *exc):
         self.server.close()
         await self.server.wait_closed()
+
+    async def _serve(self, reader, writer):
+        raise NotImplementedError
+
+
+class Answer(LocalServer):
+    """A one-shot HTTP server that writes ``pieces`` (with ``gap`` seconds between them) to
+    the first client, then closes, unless ``hold`` keeps it open."""
+
+    def __init__(self, pieces: list[bytes], gap: float = 0.0, hold: bool = False):
+        self.pieces, self.gap, self.hold = pieces, gap, hold
+        self.request = b""
+        self.client_left = asyncio.Event()
+        self.written = 0
 
     async def _serve(self, reader, writer):
         head = await reader.readuntil(b"\r\n\r\n")
@@ -268,10 +276,10 @@ async def test_request_json_gets_and_posts():
             await http1.request_json(srv.port, "/tokenize", {"content": "x"})
 
 
-class Accepting:
-    """A server on 127.0.0.1 that records each connection: whether it was made before its
-    request came, and its request; it answers with ``SSE``, or, with ``idle`` set, closes a
-    connection that has sent nothing for that long (as llama-server does after 5 s)."""
+class Accepting(LocalServer):
+    """A server that records each connection: whether it was made before its request came,
+    and its request; it answers with ``SSE``, or, with ``idle`` set, closes a connection
+    that has sent nothing for that long (as llama-server does after 5 s)."""
 
     def __init__(self, idle: float | None = None):
         self.idle = idle
@@ -280,15 +288,6 @@ class Accepting:
         self.hung_up = asyncio.Event()  # a client closed a connection without a request
         self.requests: list[bytes] = []
         self.connections = 0
-
-    async def __aenter__(self):
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc):
-        self.server.close()
-        await self.server.wait_closed()
 
     async def _serve(self, reader, writer):
         self.connections += 1

@@ -292,18 +292,18 @@ async def test_a_stream_goes_out_on_the_connection_opened_ahead_for_it(start_run
     sent later uses that connection; one that is never used closes with the runner."""
     r = await start_runner(tiny_model)
     r.connect_ahead()
+    ahead = r._ahead
     r.connect_ahead()  # one at a time: each holds one of the child's HTTP threads while idle
-    assert len(r._ahead) == 1
-    ahead = r._ahead[0]
+    assert r._ahead is ahead
     assert await ahead.connected() is not None
     batches = []
     await r.relay_completion("Once upon a time", batches.append, n_predict=4, temperature=0)
-    assert ahead.taken and r._ahead == []
+    assert ahead.taken and r._ahead is None
     assert ahead.proto.done.done() and ahead.proto.done.exception() is None  # the stream came on it
     assert sum(len(b) for b in batches) >= 2
     assert (await r.post("/tokenize", {"content": "hi"}))["tokens"]  # answered whole: on a fresh connection
     r.connect_ahead()
-    idle = r._ahead[0]
+    idle = r._ahead
     transport = await idle.connected()
     await r.stop()
     assert idle.taken and transport.is_closing()
