@@ -733,11 +733,23 @@ def ndjson(obj) -> bytes:
 # The child's most common events, one token of text and nothing else, as it writes them; the
 # JSON string of the text is captured as it is and carried into our line unparsed. Anything
 # else (the last event, tool calls, thinking, another build's key order) takes feed().
-_JSON_STRING = rb'("(?:[^"\\]|\\.)*")'
+# Each is spelled once, as pieces: literal bytes, and the three marks below, from which come
+# both its regular expression (for the Python relay) and its pattern (the same marks, for the
+# relay below Python: engine/relay.c reads them).
+_DIGITS, _STRING, _DIGIT_LIST = b"\x01", b"\x02", b"\x03"
+_PIECE_RE = {_DIGITS: rb"\d+", _STRING: rb'("(?:[^"\\]|\\.)*")', _DIGIT_LIST: rb"([\d,]*)"}
+
+
+def _text_event(*pieces: bytes) -> tuple[re.Pattern, bytes]:
+    """A text-only event's expression (the text's JSON string in group 1, any digit list
+    after it in group 2) and its pattern for the C relay."""
+    return re.compile(b"".join(_PIECE_RE.get(p) or re.escape(p) for p in pieces)), b"".join(pieces)
+
+
 # (its token ids in group 2, for the answers that carry ``context``)
-_COMPLETION_TEXT = re.compile(rb'\{"index":\d+,"content":' + _JSON_STRING + rb',"tokens":\[([\d,]*)\],"stop":false,')
-_CHAT_TEXT = re.compile(rb'\{"choices":\[\{"finish_reason":null,"index":0,"delta":\{"content":' + _JSON_STRING
-                        + rb'\}\}\]')
+_COMPLETION_TEXT = _text_event(b'{"index":', _DIGITS, b',"content":', _STRING, b',"tokens":[', _DIGIT_LIST,
+                               b'],"stop":false,')
+_CHAT_TEXT = _text_event(b'{"choices":[{"finish_reason":null,"index":0,"delta":{"content":', _STRING, b"}}]")
 
 
 class _Lines:
@@ -747,7 +759,7 @@ class _Lines:
     through ``feed``, so the two can only differ in how the same JSON is spelled. Streamed
     text is not kept (``combined`` is for answers that are not streamed)."""
 
-    _text_event: re.Pattern  # a text-only event, its text's JSON string in group 1
+    _text_event: tuple[re.Pattern, bytes]  # a text-only event (see _text_event), its text's JSON string in group 1
     _text_key: bytes  # our line between the time stamp and that string
     _text_tail: bytes  # and after it
     feed: Callable[[dict], list[dict]]  # each translator's own
@@ -760,8 +772,16 @@ class _Lines:
     def _text(self, m: re.Match) -> None:
         """A text-only event as its line is written (for a translator that keeps something of it)."""
 
+    def native_template(self) -> tuple[bytes, bytes, bytes, bytes] | None:
+        """What the relay below Python needs to write this translator's text-only lines as
+        :meth:`lines` does (the event's pattern, the line's head, key and tail), or None when
+        a text line keeps something of its event (``_text``)."""
+        if type(self)._text is not _Lines._text:
+            return None
+        return self._text_event[1], self._head, self._text_key, self._text_tail
+
     def lines(self, data: bytes) -> bytes:
-        m = self._text_event.match(data)
+        m = self._text_event[0].match(data)
         if m is not None and m.group(1) != b'""':
             self._text(m)
             return self._head + rfc3339().encode() + self._text_key + m.group(1) + self._text_tail

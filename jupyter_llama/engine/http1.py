@@ -33,6 +33,7 @@ import json
 from typing import AsyncIterator, Awaitable, Callable
 
 from ..errors import RequestError
+from . import native
 
 __all__ = ["Ahead", "BadResponse", "post", "post_lines", "request_json", "relay_sse", "sse_data", "sse_events",
            "error_text"]
@@ -40,7 +41,9 @@ __all__ = ["Ahead", "BadResponse", "post", "post_lines", "request_json", "relay_
 CONNECT_TIMEOUT_S = 5.0
 
 # what a line callback gets (complete lines, without line ends; no lines at all, once, when an
-# answer of status below 400 has begun and none of its lines has come with its head) and may return
+# answer of status below 400 has begun and none of its lines has come with its head) and may return.
+# A sink with a ``native`` attribute (a :class:`.native.Target`) lets the relay below Python
+# write the tokens it can to the client itself (see _LineProtocol._go_native).
 LineSink = Callable[[list[bytes]], "Awaitable | None"]
 
 
@@ -130,6 +133,9 @@ class _LineProtocol(asyncio.Protocol):
         self._chunk_crlf = False  # a chunk's data has ended; its CRLF is next
         self._in_head = True
         self._error_body: list[bytes] | None = None
+        self._run: native.Run | None = None  # the relay below Python, while it has the stream
+        self._abort_after = False  # hung up while it had it: the connection closes when it returns
+        self._native_after = 0  # batches to deliver here before it is tried again
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -159,6 +165,8 @@ class _LineProtocol(asyncio.Protocol):
                     self._lines(body)
             if self._ended():
                 self._finish()
+            elif self._between_chunks():
+                self._go_native()
         except BaseException as e:  # noqa: BLE001 - the sink's or the parser's failure ends the request
             self._fail(e)
 
@@ -268,6 +276,7 @@ class _LineProtocol(asyncio.Protocol):
         self._deliver([ln[:-1] if ln.endswith(b"\r") else ln for ln in lines])
 
     def _deliver(self, lines: list[bytes]) -> None:
+        self._native_after -= 1
         waiting = self.sink(lines)
         if waiting is None:
             return
@@ -287,6 +296,61 @@ class _LineProtocol(asyncio.Protocol):
         if not reading:
             self.transport.resume_reading()
 
+    # ------------------------------------------------------------------ the relay below Python
+
+    def _between_chunks(self) -> bool:
+        """A chunked answer whose every byte so far has been parsed and delivered: the next
+        bytes are a chunk's size line, and nothing waits for the sink."""
+        return (self._chunked and not self._in_head and not self._buf and not self._pending and self._left is None
+                and not self._chunk_crlf and self._error_body is None and self._run is None
+                and not self.done.done() and self.transport is not None and self.transport.is_reading())
+
+    def _go_native(self) -> None:
+        """Hand the stream to the C relay (native.py) when its sink offers a target and the
+        client's socket can be lent; it returns the stream at the first chunk it does not
+        relay, which is then parsed here as if just read. After a return, a few batches go
+        through Python before it is tried again (the stream's last event and its end come
+        in quick succession; a stream of events it does not relay, a thinking model's, is
+        tried again now and then)."""
+        target = getattr(self.sink, "native", None)
+        if target is None or self._native_after > 0:
+            return
+        run = native.Run.make()
+        if run is None:
+            return
+        dst = target.lend(run.stop)
+        if dst is None:
+            run.close()
+            return
+        self.transport.pause_reading()
+        self._run = run
+        run.start(self.transport.get_extra_info("socket").fileno(), dst, target.spec,
+                  lambda why: self._native_done(target, why))
+
+    def _native_done(self, target: "native.Target", why: int) -> None:
+        run, self._run = self._run, None
+        left = run.leftover()
+        self._native_after = 2 if run.state.events else 16
+        target.take_back(run.unsent(), why == native.CLIENT_GONE)
+        run.close()
+        if self._abort_after:  # the request ended meanwhile (see hang_up)
+            self.transport.abort()
+            return
+        if why == native.CLIENT_GONE:  # its connection closed now, which ends the request and so this
+            return
+        self.transport.resume_reading()
+        if left:
+            self.data_received(left)
+
+    def hang_up(self) -> None:
+        """Close the connection at once (which makes llama-server stop generating for it);
+        while the C relay has it, as soon as that returns (it is told to, now)."""
+        if self._run is not None:
+            self._abort_after = True
+            self._run.stop()
+        elif self.transport is not None:
+            self.transport.abort()
+
     def _finish(self) -> None:
         if self._error_body is not None:
             text = b"".join(self._error_body).decode("utf-8", "replace")
@@ -305,8 +369,7 @@ class _LineProtocol(asyncio.Protocol):
     def _fail(self, exc: BaseException) -> None:
         if not self.done.done():
             self.done.set_exception(exc)
-        if self.transport is not None:
-            self.transport.abort()
+        self.hang_up()
 
 
 class Ahead:
@@ -389,7 +452,7 @@ async def post(port: int, path: str, body: bytes | None, headers: dict[str, str]
     except BaseException:
         # failed, or cancelled (which cancels ``done`` itself): hang up at once, which is
         # what makes a llama-server stop generating for this request
-        transport.abort()
+        proto.hang_up()
         raise
 
 
@@ -442,6 +505,8 @@ def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"], named: bool =
             on_data(data)
         return RequestError(500, message)
 
+    if not named:  # (the C relay passes on unnamed events only)
+        sink.native = getattr(on_data, "native", None)
     return sink
 
 

@@ -483,6 +483,10 @@ class Runner:
             last[0] = loop.time()
             return on_data(batch)
 
+        # (the tokens the C relay writes are not seen here: a long stream of them is quiet to the
+        # watch, which then asks /health, every STALL_CHECK_S, and finds the child well)
+        progressing.native = getattr(on_data, "native", None)
+
         try:
             await self._watched(http1.relay_sse(self.port, path, payload, self.api_key, progressing, named,
                                                 ahead=self._take_ahead()), last)

@@ -150,6 +150,8 @@ class _LeanConnection(httputil.HTTPConnection):
         self._close_after = False
         self._answering = False
         self._max_body: int | None = None  # a handler's limit on its body (set_max_body_size)
+        self._lent: Callable[[], None] | None = None  # the socket is the C relay's: how to stop it
+        self._close_when_back = False
         server._connections.add(self)
 
     # ------------------------------------------------------------------ waiting for a request
@@ -337,6 +339,30 @@ class _LeanConnection(httputil.HTTPConnection):
         else:
             then()
 
+    # ------------------------------------------------------------------ the C relay (engine/native.py)
+
+    def lend(self, stop: Callable[[], None]) -> int | None:
+        """The socket's descriptor for the C relay to write a chunked answer's tokens on, when
+        the answer's head has gone and nothing of ours waits to be written; until
+        :meth:`take_back`, nothing here reads, writes or closes it (a close asked meanwhile
+        calls ``stop`` and happens then)."""
+        if self._closed or self._out or not self._chunked or not self._answering or self._lent is not None:
+            return None
+        self._lent = stop
+        self._watch(False)  # (the relay watches for the client hanging up)
+        return self.fd
+
+    def take_back(self, unsent: bytes, gone: bool) -> None:
+        """The socket is ours again: ``unsent``, what the relay wrote that the client had not
+        taken yet, goes first; ``gone``: the client hung up."""
+        self._lent = None
+        if gone or self._close_when_back:
+            self.close_now()
+            return
+        if unsent:
+            self._send(unsent)
+        self._watch(True)
+
     # ------------------------------------------------------------------ the socket
 
     def _send(self, data: bytes) -> asyncio.Future:
@@ -400,6 +426,10 @@ class _LeanConnection(httputil.HTTPConnection):
         """Close the connection (the client left, or it is done); the request's handler is
         told, and writes still waiting fail."""
         if self._closed:
+            return
+        if self._lent is not None:  # the C relay is writing on it: closed once it has stopped
+            self._close_when_back = True
+            self._lent()
             return
         self._closed = True
         self._watch(False)

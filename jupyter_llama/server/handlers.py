@@ -61,6 +61,7 @@ from ..api import anthropic as anth
 from ..api.options import split_options
 from ..config import ConfigError
 from ..load_options import LoadOptionsError
+from ..engine import native
 from ..engine.runner import EngineError, RequestError, RunnerCrashed, reserve_for
 from ..models.gguf_info import GGUFError
 from ..errors import NoSuchRoute, NotLoaded, NotSupported
@@ -368,6 +369,17 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
 
         return write
 
+    def native_target(self, spec) -> native.Target | None:
+        """Where the relay below Python (engine/native.py) may write this stream's tokens:
+        on serve's lean connection (server/front.py), with nothing transforming the output.
+        None elsewhere (Tornado's connection, TLS, a test client), and every token goes
+        through the Python relay."""
+        conn = self.request.connection
+        lend = getattr(conn, "lend", None)
+        if lend is None or self._transforms:
+            return None
+        return native.Target(spec, lend, conn.take_back)
+
     def end_stream(self, content_type: str):
         return self.finish(set_content_type=content_type)
 
@@ -421,6 +433,9 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             out = b"".join([translator.lines(data) for data in batch])
             return write(out) if out else None
 
+        spelled = translator.native_template()
+        if spelled is not None:
+            send_on.native = self.native_target(native.template(*spelled))
         await start(send_on)
         if complete is not None and translator.final is not None:
             await complete(translator.final)
@@ -964,6 +979,8 @@ class OpenAIHandler(LlamaHandler):
             else:
                 def frame(batch):
                     return write(b"".join([head + d.replace(alias, asked, 1) + b"\n\n" for d in batch]))
+            if not req.named:
+                frame.native = self.native_target(native.sse(*((alias, asked) if alias != asked else ())))
             if req.endpoint == "/v1/chat/completions":
                 await lease.runner.send_chat(req.body, frame)
             else:

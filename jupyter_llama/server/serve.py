@@ -19,6 +19,7 @@ import sys
 from typing import Sequence
 
 from .._version import __version__
+from ..engine import native
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +118,7 @@ def use_front(app) -> str:
     if (env("FRONT") or "lean").lower() == "tornado" or getattr(app, "_http_server", None) is None:
         return "tornado"
     app._http_server = front_for(app)
+    native.prepare()  # the relay below Python, which the lean connection lends its socket to
     return "lean"
 
 
@@ -172,8 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, app._signal_stop)
     url = app.connection_url.rstrip("/") + "/llama"
     token = app.identity_provider.token
-    app.log.info("jupyter-llama %s serving %s (event loop: %s, connections: %s)", __version__, url, loop_name,
-                 getattr(app, "llama_front", "tornado"))
+    front = getattr(app, "llama_front", "tornado")
+    if front == "lean":
+        native.library(wait=True)  # (building since make_server, on a machine's first start)
+    app.log.info("jupyter-llama %s serving %s (event loop: %s, connections: %s, token relay: %s)", __version__, url,
+                 loop_name, front, native.status() if front == "lean" else "python")
     # A token made for this run is shown, so that a person can use it; one given to us
     # (--token, JUPYTER_TOKEN) is the user's secret and stays out of the log.
     shown = token if getattr(app.identity_provider, "token_generated", False) else "<your token>"

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from srvutil import LONG, OPTS, wait_until
 
+from jupyter_llama.engine import native
 from jupyter_llama.engine.runner import free_port
 from jupyter_llama.server.front import MAX_BODY, front_for
 
@@ -22,9 +23,11 @@ BASE = "/"  # the test server's base URL (set by the fixture: pytest-jupyter's i
 
 @pytest.fixture
 async def front(jp_serverapp, jp_base_url):
-    """A FrontServer over the test server's application, on a port of its own: (server, port)."""
+    """A FrontServer over the test server's application, on a port of its own: (server, port);
+    its streams' tokens go through the relay below Python, as in serve."""
     global BASE
     BASE = jp_base_url
+    native.library(wait=True)
     server = front_for(jp_serverapp)
     port = free_port()
     server.listen(port, "127.0.0.1")
@@ -68,6 +71,7 @@ async def response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], b
 
 async def test_api_requests_are_answered_on_the_lean_connection(front, token, ext):
     server, port = front
+    relayed = native.relayed_events
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}{BASE}llama/", trust_env=False, timeout=60,
                                  headers={"Authorization": f"token {token}"}) as c:
         assert (await c.get("api/version")).json()["version"]
@@ -76,9 +80,16 @@ async def test_api_requests_are_answered_on_the_lean_connection(front, token, ex
             assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
             chunks = [json.loads(ln) async for ln in r.aiter_lines() if ln.strip()]
         assert chunks[-1]["done"] is True and chunks[-1]["eval_count"] == 5 and len(chunks) == 6
+        assert all(c["model"] == "tiny" and c["created_at"].endswith("+00:00") for c in chunks)
+        assert all(c["done"] is False and c["response"] for c in chunks[:-1]) and chunks[-1]["done_reason"] == "length"
         sse = await c.post("v1/chat/completions", json={"model": "tiny", "stream": True, "max_tokens": 3,
                                                         "messages": [{"role": "user", "content": "hi"}]})
         assert sse.status_code == 200 and sse.text.rstrip().endswith("data: [DONE]")
+        events = [json.loads(ln[6:]) for ln in sse.text.splitlines() if ln.startswith("data: {")]
+        assert all(e["model"] == "tiny" for e in events) and sse.text.count("data: [DONE]") == 1
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        if native.library() is not None:  # (cc here): the tokens of both streams went below Python
+            assert native.relayed_events > relayed
         # what a person gets wrong is still said in a sentence, on this connection too
         missing = await c.post("api/generate", json={"model": "no-such-model", "prompt": "x"})
         assert missing.status_code == 404 and "no-such-model" in missing.json()["error"]
@@ -194,6 +205,10 @@ async def test_a_client_that_leaves_mid_stream_stops_the_generation(front, token
         await reader.readexactly(size + 2)
     lo = next(lo for lo in ext.scheduler.loaded.values() if lo.name == "tiny:latest")
     assert lo.refcount == 1
+    running = native.Run.make()  # (the relay below Python has the stream, if it is here: it hears the client leave)
+    if running is not None:
+        running.close()
+        assert native._idle.count(running) == 1 and native._threads > len(native._idle)
     writer.close()
 
     async def stopped():

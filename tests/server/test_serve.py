@@ -13,6 +13,7 @@ import httpx
 import pytest
 from srvutil import OPTS, TINY, is_alive, llama_children
 
+from jupyter_llama.engine import native
 from jupyter_llama.engine.runner import free_port
 
 pytestmark = pytest.mark.engine
@@ -102,7 +103,8 @@ def test_api_clients_and_browsers_both_authenticate(serve, tmp_path):
     that cookie alone still needs the XSRF token. (All of it on serve's lean connections,
     server/front.py, which its start line names.)"""
     _, url, token = serve()
-    assert "connections: lean" in (tmp_path / "serve.log").read_text()
+    native.library(wait=True)  # (what serve's own start says, where it has a C compiler or not)
+    assert f"connections: lean, token relay: {native.status()})" in (tmp_path / "serve.log").read_text()
     with httpx.Client(trust_env=False, timeout=10) as c:
         for scheme in ("token", "Bearer", "bearer"):
             r = c.get(url + "api/tags", headers={"Authorization": f"{scheme} {token}"})

@@ -1,0 +1,253 @@
+"""The token relay below Python (``relay.c``): a stream's tokens from the child's socket to
+the client's, in a thread that holds no Python lock, while the event loop sleeps.
+
+Why: on two slow cores a Python process woken for each token costs 110 us of CPU for the
+smallest relay that can be written on uvloop, and the manager's ~300 (its interpreter,
+caches cold after the child's own work), where a C relay costs 55-60, as llama-server's
+router does (bench/api_overhead.py; /proc's CPU times). The tokens the C relay writes are
+byte for byte what the Python relay would write; everything else in a stream (its head, its
+last event with the timings, an error, a tool call, the end) stays in Python: the C relay
+stops at the first chunk that is not a token of text and hands it back, unread, with the
+rest (see ``relay.c``).
+
+The library is compiled from ``relay.c`` with the machine's C compiler on first use and
+cached beside the engine builds (``~/.cache/jupyter-llama/relay``); without a compiler, or
+with ``JUPYTER_LLAMA_RELAY=python``, every token goes through the Python relay, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+from .. import config
+
+__all__ = ["Run", "Target", "library", "prepare", "sse", "status", "template"]
+
+SOURCE = Path(__file__).with_name("relay.c")
+TEMPLATE, SSE = 0, 1
+GIVE_BACK, CHILD_ENDED, CLIENT_GONE, STOPPED = 1, 2, 3, 4
+READ_BUFFER = 64 * 1024  # the child's bytes one read may bring (a larger chunk goes to Python)
+OUT_BUFFER = 96 * 1024
+MAX_RUNS = 64  # streams relayed below Python at once (each holds a thread); more use the Python relay
+
+
+class _Spec(ctypes.Structure):
+    _fields_ = [("mode", ctypes.c_int),
+                ("pat", ctypes.c_char_p), ("pat_len", ctypes.c_int),
+                ("head", ctypes.c_char_p), ("head_len", ctypes.c_int),
+                ("key", ctypes.c_char_p), ("key_len", ctypes.c_int),
+                ("tail", ctypes.c_char_p), ("tail_len", ctypes.c_int),
+                ("from_", ctypes.c_char_p), ("from_len", ctypes.c_int),
+                ("to", ctypes.c_char_p), ("to_len", ctypes.c_int)]
+
+
+class _State(ctypes.Structure):
+    _fields_ = [("progress", ctypes.c_double), ("events", ctypes.c_long),
+                ("left_off", ctypes.c_int), ("left_len", ctypes.c_int),
+                ("unsent_off", ctypes.c_int), ("unsent_len", ctypes.c_int), ("err", ctypes.c_int)]
+
+
+def _spec(mode: int, pat=b"", head=b"", key=b"", tail=b"", from_=b"", to=b"") -> _Spec:
+    return _Spec(mode, pat, len(pat), head, len(head), key, len(key), tail, len(tail), from_, len(from_), to, len(to))
+
+
+def template(pattern: bytes, head: bytes, key: bytes, tail: bytes) -> _Spec:
+    """Ollama lines: an event that starts as ``pattern`` says becomes ``head``, the time,
+    ``key``, its text's JSON string, ``tail`` (see ``relay.c`` for the pattern's pieces)."""
+    return _spec(TEMPLATE, pattern, head, key, tail)
+
+
+def sse(replace: bytes = b"", by: bytes = b"") -> _Spec:
+    """Server-sent events passed on as they came, each with its first ``replace`` (if any) made ``by``."""
+    return _spec(SSE, from_=replace, to=by)
+
+
+# ---------------------------------------------------------------------------- the library
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_why_not: str | None = None  # why there is no library (None: not tried yet, or loaded)
+_ready = threading.Event()
+_idle: list["Run"] = []  # runs whose threads wait for a stream
+_threads = 0
+relayed_events = 0  # tokens relayed below Python in this process (the tests read it)
+
+
+def _path(cc: str) -> Path:
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    digest = hashlib.sha256(SOURCE.read_bytes() + version.encode()).hexdigest()[:12]
+    return config.cache_dir() / "relay" / f"relay-{digest}.so"
+
+
+def _build() -> None:
+    global _lib, _why_not
+    if os.environ.get("JUPYTER_LLAMA_RELAY", "").lower() == "python":
+        _why_not = "JUPYTER_LLAMA_RELAY=python"
+        return
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        _why_not = "no C compiler (cc) to build it with"
+        return
+    path = _path(cc)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so")
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
+                                  capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                _why_not = f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-300:]}"
+                return
+            os.replace(tmp, path)  # (another process may have built the same file meanwhile: either is whole)
+        except (OSError, subprocess.SubprocessError) as e:
+            _why_not = f"{cc} could not build {SOURCE.name}: {e}"
+            return
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        _why_not = f"{path} does not load: {e}"
+        return
+    lib.jl_relay.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Spec), ctypes.c_char_p,
+                             ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(_State)]
+    lib.jl_relay.restype = ctypes.c_int
+    _lib = lib
+
+
+def _prepare() -> None:
+    try:
+        with _lock:
+            if _lib is None and _why_not is None:
+                _build()
+    finally:
+        _ready.set()
+
+
+def prepare() -> None:
+    """Build (or find) and load the library in a thread of its own, so that a server's start
+    does not wait for the compiler; until it is loaded, streams use the Python relay."""
+    if not _ready.is_set():
+        threading.Thread(target=_prepare, name="jupyter-llama-relay-build", daemon=True).start()
+
+
+def library(wait: bool = False) -> ctypes.CDLL | None:
+    """The loaded library, or None (not loaded yet, or not to be had: :func:`status` says why).
+    ``wait``: build it now if need be."""
+    if wait and not _ready.is_set():
+        _prepare()
+    return _lib
+
+
+def status() -> str:
+    """"native" or "python (why)", for serve's start line."""
+    if _lib is not None:
+        return "native"
+    return f"python ({_why_not or 'being built'})"
+
+
+# ---------------------------------------------------------------------------- one stream
+
+
+class Target:
+    """The client's side of a stream the C relay may write: ``spec`` (what it writes, see
+    :func:`template` and :func:`sse`), and the client connection's ``lend(stop)``, which gives
+    its socket's descriptor (None when it cannot be lent now: something of ours is still to
+    be written, or it has closed) and keeps it untouched until ``take_back(unsent, gone)``;
+    ``stop`` is for the connection to end the relay early (it is closing). ``take_back`` gets
+    what the client had not taken yet (to be written first) and whether the client has left."""
+
+    def __init__(self, spec: _Spec, lend: Callable[[Callable[[], None]], int | None],
+                 take_back: Callable[[bytes, bool], None]):
+        self.spec, self.lend, self.take_back = spec, lend, take_back
+
+
+class Run:
+    """One stretch of a stream relayed by C, on a thread of its own (kept for the next run
+    once this one is closed): from :meth:`start` until the C relay returns (see ``relay.c``
+    for why it does), when ``done(why)`` is called in the event loop with one of GIVE_BACK,
+    CHILD_ENDED, CLIENT_GONE and STOPPED. Then :meth:`leftover` is the child's bytes it did
+    not relay and :meth:`unsent` ours the client had not taken; :meth:`close` gives the
+    thread back."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+        self.state = _State()
+        self._buf = ctypes.create_string_buffer(READ_BUFFER)
+        self._out = ctypes.create_string_buffer(OUT_BUFFER)
+        self._stop_r, self._stop_w = os.pipe()
+        os.set_blocking(self._stop_r, False)
+        self._go = threading.Semaphore(0)
+        self._job: tuple | None = None
+        self._stopped = False
+        threading.Thread(target=self._serve, name="jupyter-llama-relay", daemon=True).start()
+
+    @staticmethod
+    def make() -> "Run | None":
+        """A run, or None when the library is not loaded or MAX_RUNS relay at once."""
+        global _threads
+        if _lib is None:
+            return None
+        if _idle:
+            return _idle.pop()
+        if _threads >= MAX_RUNS:
+            return None
+        _threads += 1
+        return Run(_lib)
+
+    def start(self, src: int, dst: int, spec: _Spec, done: Callable[[int], None]) -> None:
+        self._spec = spec  # (kept alive while the thread reads it)
+        self._job = (src, dst, ctypes.byref(spec), asyncio.get_running_loop(), done)
+        self._go.release()
+
+    def _serve(self) -> None:
+        while True:
+            self._go.acquire()
+            src, dst, spec, loop, done = self._job
+            why = self._lib.jl_relay(src, dst, self._stop_r, spec, self._buf, READ_BUFFER, self._out, OUT_BUFFER,
+                                     ctypes.byref(self.state))
+            try:
+                loop.call_soon_threadsafe(done, why)
+            except RuntimeError:  # (the loop has closed: nobody is waiting)
+                pass
+
+    def stop(self) -> None:
+        """Make the relay return (STOPPED) as soon as it can."""
+        if not self._stopped:
+            self._stopped = True
+            os.write(self._stop_w, b"x")
+
+    def leftover(self) -> bytes:
+        s = self.state
+        return ctypes.string_at(ctypes.addressof(self._buf) + s.left_off, s.left_len) if s.left_len > 0 else b""
+
+    def unsent(self) -> bytes:
+        s = self.state
+        return ctypes.string_at(ctypes.addressof(self._out) + s.unsent_off, s.unsent_len) if s.unsent_len > 0 else b""
+
+    def close(self) -> None:
+        """Give the thread back (once ``done`` has been called)."""
+        global relayed_events
+        relayed_events += self.state.events
+        if self._stopped:
+            try:
+                os.read(self._stop_r, 64)
+            except BlockingIOError:
+                pass
+            self._stopped = False
+        self._job = self._spec = None
+        _idle.append(self)

@@ -1,0 +1,243 @@
+/* The token relay below Python (see native.py): a llama-server child's chunked stream of
+ * server-sent events, read from one socket, and the client's chunked stream written on
+ * another, in a thread of its own that holds no Python lock.
+ *
+ * It relays only the events it can write exactly as the Python relay would (a token of
+ * text, one event per line of "data: ..."), and stops at the first chunk that holds any
+ * other line (the last event with its timings, an error, a tool call, [DONE], the end of the
+ * body), leaving that chunk and everything after it, unread by it, to the Python relay. It
+ * also stops when the child's connection ends, when the client hangs up, and when told to
+ * (a byte on `stop`).
+ *
+ * Two ways to write an event:
+ *   JL_TEMPLATE  an Ollama line: the event must start as the spec's pattern says (literal
+ *                bytes, and \001 for digits, \002 for a JSON string, captured, that is not "",
+ *                \003 for digits and commas); the line is head, the time (RFC 3339, UTC,
+ *                microseconds), key, the captured string as the child spelled it, tail.
+ *   JL_SSE       the event as it came ("data: ", its JSON, a blank line), with its first
+ *                `from` replaced by `to` when `from` is given (the model's name).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+enum { JL_TEMPLATE = 0, JL_SSE = 1 };
+enum { JL_GIVE_BACK = 1, JL_CHILD_ENDED = 2, JL_CLIENT_GONE = 3, JL_STOPPED = 4 };
+
+struct jl_spec {
+    int mode;
+    const char *pat; int pat_len;
+    const char *head; int head_len;
+    const char *key; int key_len;
+    const char *tail; int tail_len;
+    const char *from; int from_len;
+    const char *to; int to_len;
+};
+
+struct jl_state {
+    double progress;  /* CLOCK_MONOTONIC seconds of the latest event relayed */
+    long events;      /* events relayed */
+    int left_off, left_len;      /* the child's bytes not relayed, in buf */
+    int unsent_off, unsent_len;  /* our bytes the client has not taken, in out */
+    int err;                     /* errno of a failed read or write */
+};
+
+#define FRAME 12 /* room before a chunk's data for its size line */
+
+static double now_monotonic(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+/* The end of a JSON string starting at p (its opening quote), or NULL. */
+static const char *json_string_end(const char *p, const char *end) {
+    if (p >= end || *p != '"') return NULL;
+    for (p++; p < end; p++) {
+        if (*p == '\\') { if (++p >= end) return NULL; }
+        else if (*p == '"') return p + 1;
+    }
+    return NULL;
+}
+
+/* Does the event d[0..n) start as the pattern says? Sets the captured string. */
+static int match(const struct jl_spec *s, const char *d, int n, const char **cap, int *cap_len) {
+    const char *p = d, *end = d + n, *q = s->pat, *qend = s->pat + s->pat_len;
+    *cap = NULL;
+    while (q < qend) {
+        char c = *q++;
+        if (c == '\001') {
+            const char *b = p;
+            while (p < end && *p >= '0' && *p <= '9') p++;
+            if (p == b) return 0;
+        } else if (c == '\002') {
+            const char *e = json_string_end(p, end);
+            if (e == NULL || e - p == 2) return 0; /* "" is not a token of text */
+            *cap = p; *cap_len = (int)(e - p); p = e;
+        } else if (c == '\003') {
+            while (p < end && ((*p >= '0' && *p <= '9') || *p == ',')) p++;
+        } else {
+            if (p >= end || *p != c) return 0;
+            p++;
+        }
+    }
+    return *cap != NULL;
+}
+
+/* An error event ({"error": ...}) goes to Python, which tells it as one. */
+static int looks_like_error(const char *d, int n) {
+    if (n < 1 || d[0] != '{') return 0;
+    int i = 1;
+    while (i < n && (d[i] == ' ' || d[i] == '\t' || d[i] == '\r' || d[i] == '\n')) i++;
+    return n - i >= 7 && memcmp(d + i, "\"error\"", 7) == 0;
+}
+
+static int put(char *out, int *o, int ocap, const char *p, int n) {
+    if (*o + n > ocap) return 0;
+    memcpy(out + *o, p, n);
+    *o += n;
+    return 1;
+}
+
+/* Our bytes for one line of an event's chunk: 1 written, 0 no room, -1 not ours to write. */
+static int one_line(const struct jl_spec *s, const char *line, int n, char *out, int *o, int ocap,
+                    const char *stamp, int stamp_len) {
+    if (n == 0) return 1; /* the blank line that ends an event */
+    if (n < 6 || memcmp(line, "data: ", 6) != 0) return -1;
+    const char *d = line + 6;
+    int dn = n - 6;
+    int start = *o;
+    if (s->mode == JL_TEMPLATE) {
+        const char *cap; int cap_len;
+        if (!match(s, d, dn, &cap, &cap_len)) return -1;
+        if (put(out, o, ocap, s->head, s->head_len) && put(out, o, ocap, stamp, stamp_len)
+            && put(out, o, ocap, s->key, s->key_len) && put(out, o, ocap, cap, cap_len)
+            && put(out, o, ocap, s->tail, s->tail_len))
+            return 1;
+    } else {
+        if ((dn == 6 && memcmp(d, "[DONE]", 6) == 0) || looks_like_error(d, dn)) return -1;
+        const char *at = s->from_len ? memmem(d, dn, s->from, s->from_len) : NULL;
+        int ok = put(out, o, ocap, "data: ", 6);
+        if (at != NULL)
+            ok = ok && put(out, o, ocap, d, (int)(at - d)) && put(out, o, ocap, s->to, s->to_len)
+                 && put(out, o, ocap, at + s->from_len, dn - (int)(at - d) - s->from_len);
+        else
+            ok = ok && put(out, o, ocap, d, dn);
+        if (ok && put(out, o, ocap, "\n\n", 2)) return 1;
+    }
+    *o = start;
+    return 0;
+}
+
+static int stamp_now(char *buf) {
+    struct timespec t;
+    struct tm tm;
+    clock_gettime(CLOCK_REALTIME, &t);
+    gmtime_r(&t.tv_sec, &tm);
+    int n = (int)strftime(buf, 40, "%Y-%m-%dT%H:%M:%S", &tm);
+    return n + snprintf(buf + n, 40 - n, ".%06ld+00:00", t.tv_nsec / 1000);
+}
+
+/* Wait until the client takes out[*off..*off+*len): 0 when it has, else why not. */
+static int send_all(int dst, int stop, char *out, int *off, int *len, struct jl_state *st) {
+    while (*len > 0) {
+        ssize_t n = send(dst, out + *off, *len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) { *off += (int)n; *len -= (int)n; continue; }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) { st->err = errno; return JL_CLIENT_GONE; }
+        struct pollfd p[2] = {{dst, POLLOUT | POLLRDHUP, 0}, {stop, POLLIN, 0}};
+        if (poll(p, 2, -1) < 0 && errno != EINTR) { st->err = errno; return JL_STOPPED; }
+        if (p[1].revents) return JL_STOPPED;
+        if (p[0].revents & (POLLRDHUP | POLLHUP | POLLERR)) return JL_CLIENT_GONE;
+    }
+    return 0;
+}
+
+int jl_relay(int src, int dst, int stop, const struct jl_spec *s, char *buf, int cap, char *out, int ocap,
+             struct jl_state *st) {
+    int have = 0, pos = 0, why = 0;
+    char stamp[40];
+    st->events = 0; st->err = 0; st->unsent_off = st->unsent_len = 0;
+    for (;;) {
+        /* the complete chunks read so far, into one chunk of ours */
+        int o = FRAME, relayed = 0, stamp_len = 0;
+        int full = 0;
+        while (!why) {
+            const char *c = buf + pos, *end = buf + have;
+            const char *eol = memchr(c, '\r', end - c);
+            if (eol == NULL || eol + 1 >= end) break; /* its size line is still to come */
+            long size = 0;
+            const char *h = c;
+            for (; h < eol; h++) {
+                int v = (*h >= '0' && *h <= '9') ? *h - '0' : (*h >= 'a' && *h <= 'f') ? *h - 'a' + 10
+                        : (*h >= 'A' && *h <= 'F') ? *h - 'A' + 10 : -1;
+                if (v < 0 || size > (1L << 24)) break;
+                size = size * 16 + v;
+            }
+            if (h != eol || h == c || eol[1] != '\n' || size == 0) { why = JL_GIVE_BACK; break; }
+            const char *data = eol + 2;
+            if (data + size + 2 > end) {
+                if ((long)(data - buf) + size + 2 > cap) why = JL_GIVE_BACK; /* larger than our buffer */
+                break;
+            }
+            if (data[size] != '\r' || data[size + 1] != '\n' || data[size - 1] != '\n') { why = JL_GIVE_BACK; break; }
+            if (s->mode == JL_TEMPLATE && stamp_len == 0) stamp_len = stamp_now(stamp);
+            int mark = o, n_events = 0, ok = 1;
+            for (const char *l = data; l < data + size;) {
+                const char *nl = memchr(l, '\n', data + size - l);
+                int ln = (int)(nl - l);
+                if (ln > 0 && l[ln - 1] == '\r') ln--;
+                int r = one_line(s, l, ln, out, &o, ocap - 2, stamp, stamp_len);
+                if (r < 0) { why = JL_GIVE_BACK; ok = 0; break; }
+                if (r == 0) { full = 1; ok = 0; break; }
+                n_events += ln > 0;
+                l = nl + 1;
+            }
+            if (!ok) { o = mark; break; } /* this chunk is left whole: to Python, or for the next round */
+            relayed += n_events;
+            pos = (int)(data + size + 2 - buf);
+        }
+        if (full && o == FRAME) why = JL_GIVE_BACK; /* one event larger than all of ours */
+        if (o > FRAME) {
+            char size_line[FRAME + 1];
+            int hl = snprintf(size_line, sizeof size_line, "%x\r\n", o - FRAME);
+            memcpy(out + FRAME - hl, size_line, hl);
+            out[o++] = '\r'; out[o++] = '\n';
+            int off = FRAME - hl, len = o - off;
+            int r = send_all(dst, stop, out, &off, &len, st);
+            st->events += relayed;
+            st->progress = now_monotonic();
+            if (r) {
+                st->unsent_off = off; st->unsent_len = len;
+                st->left_off = pos; st->left_len = have - pos;
+                return r;
+            }
+        }
+        if (why) break;
+        if (full) continue; /* more complete chunks are waiting for room in ours */
+        if (pos > 0) { memmove(buf, buf + pos, have - pos); have -= pos; pos = 0; }
+        if (have == cap) { why = JL_GIVE_BACK; break; }
+        struct pollfd p[3] = {{src, POLLIN, 0}, {dst, POLLRDHUP, 0}, {stop, POLLIN, 0}};
+        if (poll(p, 3, -1) < 0) {
+            if (errno == EINTR) continue;
+            st->err = errno; why = JL_STOPPED; break;
+        }
+        if (p[2].revents) { why = JL_STOPPED; break; }
+        if (p[1].revents & (POLLRDHUP | POLLHUP | POLLERR)) { why = JL_CLIENT_GONE; break; }
+        if (p[0].revents) {
+            ssize_t n = recv(src, buf + have, cap - have, MSG_DONTWAIT);
+            if (n > 0) have += (int)n;
+            else if (n == 0) { why = JL_CHILD_ENDED; break; }
+            else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+                st->err = errno; why = JL_CHILD_ENDED; break;
+            }
+        }
+    }
+    st->left_off = pos; st->left_len = have - pos;
+    return why;
+}

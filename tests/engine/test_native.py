@@ -1,0 +1,203 @@
+"""The token relay below Python (engine/relay.c through engine/native.py), on real sockets:
+what it writes is what the Python relay writes, it hands back at the first chunk it does not
+relay with every byte of it, and it stops for a client that left, a child that ended, a stop,
+and a client that does not read. (Through serve's front and a real child:
+tests/server/test_front.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+
+import pytest
+
+from jupyter_llama.api import ollama as oa
+from jupyter_llama.engine import native
+
+lib = native.library(wait=True)
+pytestmark = pytest.mark.skipif(lib is None, reason=f"no relay below Python here: {native.status()}")
+
+STAMP = re.compile(rb'"created_at":"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00"')
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def completion_event(text: str, stop: bool = False) -> bytes:
+    return json.dumps({"index": 0, "content": text, "tokens": [17, 4], "stop": stop, "id_slot": 0},
+                      separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def dechunk(data: bytes) -> bytes:
+    out = b""
+    while data:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line, 16)
+        out += data[:size]
+        data = data[size + 2:]
+    return out
+
+
+class Pair:
+    """The child's side (we write to ``child``), the client's (we read ``client``), and the
+    two ends the relay gets."""
+
+    def __init__(self):
+        self.child, self.src = socket.socketpair()
+        self.dst, self.client = socket.socketpair()
+        for s in (self.child, self.src, self.dst, self.client):
+            s.setblocking(False)
+
+    def read_client(self) -> bytes:
+        out = b""
+        while True:
+            try:
+                part = self.client.recv(1 << 20)
+            except BlockingIOError:
+                return out
+            if not part:
+                return out
+            out += part
+
+    def close(self) -> None:
+        for s in (self.child, self.src, self.dst, self.client):
+            s.close()
+
+
+@pytest.fixture
+def pair():
+    p = Pair()
+    yield p
+    p.close()
+
+
+def start(pair: Pair, spec) -> tuple[native.Run, asyncio.Future]:
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    run = native.Run.make()
+    run.start(pair.src.fileno(), pair.dst.fileno(), spec, fut.set_result)
+    return run, fut
+
+
+async def test_tokens_are_written_as_the_python_relay_writes_them_and_the_rest_handed_back(pair):
+    tr = oa.GenerateTranslator("tiny:latest", 0.0, 0.0)
+    texts = [" the", "é\"quoted\"\\", "\n", "日本", "\u2028"]
+    events = [completion_event(t) for t in texts]
+    last = chunk(b"data: " + completion_event("", stop=True) + b"\n\n") + b"0\r\n\r\n"
+    wire = b"".join(chunk(b"data: " + e + b"\n\n") for e in events) + last
+    run, fut = start(pair, native.template(*tr.native_template()))
+    tokens = wire[:-len(last)]
+    for i in range(0, len(tokens), 7):  # in pieces that cut lines, size lines and CRLFs
+        pair.child.send(tokens[i:i + 7])
+        await asyncio.sleep(0.002)
+    pair.child.send(last)
+    assert await asyncio.wait_for(fut, 10) == native.GIVE_BACK
+    assert run.leftover() == last  # the last event and the end, every byte, for Python
+    assert run.state.events == len(texts) and run.unsent() == b""
+    run.close()
+    got = dechunk(pair.read_client())
+    want = b"".join(tr.lines(e) for e in events)
+    assert STAMP.sub(b"", got) == STAMP.sub(b"", want) and len(STAMP.findall(got)) == len(texts)
+    for line in got.splitlines():
+        json.loads(line)
+
+
+async def test_an_event_it_does_not_write_goes_back_before_any_of_its_chunk(pair):
+    tr = oa.ChatTranslator("tiny:latest", 0.0, 0.0)
+    text = {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": "hi"}}], "created": 1}
+    think = {"choices": [{"finish_reason": None, "index": 0, "delta": {"reasoning_content": "hm"}}], "created": 1}
+    fast = b"data: " + json.dumps(text, separators=(",", ":")).encode() + b"\n\n"
+    slow = b"data: " + json.dumps(think, separators=(",", ":")).encode() + b"\n\n"
+    rest = chunk(fast + slow) + chunk(fast)  # a chunk of two events, one of them not a token of text
+    pair.child.send(chunk(fast) + rest)
+    run, fut = start(pair, native.template(*tr.native_template()))
+    assert await asyncio.wait_for(fut, 10) == native.GIVE_BACK
+    assert run.leftover() == rest and run.state.events == 1
+    run.close()
+    assert dechunk(pair.read_client()).count(b"\n") == 1
+
+
+@pytest.mark.parametrize("event", [b"data: [DONE]\n\n", b'data: {"error":{"code":500,"message":"x"}}\n\n',
+                                   b"data:{}\n\n", b"event: ping\n\n", b'data: {"a":1}'])
+async def test_server_sent_events_pass_on_with_the_model_renamed_until_one_is_not_a_token(pair, event):
+    ev = b'data: {"choices":[],"model":"tiny:latest","note":"model tiny:latest"}\n\n'
+    pair.child.send(chunk(ev) * 2 + chunk(event))
+    run, fut = start(pair, native.sse(b'"model":"tiny:latest"', b'"model":"tiny"'))
+    assert await asyncio.wait_for(fut, 10) == native.GIVE_BACK
+    assert run.leftover() == chunk(event) and run.state.events == 2
+    run.close()
+    assert dechunk(pair.read_client()) == 2 * b'data: {"choices":[],"model":"tiny","note":"model tiny:latest"}\n\n'
+
+
+async def test_it_stops_for_a_client_that_left_a_child_that_ended_and_a_stop(pair):
+    run, fut = start(pair, native.sse())
+    pair.client.close()
+    assert await asyncio.wait_for(fut, 10) == native.CLIENT_GONE
+    run.close()
+    pair.client = socket.socket()  # (closed by the fixture)
+
+    p = Pair()
+    try:
+        run, fut = start(p, native.sse())
+        p.child.send(b"1e\r\ndata: {")  # half a chunk, then the child is gone
+        p.child.close()
+        assert await asyncio.wait_for(fut, 10) == native.CHILD_ENDED
+        assert run.leftover() == b"1e\r\ndata: {"
+        run.close()
+        p.child = socket.socket()
+    finally:
+        p.close()
+
+    p = Pair()
+    try:
+        run, fut = start(p, native.sse())
+        await asyncio.sleep(0.05)
+        run.stop()
+        assert await asyncio.wait_for(fut, 10) == native.STOPPED
+        run.close()
+        run, fut = start(p, native.sse())  # the same thread, and its stop is not left over
+        p.child.send(chunk(b'data: {"n":1}\n\n'))
+        await asyncio.sleep(0.05)
+        assert not fut.done()
+        p.child.send(chunk(b"data: [DONE]\n\n"))
+        assert await asyncio.wait_for(fut, 10) == native.GIVE_BACK and run.state.events == 1
+        run.close()
+    finally:
+        p.close()
+
+
+async def test_a_client_that_does_not_read_holds_the_relay_and_loses_nothing(pair):
+    pair.dst.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    pair.client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    ev = b'data: {"choices":[],"pad":"' + b"x" * 900 + b'"}\n\n'
+    run, fut = start(pair, native.sse())
+    pair.child.setblocking(True)
+    pair.child.sendall(chunk(ev) * 40)  # 36 KiB: more than the client's socket takes
+    await asyncio.sleep(0.2)
+    assert not fut.done()  # waiting for the client to take what it wrote
+    run.stop()
+    assert await asyncio.wait_for(fut, 10) == native.STOPPED
+    assert run.unsent()
+    body = dechunk(pair.read_client() + run.unsent()) + dechunk(run.leftover())
+    assert body == ev * 40
+    run.close()
+
+
+async def test_a_chunk_larger_than_its_buffer_is_handed_back_whole(pair):
+    big = chunk(b'data: {"pad":"' + b"y" * native.READ_BUFFER + b'"}\n\n')
+    run, fut = start(pair, native.sse())
+    pair.child.setblocking(True)
+    pair.child.sendall(big[:native.READ_BUFFER])
+    assert await asyncio.wait_for(fut, 10) == native.GIVE_BACK
+    left = run.leftover()
+    assert left and run.state.events == 0
+    pair.src.setblocking(True)
+    pair.src.settimeout(1)
+    rest = b""
+    while len(left) + len(rest) < native.READ_BUFFER:  # what it did not read is still the socket's
+        rest += pair.src.recv(1 << 20)
+    assert left + rest == big[:native.READ_BUFFER] and pair.read_client() == b""
+    run.close()
