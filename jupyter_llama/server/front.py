@@ -151,6 +151,7 @@ class _LeanConnection(httputil.HTTPConnection):
         self._answering = False
         self._max_body: int | None = None  # a handler's limit on its body (set_max_body_size)
         self._lent: Callable[[], None] | None = None  # the socket is the C relay's: how to stop it
+        self._back: asyncio.Future | None = None  # resolved when the C relay gives it back
         self._close_when_back = False
         server._connections.add(self)
 
@@ -349,6 +350,7 @@ class _LeanConnection(httputil.HTTPConnection):
         if self._closed or self._out or not self._chunked or not self._answering or self._lent is not None:
             return None
         self._lent = stop
+        self._back = self.loop.create_future()
         self._watch(False)  # (the relay watches for the client hanging up)
         return self.fd
 
@@ -356,6 +358,7 @@ class _LeanConnection(httputil.HTTPConnection):
         """The socket is ours again: ``unsent``, what the relay wrote that the client had not
         taken yet, goes first; ``gone``: the client hung up."""
         self._lent = None
+        self._back.set_result(None)
         if gone or self._close_when_back:
             self.close_now()
             return
@@ -452,5 +455,7 @@ class _LeanConnection(httputil.HTTPConnection):
             callback()
 
     async def close(self) -> None:
-        """What HTTPServer.close_all_connections awaits."""
+        """What HTTPServer.close_all_connections awaits (until the connection is closed)."""
         self.close_now()
+        if self._lent is not None:  # once the C relay has stopped and given the socket back
+            await self._back

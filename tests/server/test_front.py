@@ -220,6 +220,33 @@ async def test_a_client_that_leaves_mid_stream_stops_the_generation(front, token
     assert server.lean_requests == 1
 
 
+async def test_closing_the_server_mid_stream_closes_a_connection_the_c_relay_writes_on(front, token, ext):
+    """The server's shutdown closes every connection, one whose stream the relay below
+    Python has too: it is stopped, gives the socket back, and the connection closes (the
+    client sees the end, the slot stops); nothing is closed under it."""
+    server, port = front
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request("api/generate", token, {"model": "tiny", "prompt": "Once", "raw": True,
+                                                 "options": dict(LONG, num_predict=100000, ignore_eos=True)}))
+    await reader.readuntil(b"\r\n\r\n")
+    for _ in range(3):
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        await reader.readexactly(size + 2)
+    busy = native._threads - len(native._idle)
+    await asyncio.wait_for(server.close_all_connections(), 10)
+    assert not server._connections and native._threads - len(native._idle) == busy - (native.library() is not None)
+    rest = await asyncio.wait_for(reader.read(), 10)  # what was on its way, then the end
+    assert not rest.endswith(b"0\r\n\r\n")  # (cut off, not finished)
+    writer.close()
+    lo = next(lo for lo in ext.scheduler.loaded.values() if lo.name == "tiny:latest")
+
+    async def stopped():
+        slots = await lo.runner.get("/slots")
+        return lo.refcount == 0 and not any(s.get("is_processing") for s in slots)
+
+    await wait_until(stopped, timeout=10)
+
+
 async def test_a_handler_that_takes_its_body_as_it_comes_gets_it_on_the_lean_connection(jp_serverapp, jp_base_url,
                                                                                        token, models_dir):
     """A blob upload (a handler of Tornado's ``stream_request_body``) is Tornado's in serve;
