@@ -40,7 +40,6 @@ struct jl_spec {
 };
 
 struct jl_state {
-    double progress;  /* CLOCK_MONOTONIC seconds of the latest event relayed */
     long events;      /* events relayed */
     int left_off, left_len;      /* the child's bytes not relayed, in buf */
     int unsent_off, unsent_len;  /* our bytes the client has not taken, in out */
@@ -48,12 +47,6 @@ struct jl_state {
 };
 
 #define FRAME 12 /* room before a chunk's data for its size line */
-
-static double now_monotonic(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec / 1e9;
-}
 
 /* The end of a JSON string starting at p (its opening quote), or NULL. */
 static const char *json_string_end(const char *p, const char *end) {
@@ -211,7 +204,6 @@ int jl_relay(int src, int dst, int stop, const struct jl_spec *s, char *buf, int
             int off = FRAME - hl, len = o - off;
             int r = send_all(dst, stop, out, &off, &len, st);
             st->events += relayed;
-            st->progress = now_monotonic();
             if (r) {
                 st->unsent_off = off; st->unsent_len = len;
                 st->left_off = pos; st->left_len = have - pos;
