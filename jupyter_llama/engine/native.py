@@ -55,7 +55,7 @@ class _Spec(ctypes.Structure):
 class _State(ctypes.Structure):
     _fields_ = [("events", ctypes.c_long),
                 ("left_off", ctypes.c_int), ("left_len", ctypes.c_int),
-                ("unsent_off", ctypes.c_int), ("unsent_len", ctypes.c_int), ("err", ctypes.c_int)]
+                ("unsent_off", ctypes.c_int), ("unsent_len", ctypes.c_int)]
 
 
 def _spec(mode: int, pat=b"", head=b"", key=b"", tail=b"", from_=b"", to=b"") -> _Spec:

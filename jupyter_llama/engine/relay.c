@@ -43,7 +43,6 @@ struct jl_state {
     long events;      /* events relayed */
     int left_off, left_len;      /* the child's bytes not relayed, in buf */
     int unsent_off, unsent_len;  /* our bytes the client has not taken, in out */
-    int err;                     /* errno of a failed read or write */
 };
 
 #define FRAME 12 /* room before a chunk's data for its size line */
@@ -137,14 +136,14 @@ static int stamp_now(char *buf) {
 }
 
 /* Wait until the client takes out[*off..*off+*len): 0 when it has, else why not. */
-static int send_all(int dst, int stop, char *out, int *off, int *len, struct jl_state *st) {
+static int send_all(int dst, int stop, char *out, int *off, int *len) {
     while (*len > 0) {
         ssize_t n = send(dst, out + *off, *len, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n > 0) { *off += (int)n; *len -= (int)n; continue; }
         if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) { st->err = errno; return JL_CLIENT_GONE; }
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return JL_CLIENT_GONE;
         struct pollfd p[2] = {{dst, POLLOUT | POLLRDHUP, 0}, {stop, POLLIN, 0}};
-        if (poll(p, 2, -1) < 0 && errno != EINTR) { st->err = errno; return JL_STOPPED; }
+        if (poll(p, 2, -1) < 0 && errno != EINTR) return JL_STOPPED;
         if (p[1].revents) return JL_STOPPED;
         if (p[0].revents & (POLLRDHUP | POLLHUP | POLLERR)) return JL_CLIENT_GONE;
     }
@@ -155,7 +154,7 @@ int jl_relay(int src, int dst, int stop, const struct jl_spec *s, char *buf, int
              struct jl_state *st) {
     int have = 0, pos = 0, why = 0;
     char stamp[40];
-    st->events = 0; st->err = 0; st->unsent_off = st->unsent_len = 0;
+    st->events = 0; st->unsent_off = st->unsent_len = 0;
     for (;;) {
         /* the complete chunks read so far, into one chunk of ours */
         int o = FRAME, relayed = 0, stamp_len = 0;
@@ -202,7 +201,7 @@ int jl_relay(int src, int dst, int stop, const struct jl_spec *s, char *buf, int
             memcpy(out + FRAME - hl, size_line, hl);
             out[o++] = '\r'; out[o++] = '\n';
             int off = FRAME - hl, len = o - off;
-            int r = send_all(dst, stop, out, &off, &len, st);
+            int r = send_all(dst, stop, out, &off, &len);
             st->events += relayed;
             if (r) {
                 st->unsent_off = off; st->unsent_len = len;
@@ -217,7 +216,7 @@ int jl_relay(int src, int dst, int stop, const struct jl_spec *s, char *buf, int
         struct pollfd p[3] = {{src, POLLIN, 0}, {dst, POLLRDHUP, 0}, {stop, POLLIN, 0}};
         if (poll(p, 3, -1) < 0) {
             if (errno == EINTR) continue;
-            st->err = errno; why = JL_STOPPED; break;
+            why = JL_STOPPED; break;
         }
         if (p[2].revents) { why = JL_STOPPED; break; }
         if (p[1].revents & (POLLRDHUP | POLLHUP | POLLERR)) { why = JL_CLIENT_GONE; break; }
@@ -225,9 +224,7 @@ int jl_relay(int src, int dst, int stop, const struct jl_spec *s, char *buf, int
             ssize_t n = recv(src, buf + have, cap - have, MSG_DONTWAIT);
             if (n > 0) have += (int)n;
             else if (n == 0) { why = JL_CHILD_ENDED; break; }
-            else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-                st->err = errno; why = JL_CHILD_ENDED; break;
-            }
+            else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) { why = JL_CHILD_ENDED; break; }
         }
     }
     st->left_off = pos; st->left_len = have - pos;
