@@ -846,17 +846,24 @@ class Scheduler:
         now, they would answer only once it is gone), and, for the plan of a load
         (``planning``), those that answered a moment ago after our runner let them go (asking
         again would cost a second round of probes before the load)."""
-        inv = await asyncio.to_thread(self._inventory_fn)
+        endpoints = self.settings.rpc_workers
+        held = self.held_workers() if endpoints else {}
+        skip = set(held) | {ep for lo in self._retiring for ep in lo.options.rpc or ()}
+        if endpoints and planning:
+            now = time.monotonic()
+            skip |= {ep for ep, at in self._freed_at.items() if now - at < FREED_FRESH_S}
+            self._freed_at.clear()
+        known = dict(self._worker_status)
+
+        def take() -> devmod.Inventory:  # in one thread: the host's devices, then the workers' probes
+            inv = self._inventory_fn()
+            if endpoints:
+                inv.workers = devmod.probe_workers(endpoints, skip, known, self.settings.worker_timeout)
+            return inv
+
+        inv = await asyncio.to_thread(take)
         inv.budgets = self.settings.budgets
-        if self.settings.rpc_workers:
-            held = self.held_workers()
-            skip = set(held) | {ep for lo in self._retiring for ep in lo.options.rpc or ()}
-            if planning:
-                now = time.monotonic()
-                skip |= {ep for ep, at in self._freed_at.items() if now - at < FREED_FRESH_S}
-                self._freed_at.clear()
-            inv.workers = await asyncio.to_thread(devmod.probe_workers, self.settings.rpc_workers, skip,
-                                                  self._worker_status, self.settings.worker_timeout)
+        if endpoints:
             inv.held = held
             for w in inv.workers:
                 if w.reachable and w.devices and w.endpoint not in skip:
@@ -1009,13 +1016,15 @@ class Scheduler:
         self.events.emit(EventKind.LOADED, ref.name, _loaded_message(lo, actual), load_seconds=round(lo.load_duration, 3),
                          pid=lo.runner.pid, predicted={k: v.total() for k, v in preds.items()},
                          actual=actual.to_dict() if actual else None)
-        await self._publish()
+        published = asyncio.ensure_future(self._publish())  # (on the board's thread, while the budgets are checked)
         try:
             await self._enforce_budgets(lo)
         except DoesNotFit as e:
             lo.ready.set_exception(e)
             lo.ready.exception()
             raise
+        finally:
+            await published
         lo.ready.set_result(lo)
         self._spawn(self._watch(lo))
         return lo
@@ -1027,7 +1036,7 @@ class Scheduler:
         (the usual victim order); if it alone is over, unload it and say by how much. The
         budget is the user's: what their other managers hold counts, as it did in the fit.
         """
-        while True:
+        while self.settings.budgets.limits:  # (none set: nothing to check, and no inventory to take)
             inv = await self.inventory()
             used = self.usage()
             held = peermod.usage(await asyncio.to_thread(self.peer_holdings))
@@ -1156,10 +1165,14 @@ class Scheduler:
         """Evict until the load fits (or refuse); returns the placed options, the predictions
         and the estimator that decided. The placement is planned again after each eviction:
         an evicted model may free an RPC worker the new one can use."""
+        again: tuple[devmod.Inventory, list[peermod.Peer]] | None = None
         while True:
-            inv = await self.inventory(planning=True)
+            if again is None:
+                inv, peers = await asyncio.gather(self.inventory(planning=True), asyncio.to_thread(self.peer_holdings))
+            else:  # as read a moment ago, but for the workers the evicted runner held: see below
+                (inv, peers), again = again, None
+                inv.held = self.held_workers()
             used = self.usage()
-            peers = await asyncio.to_thread(self.peer_holdings)
             placed, preds = await asyncio.to_thread(self.plan, ref, options, inv, used, peermod.usage(peers))
             plan = self.fit(ref, placed, preds, inv, used, peers)
             fit_source = plan.fit_source
@@ -1220,7 +1233,11 @@ class Scheduler:
                 # connection waits for the old one's to close, and the plans made while it
                 # exits count each of its workers as it answered before the victim took it
                 # (see inventory; llama.cpp's own fit reads their memory live as it loads).
+                # So the next plan takes this one's inventory as it is: the host's memory is
+                # what it was (the victim still runs), and its workers were counted as they
+                # answered before it took them, as a fresh inventory would count them now.
                 self._stop_behind(victim, f"evicted for {ref.name}")
+                again = (inv, peers)
             else:
                 await self._unload(victim, f"evicted for {ref.name}", rule="evict")
 

@@ -42,7 +42,13 @@ from .logparse import LogParser
 CRASH_MESSAGE = ("model runner has unexpectedly stopped, this may be due to resource limitations "
                  "or an internal error")
 
-HEALTH_POLL_S = 0.02  # polls while starting; the log's "model loaded" line usually wins
+# While it starts: the log's "model loaded" line is what ends the wait (then HEALTH_POLL_READY_S
+# until /health says ok). Before that line, /health is asked as a fallback for a build whose
+# log says it otherwise, HEALTH_POLL_S after the start and twice as long after each miss, up to
+# HEALTH_POLL_MAX_S: each ask costs the event loop ~0.5 ms of CPU, which a child loading onto
+# busy cores (RPC workers on the same two) feels; at a fixed 20 ms a 0.1 s swap asked 6 times.
+HEALTH_POLL_S = 0.02
+HEALTH_POLL_MAX_S = 0.25
 HEALTH_POLL_READY_S = 0.002  # polls after that line, until /health says ok
 HEALTH_TIMEOUT_S = 0.5
 # A request that has made no progress (no byte from the child) for STALL_CHECK_S has the
@@ -305,6 +311,7 @@ class Runner:
         deadline_gap = self.load_timeout
         exited = asyncio.ensure_future(self._exited.wait())
         ready_line = asyncio.ensure_future(self._ready_line.wait())
+        gap, asked = HEALTH_POLL_S, False
         try:
             while True:
                 if self._exited.is_set():
@@ -320,7 +327,7 @@ class Runner:
                         + self._crash_hint(),
                         exit_code=self.returncode, log_lines=self.parser.last_error_lines(),
                         oom=self.parser.oom)
-                if await self._health_ok():
+                if asked and await self._health_ok():  # (not before the first wait: it has only just started)
                     self.ready_at = time.monotonic()
                     self.state = RunnerState.READY
                     return
@@ -334,8 +341,9 @@ class Runner:
                 # Wake on exit, on the log's "model loaded" line, or at the next poll tick; once
                 # that line is out, the HTTP listener follows within milliseconds: poll fast.
                 waiters = {exited} if ready_line.done() else {exited, ready_line}
-                await asyncio.wait(waiters, timeout=HEALTH_POLL_READY_S if ready_line.done() else HEALTH_POLL_S,
+                await asyncio.wait(waiters, timeout=HEALTH_POLL_READY_S if ready_line.done() else gap,
                                    return_when=asyncio.FIRST_COMPLETED)
+                gap, asked = min(gap * 2, HEALTH_POLL_MAX_S), True
         finally:
             exited.cancel()
             ready_line.cancel()
