@@ -31,11 +31,14 @@ to the last byte (the stream's wall time). Rounds alternate the order of the sid
   (a paired bootstrap, :func:`ratio_interval`), to say which differences the run can tell;
 * model swap with room for one model (A loaded, B requested, a one-token answer): ours
   against stopping a hand-started child A and starting B (SIGTERM, wait, spawn, poll
-  ``/health`` every 5 ms, one token); goal <= 1.10; the router's swap is shown beside it;
+  ``/health`` every 5 ms, one token); the median of ``--swap-rounds`` swaps a side, the sides
+  taking turns in blocks (:func:`swap_phase`); goal <= 1.10; the router's swap is shown beside
+  it, and a 95% interval for both ratios;
 * with ``--workers`` (the default) all of it again with the model on two RPC workers
   (ggml-rpc-server on loopback, the same two for every side, one llama-server at a time).
 
-Usage: ``.venv/bin/python bench/api_overhead.py [--rounds N] [--n-predict N] [--no-workers]``
+Usage: ``.venv/bin/python bench/api_overhead.py [--rounds N] [--n-predict N] [--swap-rounds N]
+[--phases all|streams|swap] [--no-workers]``
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ SHAPE = SynthShape(layers=4, embd=512, heads=8, kv_heads=8, ctx=2048, type="f16"
 PROMPTS = ["Once upon a time", "The quick brown fox", "In a small village", "Write a poem about"]
 SIDES = ("ours", "bare", "router", "rbare", "hand")
 ROUTES = ("ollama", "openai")
+SWAP_BLOCK = 4  # swaps a side makes in a row before the next side's turn (even: see swap_phase)
 TTFT_SAMPLES = 4  # short requests per round and side, beside the 1-stream turn, for its median time to first token
 
 
@@ -374,45 +378,76 @@ async def one_token(server: Server, model: str | None) -> None:
 
 
 async def swap_phase(ours: Server, load_opts: dict, argvs: dict[str, list[str]], router: Server, procs: Procs,
-                     tmp: Path, rounds: int) -> dict:
-    """Seconds per swap (median) for ours, bare stop-and-start, and the router; A and B
-    alternate, starting from A loaded. Each side has the model to itself while it swaps."""
-    ours_s, bare_s, router_s = [], [], []
+                     tmp: Path, rounds: int, block: int = SWAP_BLOCK) -> dict:
+    """Seconds per swap for ours, bare stop-and-start, and the router: ``rounds`` swaps each,
+    in blocks of ``block`` that take turns (ours, by hand, the router, ours, ...), so that
+    what drifts over the phase (where memory lands, what else the machine does: the by-hand
+    median moved by a quarter between two probes an hour apart) falls on every side alike.
+    Each block starts from A loaded and alternates B and A (``block`` is even: it ends with A
+    loaded again); each side has the model (and the workers) to itself while it swaps. Returns every swap's time and the medians."""
+    times: dict[str, list[float]] = {"ours": [], "bare": [], "router": []}
     target = ["b", "a"]
-    if ours.up is not None:
-        await ours.up()
-    for i in range(rounds):
-        body = {"model": target[i % 2], "prompt": "Hi", "raw": True, "stream": False, "keep_alive": "10m",
-                "options": dict(load_opts, num_predict=1)}
-        t0 = time.perf_counter()
-        async for _ in post_lines(ours.port, "/llama/api/generate", json.dumps(body).encode(), ours.headers):
-            pass
-        ours_s.append(time.perf_counter() - t0)
-    if ours.down is not None:
-        await ours.down(model=target[(rounds - 1) % 2])
-    port = free_port()
-    current = procs.start(bare_argv(argvs["a"], port), tmp / "swap.log")
-    await wait_health(port, current)
-    for i in range(rounds):
-        name = target[i % 2]
-        t0 = time.perf_counter()
-        current.send_signal(signal.SIGTERM)
-        await asyncio.to_thread(current.wait)  # a blocking waitpid: Popen.wait(timeout) polls in 50 ms steps
-        current = procs.start(bare_argv(argvs[name], port), tmp / "swap.log")
-        await wait_health(port, current)
-        await one_token(Server("bare", port), None)
-        bare_s.append(time.perf_counter() - t0)
-    Procs.stop(current)
-    if router.up is not None:
-        await router.up()
-    await one_token(router, "a")
-    for i in range(rounds):
-        t0 = time.perf_counter()
-        await one_token(router, target[i % 2])
-        router_s.append(time.perf_counter() - t0)
-    if router.down is not None:
-        await router.down()
-    return {"ours": statistics.median(ours_s), "bare": statistics.median(bare_s), "router": statistics.median(router_s)}
+
+    async def ours_block() -> None:
+        if ours.up is not None:
+            await ours.up()
+        for i in range(block):
+            body = {"model": target[i % 2], "prompt": "Hi", "raw": True, "stream": False, "keep_alive": "10m",
+                    "options": dict(load_opts, num_predict=1)}
+            t0 = time.perf_counter()
+            async for _ in post_lines(ours.port, "/llama/api/generate", json.dumps(body).encode(), ours.headers):
+                pass
+            times["ours"].append(time.perf_counter() - t0)
+        if ours.down is not None:
+            await ours.down()
+
+    async def bare_block() -> None:
+        port = free_port()
+        current = procs.start(bare_argv(argvs["a"], port), tmp / "swap.log")
+        try:
+            await wait_health(port, current)
+            for i in range(block):
+                t0 = time.perf_counter()
+                current.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(current.wait)  # a blocking waitpid: Popen.wait(timeout) polls in 50 ms steps
+                current = procs.start(bare_argv(argvs[target[i % 2]], port), tmp / "swap.log")
+                await wait_health(port, current)
+                await one_token(Server("bare", port), None)
+                times["bare"].append(time.perf_counter() - t0)
+        finally:
+            Procs.stop(current)
+
+    async def router_block() -> None:
+        if router.up is not None:
+            await router.up()
+        await one_token(router, "a")
+        for i in range(block):
+            t0 = time.perf_counter()
+            await one_token(router, target[i % 2])
+            times["router"].append(time.perf_counter() - t0)
+        if router.down is not None:
+            await router.down()
+
+    # (on the host, ours keeps its model loaded while the others swap: ours.up is None there)
+    sides = (ours_block, bare_block, router_block)
+    for k in range(max(1, rounds // block)):
+        for run in sides[k % 3:] + sides[:k % 3]:
+            await run()
+    out = {side: statistics.median(ts) for side, ts in times.items()}
+    out["times"] = times
+    return out
+
+
+def swap_interval(times: dict[str, list[float]], num: str = "ours", den: str = "bare",
+                  draws: int = 2000) -> tuple[float, float]:
+    """A 95% interval of the ratio of median swap times, by resampling each side's swaps."""
+    import random
+
+    rng = random.Random(11)
+    a, b = times[num], times[den]
+    values = sorted(statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b)))
+                    for _ in range(draws))
+    return values[int(0.025 * draws)], values[int(0.975 * draws) - 1]
 
 
 # ============================================================================ one setup
@@ -502,14 +537,19 @@ async def measure(engine, tmp: Path, args, workers: tuple[LocalWorker, LocalWork
             ours.up, ours.down = ours_up, ours_down
             hand.up, hand.down = hand_up, lambda: down("hand")
             router.up, router.down = router_up, lambda: down("router")
-        else:
+        elif args.phases != "swap":
             await hand_up()
             await router_up()
         servers = {"ours": ours, "bare": bare, "router": router, "rbare": rbare, "hand": hand}
-        res = await streams_phase(servers, [["ours", "bare"], ["router", "rbare"], ["hand"]], args.rounds,
-                                  args.n_predict)
+        res = {}
+        if args.phases != "swap":
+            res = await streams_phase(servers, [["ours", "bare"], ["router", "rbare"], ["hand"]], args.rounds,
+                                      args.n_predict)
         for side in list(running):
             await down(side)
+        if args.phases == "streams":
+            res["argv"] = argvs["a"]
+            return res
         if not workers:
             router.up, router.down = router_up, lambda: down("router")
         res["swap"] = await swap_phase(ours, load_opts, argvs, router, procs, tmp, args.swap_rounds)
@@ -554,13 +594,19 @@ def report(title: str, res: dict) -> bool:
         print(f"{'':<7}{'':>8}  {'time to first token ms':<24}" + "".join(f"{x['ttft_ms']:>8.2f}" for x in (o, b, t, tb, h))
               + f"  ours {added:+.2f}, router {radded:+.2f} (goal <= {limit:+.2f}) {'ok' if good else 'MISSED'}")
         print(f"{'':<7}{'':>8}  {'relay CPU per token us':<24}{o['cpu_us']:>8.0f}{'':>8}{t['cpu_us']:>8.0f}")
+    if "swap" not in res:
+        return ok
     s = res["swap"]
     ratio = s["ours"] / s["bare"]
     good = ratio <= 1.10
     ok &= good
+    lo, hi = swap_interval(s["times"])
+    rlo, rhi = swap_interval(s["times"], "router")
     print(f"{'swap':<7}{'':>8}  {'A loaded, B asked ms':<24}{s['ours'] * 1000:>8.0f}{s['bare'] * 1000:>8.0f}"
           f"{s['router'] * 1000:>8.0f}{'':>16}  ours/by hand {ratio:.2f} (goal <= 1.10), router/by hand "
           f"{s['router'] / s['bare']:.2f} {'ok' if good else 'MISSED'}")
+    print(f"{'':<7}{'':>8}  {'95% intervals':<24}{'':>40}  ours/by hand [{lo:.2f}, {hi:.2f}], router/by hand "
+          f"[{rlo:.2f}, {rhi:.2f}] ({len(s['times']['ours'])} swaps a side, medians)")
     return ok
 
 
@@ -589,10 +635,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--n-predict", type=int, default=64)
-    ap.add_argument("--swap-rounds", type=int, default=8)
+    ap.add_argument("--swap-rounds", type=int, default=24, help=f"swaps per side, in blocks of {SWAP_BLOCK}")
     ap.add_argument("--slots", type=int, default=8, help="the child's -np")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="the child's -t")
     ap.add_argument("--ctx", type=int, default=512, help="context per request (num_ctx)")
+    ap.add_argument("--phases", choices=("all", "streams", "swap"), default="all",
+                    help="measure only the streams or only the swaps (each placement still)")
     ap.add_argument("--no-workers", dest="workers", action="store_false", help="skip the RPC-worker part")
     ap.add_argument("--keep-alive", action="store_true",
                     help="the client keeps its connections open between requests, as ollama-python's and "
