@@ -297,8 +297,13 @@ def ratio_interval(sides: dict, num: str, den: str, vs: tuple[str, str] | None =
         picks = [rng.randrange(n) for _ in range(n)]
         r = ratio(picks, num, den)
         values.append(r - ratio(picks, *vs) if vs else r)
-    values.sort()
-    return values[int(0.025 * draws)], values[int(0.975 * draws) - 1]
+    return middle_95(values)
+
+
+def middle_95(draws: list[float]) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of a bootstrap's draws."""
+    values = sorted(draws)
+    return values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]
 
 
 # ============================================================================ processes
@@ -384,7 +389,8 @@ async def swap_phase(ours: Server, load_opts: dict, argvs: dict[str, list[str]],
     what drifts over the phase (where memory lands, what else the machine does: the by-hand
     median moved by a quarter between two probes an hour apart) falls on every side alike.
     Each block starts from A loaded and alternates B and A (``block`` is even: it ends with A
-    loaded again); each side has the model (and the workers) to itself while it swaps. Returns every swap's time and the medians."""
+    loaded again); each side has the model (and the workers) to itself while it swaps.
+    Returns each side's median and, under ``times``, every swap's seconds."""
     times: dict[str, list[float]] = {"ours": [], "bare": [], "router": []}
     target = ["b", "a"]
 
@@ -445,9 +451,8 @@ def swap_interval(times: dict[str, list[float]], num: str = "ours", den: str = "
 
     rng = random.Random(11)
     a, b = times[num], times[den]
-    values = sorted(statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b)))
-                    for _ in range(draws))
-    return values[int(0.025 * draws)], values[int(0.975 * draws) - 1]
+    return middle_95([statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b)))
+                      for _ in range(draws)])
 
 
 # ============================================================================ one setup
@@ -530,8 +535,8 @@ async def measure(engine, tmp: Path, args, workers: tuple[LocalWorker, LocalWork
             async def ours_up() -> None:
                 load("a")
 
-            async def ours_down(model: str = "a") -> None:
-                c.generate(model, keep_alive=0, stream=False)
+            async def ours_down() -> None:
+                c.generate("a", keep_alive=0, stream=False)
 
             c.generate("a", keep_alive=0, stream=False)
             ours.up, ours.down = ours_up, ours_down
@@ -547,12 +552,10 @@ async def measure(engine, tmp: Path, args, workers: tuple[LocalWorker, LocalWork
                                       args.n_predict)
         for side in list(running):
             await down(side)
-        if args.phases == "streams":
-            res["argv"] = argvs["a"]
-            return res
-        if not workers:
-            router.up, router.down = router_up, lambda: down("router")
-        res["swap"] = await swap_phase(ours, load_opts, argvs, router, procs, tmp, args.swap_rounds)
+        if args.phases != "streams":
+            if not workers:
+                router.up, router.down = router_up, lambda: down("router")
+            res["swap"] = await swap_phase(ours, load_opts, argvs, router, procs, tmp, args.swap_rounds)
         res["argv"] = argvs["a"]
         return res
     finally:

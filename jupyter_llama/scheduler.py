@@ -847,13 +847,16 @@ class Scheduler:
         (``planning``), those that answered a moment ago after our runner let them go (asking
         again would cost a second round of probes before the load)."""
         endpoints = self.settings.rpc_workers
-        held = self.held_workers() if endpoints else {}
-        skip = set(held) | {ep for lo in self._retiring for ep in lo.options.rpc or ()}
-        if endpoints and planning:
-            now = time.monotonic()
-            skip |= {ep for ep, at in self._freed_at.items() if now - at < FREED_FRESH_S}
-            self._freed_at.clear()
-        known = dict(self._worker_status)
+        held: dict[str, str] = {}
+        skip: set[str] = set()
+        if endpoints:
+            held = self.held_workers()
+            skip = set(held) | {ep for lo in self._retiring for ep in lo.options.rpc or ()}
+            if planning:
+                now = time.monotonic()
+                skip |= {ep for ep, at in self._freed_at.items() if now - at < FREED_FRESH_S}
+                self._freed_at.clear()
+        known = dict(self._worker_status)  # (a copy: the thread reads it while the loop may change it)
 
         def take() -> devmod.Inventory:  # in one thread: the host's devices, then the workers' probes
             inv = self._inventory_fn()

@@ -95,7 +95,7 @@ def _path(cc: str) -> Path:
 
 def _build() -> None:
     global _lib, _why_not
-    if os.environ.get("JUPYTER_LLAMA_RELAY", "").lower() == "python":
+    if (config.env("RELAY") or "").lower() == "python":
         _why_not = "JUPYTER_LLAMA_RELAY=python"
         return
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
