@@ -768,6 +768,7 @@ class _Lines:
         self._head = b'{"model":' + json.dumps(self.model).encode() + b',"created_at":"'
 
     hold_final = False  # streamed, the last chunk is left out of ``lines`` (its caller completes and sends it)
+    final: dict | None = None  # the last chunk, once the child's last event has been fed
 
     def _text(self, m: re.Match) -> None:
         """A text-only event as its line is written (for a translator that keeps something of it)."""
@@ -921,6 +922,10 @@ class ThinkingGenerateTranslator(_Lines):
             out["thinking"] = msg["thinking"]
         out.update((k, v) for k, v in d.items() if k not in ("model", "created_at", "message"))
         return out
+
+    @property
+    def final(self) -> dict | None:
+        return self.chat.final
 
     def feed(self, event: dict) -> list[dict]:
         return [self._as_generate(c) for c in self.chat.feed(event)]

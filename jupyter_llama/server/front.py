@@ -147,6 +147,7 @@ class _LeanConnection(httputil.HTTPConnection):
         self._closed = False
         self._idle: asyncio.TimerHandle | None = None
         self._chunked = False
+        self._tail = b""  # an answer's last chunk, framed, held to go out with its end (hold)
         self._close_after = False
         self._answering = False
         self._max_body: int | None = None  # a handler's limit on its body (set_max_body_size)
@@ -248,6 +249,7 @@ class _LeanConnection(httputil.HTTPConnection):
             return
         self._close_after = headers.get("Connection", "").lower() == "close"
         self._chunked = False
+        self._tail = b""
         self._max_body = None
         self._answering = True
         self._watch(True)  # to hear of the client leaving while the answer is made
@@ -320,11 +322,20 @@ class _LeanConnection(httputil.HTTPConnection):
         return self._send(data)
 
     def write(self, chunk: bytes) -> asyncio.Future:
+        if chunk and self._tail:
+            data, self._tail = self._tail + self._frame(chunk), b""
+            return self._send(data)
         return self._send(self._frame(chunk))
 
+    def hold(self, chunk: bytes) -> None:
+        """Keep ``chunk``, an answer's last, to go out in one send with the body's end
+        (:meth:`finish`), or before the next write: the client is woken once, not twice."""
+        self._tail += self._frame(chunk)
+
     def finish(self) -> None:
-        if self._chunked:
-            self._send(b"0\r\n\r\n")
+        data, self._tail = self._tail + (b"0\r\n\r\n" if self._chunked else b""), b""
+        if data:
+            self._send(data)
         self._finish_request()
 
     def _frame(self, chunk: bytes) -> bytes:
@@ -347,7 +358,7 @@ class _LeanConnection(httputil.HTTPConnection):
         the answer's head has gone and nothing of ours waits to be written; until
         :meth:`take_back`, nothing here reads, writes or closes it (a close asked meanwhile
         calls ``stop`` and happens then)."""
-        if self._closed or self._out or not self._chunked or not self._answering or self._lent is not None:
+        if self._closed or self._out or self._tail or not self._chunked or not self._answering or self._lent is not None:
             return None
         self._lent = stop
         self._back = self.loop.create_future()
@@ -377,6 +388,9 @@ class _LeanConnection(httputil.HTTPConnection):
             fut.exception()
             return fut
         if not self._out:
+            if not data:  # (Tornado's finish writes what is left of its buffer, mostly nothing)
+                fut.set_result(None)
+                return fut
             try:
                 n = self.sock.send(data)
             except BlockingIOError:

@@ -380,7 +380,17 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             return None
         return native.Target(spec, lend, conn.take_back)
 
-    def end_stream(self, content_type: str):
+    def end_stream(self, content_type: str, last: bytes = b""):
+        """Finish the open stream, ``last`` its last bytes: on serve's lean connection they
+        go out in one send with the body's end (``hold``), elsewhere as one more write."""
+        if last:
+            if self._gone:
+                raise ClientGone()
+            hold = getattr(self.request.connection, "hold", None)
+            if hold is not None and self._headers_written and not self._transforms:
+                hold(last)
+            else:
+                self.write(last)
         return self.finish(set_content_type=content_type)
 
     async def preset_of(self, body: dict):
@@ -426,23 +436,32 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             return
         self.start_stream(NDJSON)
         write = self.stream_writer()
+        last: list[bytes] = []  # the lines from the last chunk on: they go with the body's end
 
         def send_on(batch: list[bytes]):
             if not batch:  # the child's answer has begun: our head goes now, while it makes the first token
                 return write(b"")
             out = b"".join([translator.lines(data) for data in batch])
+            if translator.final is not None:  # (the child's stream ends here: its EOF is next)
+                last.append(out)
+                return None
             return write(out) if out else None
 
         spelled = translator.native_template()
         if spelled is not None:
             send_on.native = self.native_target(native.template(*spelled))
-        await start(send_on)
+        try:
+            await start(send_on)
+        except Exception:
+            if last:  # what came before the failure goes before its error line
+                waiting = write(b"".join(last))
+                if waiting is not None:
+                    await waiting
+            raise
         if complete is not None and translator.final is not None:
             await complete(translator.final)
-            waiting = write(ndjson(translator.final))
-            if waiting is not None:
-                await waiting
-        self.end_stream(NDJSON)
+            last.append(ndjson(translator.final))
+        self.end_stream(NDJSON, b"".join(last))
 
 
 # ============================================================================ Ollama
@@ -985,9 +1004,7 @@ class OpenAIHandler(LlamaHandler):
                 await lease.runner.send_chat(req.body, frame)
             else:
                 await lease.runner.relay_sse(req.endpoint, req.body, frame, named=req.named)
-            if not req.named:
-                await self.send(oai.SSE_DONE)
-            self.end_stream(SSE)
+            self.end_stream(SSE, b"" if req.named else oai.SSE_DONE)
         finally:
             lease.release()
 

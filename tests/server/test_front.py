@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import httpx
 import pytest
@@ -100,6 +101,39 @@ async def test_api_requests_are_answered_on_the_lean_connection(front, token, ex
         denied = await c.get(f"http://127.0.0.1:{port}{BASE}llama/api/tags")
     assert denied.status_code == 401 and denied.json()["error"] and server.lean_requests == 6
     await wait_until(lambda: not server._connections, timeout=5)  # each closed with its client
+
+
+async def test_a_streams_last_line_goes_out_with_the_end_of_its_body(front, token, monkeypatch):
+    """The last line (Ollama's done chunk, OpenAI's [DONE]) and the chunked body's end leave
+    in one send, and Tornado's finish writes no empty one: the client is woken once at the
+    end, not two or three times."""
+    server, port = front
+    sent: list[bytes] = []  # what the server's side of a connection sent, a send at a time
+    send = socket.socket.send
+
+    def recorded(sock, data, *flags):
+        if sock.family == socket.AF_INET and sock.getsockname()[1] == port:  # (not the loops' self-pipes)
+            sent.append(bytes(data))
+        return send(sock, data, *flags)
+
+    monkeypatch.setattr(socket.socket, "send", recorded)
+    for path, body, end in (
+            ("api/generate", {"model": "tiny", "prompt": "Once", "raw": True, "options": dict(OPTS, num_predict=3)},
+             b'"done":true'),
+            ("api/chat", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                          "options": dict(OPTS, num_predict=3)}, b'"done":true'),
+            ("v1/chat/completions", {"model": "tiny", "stream": True, "max_tokens": 3,
+                                     "messages": [{"role": "user", "content": "hi"}]}, b"data: [DONE]\n\n")):
+        sent.clear()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request(path, token, body))
+        status, _, text = await response(reader)
+        writer.close()
+        assert status == 200 and end in text, (path, text[-200:])
+        assert b"" not in sent, path
+        last = sent[-1]
+        assert last.endswith(b"\r\n0\r\n\r\n") and end in last, (path, sent[-3:])
+        assert not any(end in data for data in sent[:-1]), path  # (said once, in that send)
 
 
 async def test_a_connection_goes_on_to_tornado_at_a_request_boundary(front, token):
