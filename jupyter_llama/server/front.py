@@ -203,7 +203,8 @@ class _LeanConnection(httputil.HTTPConnection):
         if sizes is None:
             self._hand_over()
             return
-        self._watch(False)
+        # (the watch stays on: while the answer is made it hears the client leave, see _dispatch;
+        # taking it off and on again costs uvloop a new poll handle and four epoll_ctl calls)
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
