@@ -98,7 +98,8 @@ def error_status(exc: BaseException) -> tuple[int, str]:
         return 400, str(exc)
     if isinstance(exc, (RunnerCrashed, EngineError)):
         return 500, str(exc)
-    return 500, f"internal error: {exc!r}"
+    return 500, (f"internal error in jupyter-llama ({type(exc).__name__}: {exc}); this is a bug: the server's log "
+                 "has its traceback, and a report of it with what you sent is welcome")
 
 
 def _finite(obj):

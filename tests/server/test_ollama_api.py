@@ -194,6 +194,14 @@ async def test_embed(http):
 # ----------------------------------------------------------------------------- errors
 
 
+def test_an_unexpected_error_is_said_as_a_bug_with_where_its_traceback_is():
+    from jupyter_llama.server.handlers import error_status
+
+    status, msg = error_status(AttributeError("'X' object has no attribute 'final'"))
+    assert status == 500 and msg.startswith("internal error in jupyter-llama (AttributeError: 'X' object has no")
+    assert "AttributeError(" not in msg and "log has its traceback" in msg
+
+
 async def test_error_statuses(http):
     async def err(method, path, status, **kw):
         r = await http.request(method, path, **kw)
