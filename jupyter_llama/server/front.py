@@ -250,7 +250,6 @@ class _LeanConnection(httputil.HTTPConnection):
             return
         self._close_after = headers.get("Connection", "").lower() == "close"
         self._chunked = False
-        self._tail = b""
         self._max_body = None
         self._answering = True
         self._watch(True)  # to hear of the client leaving while the answer is made
@@ -323,15 +322,13 @@ class _LeanConnection(httputil.HTTPConnection):
         return self._send(data)
 
     def write(self, chunk: bytes) -> asyncio.Future:
-        if chunk and self._tail:
-            data, self._tail = self._tail + self._frame(chunk), b""
-            return self._send(data)
         return self._send(self._frame(chunk))
 
     def hold(self, chunk: bytes) -> None:
-        """Keep ``chunk``, an answer's last, to go out in one send with the body's end
-        (:meth:`finish`), or before the next write: the client is woken once, not twice."""
-        self._tail += self._frame(chunk)
+        """Keep ``chunk``, an answer's last, to go out in one send with the body's end: the
+        handler's finish follows at once (its empty write before that sends nothing), and
+        the client is woken once, not twice."""
+        self._tail = self._frame(chunk)
 
     def finish(self) -> None:
         data, self._tail = self._tail + (b"0\r\n\r\n" if self._chunked else b""), b""
@@ -359,7 +356,7 @@ class _LeanConnection(httputil.HTTPConnection):
         the answer's head has gone and nothing of ours waits to be written; until
         :meth:`take_back`, nothing here reads, writes or closes it (a close asked meanwhile
         calls ``stop`` and happens then)."""
-        if self._closed or self._out or self._tail or not self._chunked or not self._answering or self._lent is not None:
+        if self._closed or self._out or not self._chunked or not self._answering or self._lent is not None:
             return None
         self._lent = stop
         self._back = self.loop.create_future()
