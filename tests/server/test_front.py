@@ -77,10 +77,12 @@ async def test_api_requests_are_answered_on_the_lean_connection(front, token, ex
                                  headers={"Authorization": f"token {token}"}) as c:
         assert (await c.get("api/version")).json()["version"]
         async with c.stream("POST", "api/generate", json={"model": "tiny", "prompt": "Once", "raw": True,
-                                                          "options": dict(OPTS, num_predict=5)}) as r:
+                                                          # long enough that a busy machine's child
+                                                          # cannot make it all before the relay is tried
+                                                          "options": dict(LONG, num_predict=1024, ignore_eos=True)}) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
             chunks = [json.loads(ln) async for ln in r.aiter_lines() if ln.strip()]
-        assert chunks[-1]["done"] is True and chunks[-1]["eval_count"] == 5 and len(chunks) == 6
+        assert chunks[-1]["done"] is True and chunks[-1]["eval_count"] == 1024 and len(chunks) == 1025
         assert all(c["model"] == "tiny" and c["created_at"].endswith("+00:00") for c in chunks)
         assert all(c["done"] is False and c["response"] for c in chunks[:-1]) and chunks[-1]["done_reason"] == "length"
         sse = await c.post("v1/chat/completions", json={"model": "tiny", "stream": True, "max_tokens": 3,
