@@ -23,6 +23,7 @@ import asyncio
 import ctypes
 import hashlib
 import os
+import select
 import shutil
 import subprocess
 import tempfile
@@ -125,7 +126,7 @@ def _build() -> None:
     except OSError as e:
         _why_not = f"{path} does not load: {e}"
         return
-    lib.jl_relay.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Spec), ctypes.c_char_p,
+    lib.jl_relay.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Spec), ctypes.c_char_p,
                              ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(_State)]
     lib.jl_relay.restype = ctypes.c_int
     _lib = lib
@@ -193,6 +194,7 @@ class Run:
         self._out = ctypes.create_string_buffer(OUT_BUFFER)
         self._stop_r, self._stop_w = os.pipe()
         os.set_blocking(self._stop_r, False)
+        self._ep = select.epoll()  # what the relay waits on (its thread's own: see relay.c's watch)
         self._go = threading.Semaphore(0)
         self._job: tuple | None = None
         self._stopped = False
@@ -220,8 +222,8 @@ class Run:
         while True:
             self._go.acquire()
             src, dst, spec, loop, done = self._job
-            why = self._lib.jl_relay(src, dst, self._stop_r, spec, self._buf, READ_BUFFER, self._out, OUT_BUFFER,
-                                     ctypes.byref(self.state))
+            why = self._lib.jl_relay(self._ep.fileno(), src, dst, self._stop_r, spec, self._buf, READ_BUFFER,
+                                     self._out, OUT_BUFFER, ctypes.byref(self.state))
             try:
                 loop.call_soon_threadsafe(done, why)
             except RuntimeError:  # (the loop has closed: nobody is waiting)

@@ -7,6 +7,7 @@ tests/server/test_front.py.)"""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import re
 import socket
@@ -84,6 +85,7 @@ def start(pair: Pair, spec) -> tuple[native.Run, asyncio.Future]:
 
 async def test_tokens_are_written_as_the_python_relay_writes_them_and_the_rest_handed_back(pair):
     tr = oa.GenerateTranslator("tiny:latest", 0.0, 0.0)
+    before = datetime.datetime.now(datetime.timezone.utc)
     texts = [" the", "é\"quoted\"\\", "\n", "日本", "\u2028"]
     events = [completion_event(t) for t in texts]
     last = chunk(b"data: " + completion_event("", stop=True) + b"\n\n") + b"0\r\n\r\n"
@@ -102,7 +104,8 @@ async def test_tokens_are_written_as_the_python_relay_writes_them_and_the_rest_h
     want = b"".join(tr.lines(e) for e in events)
     assert STAMP.sub(b"", got) == STAMP.sub(b"", want) and len(STAMP.findall(got)) == len(texts)
     for line in got.splitlines():
-        json.loads(line)
+        stamped = datetime.datetime.fromisoformat(json.loads(line)["created_at"])
+        assert before <= stamped <= datetime.datetime.now(datetime.timezone.utc)  # the time it was written
 
 
 async def test_an_event_it_does_not_write_goes_back_before_any_of_its_chunk(pair):
