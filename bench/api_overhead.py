@@ -77,8 +77,8 @@ SIDES = ("ours", "bare", "router", "rbare", "hand")
 ROUTES = ("ollama", "openai")
 SWAP_BLOCK = 4  # swaps a side makes in a row before the next side's turn (even: see swap_phase)
 TTFT_SAMPLES = 4  # short requests per round and side, beside the 1-stream turn, for its median time to first token
-# 1-stream turns per round and side: with one (64 tokens, ~0.2 s; 1,024 tokens a side in 16 rounds)
-# a 1-stream ratio's 95% interval was +-0.03, the goal's whole margin; four should halve it
+# 1-stream turns per round and side (each 64 tokens): with one, 1,024 tokens a side in 16 rounds, a
+# 1-stream ratio's 95% interval was +-0.03, the goal's whole margin
 SINGLE_TURNS = 4
 
 

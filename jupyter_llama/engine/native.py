@@ -126,8 +126,8 @@ def _build() -> None:
     except OSError as e:
         _why_not = f"{path} does not load: {e}"
         return
-    lib.jl_relay.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Spec), ctypes.c_char_p,
-                             ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(_State)]
+    lib.jl_relay.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Spec),
+                             ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(_State)]
     lib.jl_relay.restype = ctypes.c_int
     _lib = lib
 
