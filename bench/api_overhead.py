@@ -39,7 +39,7 @@ to the last byte (the stream's wall time). Rounds alternate the order of the sid
   (ggml-rpc-server on loopback, the same two for every side, one llama-server at a time).
 
 Usage: ``.venv/bin/python bench/api_overhead.py [--rounds N] [--n-predict N] [--swap-rounds N]
-[--phases all|streams|swap] [--no-workers]``
+[--phases all|streams|swap] [--no-workers] [--keep-alive]``
 """
 
 from __future__ import annotations
