@@ -1,5 +1,6 @@
-"""The token relay below Python (``relay.c``): a stream's tokens from the child's socket to
-the client's, in a thread that holds no Python lock, while the event loop sleeps.
+"""The token relay below Python (``relay.c``): streams' tokens from the child's socket to
+the client's, in one thread for all of them (the hub) that holds no Python lock, while the
+event loop sleeps.
 
 Why: on two slow cores a Python process woken for each token costs 110 us of CPU for the
 smallest relay that can be written on uvloop, and the manager's ~300 (its interpreter,
@@ -11,6 +12,12 @@ byte for byte what the Python relay would write; everything else in a stream (it
 last event with the timings, an error, a tool call, the end) stays in Python: the C relay
 stops at the first chunk that is not a token of text and hands it back, unread, with the
 rest (see ``relay.c``).
+
+Why one thread for every stream: with a thread a stream, a batch of eight slots' tokens
+woke eight threads, each to relay one token and sleep again (perf put ~30% of the manager's
+time in the scheduler's switches); one thread waiting on one epoll set is woken fewer times
+for the batch. The relay's CPU a token at 8 streams of 64 tokens, three alternating pairs of
+16 bursts: 30-38 us with a thread a stream, 23-26 with the hub.
 
 The library is compiled from ``relay.c`` with the machine's C compiler on first use and
 cached beside the engine builds (``~/.cache/jupyter-llama/relay``); without a compiler, or
@@ -25,6 +32,7 @@ import hashlib
 import os
 import select
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -40,7 +48,7 @@ TEMPLATE, SSE = 0, 1
 GIVE_BACK, CHILD_ENDED, CLIENT_GONE, STOPPED = 1, 2, 3, 4
 READ_BUFFER = 64 * 1024  # the child's bytes one read may bring (a larger chunk goes to Python)
 OUT_BUFFER = 96 * 1024
-MAX_RUNS = 64  # streams relayed below Python at once (each holds a thread); more use the Python relay
+MAX_RUNS = 64  # streams relayed below Python at once (each holds its buffers, 160 KiB); more use the Python relay
 
 
 class _Spec(ctypes.Structure):
@@ -80,8 +88,10 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why_not: str | None = None  # why there is no library (None: not tried yet, or loaded)
 _ready = threading.Event()
-_idle: list["Run"] = []  # runs whose threads wait for a stream
-_threads = 0
+_hub: select.epoll | None = None  # the set the hub waits on (made with the first run, open while the process lives)
+_idle: list["Run"] = []  # runs not relaying a stream now, for the next one
+_running: dict[int, "Run"] = {}  # by number: the runs the hub has, until it gives them back
+_made = 0  # runs made (each holds its buffers); at most MAX_RUNS
 relayed_events = 0  # tokens relayed below Python in this process (the tests read it)
 
 
@@ -126,9 +136,14 @@ def _build() -> None:
     except OSError as e:
         _why_not = f"{path} does not load: {e}"
         return
-    lib.jl_relay.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Spec),
-                             ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(_State)]
-    lib.jl_relay.restype = ctypes.c_int
+    lib.jl_stream_size.restype = ctypes.c_int
+    lib.jl_start.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                             ctypes.POINTER(_Spec), ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    lib.jl_start.restype = ctypes.c_int
+    lib.jl_result.argtypes = [ctypes.c_char_p, ctypes.POINTER(_State)]
+    lib.jl_result.restype = ctypes.c_int
+    lib.jl_hub_run.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.jl_hub_run.restype = None
     _lib = lib
 
 
@@ -179,58 +194,96 @@ class Target:
         self.spec, self.lend, self.take_back = spec, lend, take_back
 
 
+def _start_hub(lib: ctypes.CDLL) -> int:
+    """The hub's epoll set, its thread (in ``jl_hub_run`` for good, without the Python lock)
+    and the thread that hears which streams it has stopped and tells their event loops."""
+    global _hub
+    with _lock:
+        if _hub is None:
+            ep = select.epoll()
+            notify_r, notify_w = os.pipe()
+            threading.Thread(target=lib.jl_hub_run, args=(ep.fileno(), notify_w), name="jupyter-llama-relay",
+                             daemon=True).start()
+            threading.Thread(target=_hear, args=(notify_r,), name="jupyter-llama-relay-done", daemon=True).start()
+            _hub = ep
+    return _hub.fileno()
+
+
+def _hear(notify: int) -> None:
+    """The numbers of the streams the hub has stopped (ints, as the pipe brings them): each
+    run's ``done(why)`` goes to its event loop."""
+    size = ctypes.sizeof(ctypes.c_int)
+    pending = b""
+    while True:
+        data = os.read(notify, 4096)
+        if not data:
+            return
+        pending += data
+        whole = len(pending) - len(pending) % size
+        for (number,) in struct.iter_unpack("i", pending[:whole]):
+            run = _running.pop(number, None)
+            if run is not None:
+                run._ended()
+        pending = pending[whole:]
+
+
 class Run:
-    """One stretch of a stream relayed by C, on a thread of its own (kept for the next run
-    once this one is closed): from :meth:`start` until the C relay returns (see ``relay.c``
-    for why it does), when ``done(why)`` is called in the event loop with one of GIVE_BACK,
+    """One stretch of a stream relayed by C, on the hub (kept for the next stretch once this
+    one is closed): from :meth:`start` until the C relay stops (see ``relay.c`` for why it
+    does), when ``done(why)`` is called in the event loop with one of GIVE_BACK,
     CHILD_ENDED, CLIENT_GONE and STOPPED. Then :meth:`leftover` is the child's bytes it did
     not relay and :meth:`unsent` ours the client had not taken; :meth:`close` gives the
-    thread back."""
+    run back."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, number: int):
         self._lib = lib
+        self.number = number
         self.state = _State()
+        self._mem = ctypes.create_string_buffer(lib.jl_stream_size())
         self._buf = ctypes.create_string_buffer(READ_BUFFER)
         self._out = ctypes.create_string_buffer(OUT_BUFFER)
         self._stop_r, self._stop_w = os.pipe()
         os.set_blocking(self._stop_r, False)
-        self._ep = select.epoll()  # what the relay waits on (its thread's own: see relay.c's watch)
-        self._go = threading.Semaphore(0)
         self._job: tuple | None = None
         self._stopped = False
-        threading.Thread(target=self._serve, name="jupyter-llama-relay", daemon=True).start()
+        self._spoilt = False  # not to be started again (see jl_start)
 
     @staticmethod
     def make() -> "Run | None":
         """A run, or None when the library is not loaded or MAX_RUNS relay at once."""
-        global _threads
+        global _made
         if _lib is None:
             return None
         if _idle:
             return _idle.pop()
-        if _threads >= MAX_RUNS:
+        if _made >= MAX_RUNS:
             return None
-        _threads += 1
-        return Run(_lib)
+        _made += 1
+        return Run(_lib, _made)
 
     def start(self, src: int, dst: int, spec: _Spec, done: Callable[[int], None]) -> None:
-        self._spec = spec  # (kept alive while the thread reads it)
-        self._job = (src, dst, ctypes.byref(spec), asyncio.get_running_loop(), done)
-        self._go.release()
+        loop = asyncio.get_running_loop()
+        self._spec = spec  # (kept alive while the hub reads it)
+        self._job = (loop, done)
+        self.state = _State()
+        _running[self.number] = self
+        if self._lib.jl_start(_start_hub(self._lib), self._mem, src, dst, self._stop_r, self.number,
+                              ctypes.byref(spec), self._buf, READ_BUFFER, self._out, OUT_BUFFER) < 0:
+            del _running[self.number]  # (its sockets cannot be watched: nothing was read)
+            self._spoilt = True
+            loop.call_soon(done, GIVE_BACK)
 
-    def _serve(self) -> None:
-        while True:
-            self._go.acquire()
-            src, dst, spec, loop, done = self._job
-            why = self._lib.jl_relay(self._ep.fileno(), src, dst, self._stop_r, spec, self._buf, READ_BUFFER,
-                                     self._out, OUT_BUFFER, ctypes.byref(self.state))
-            try:
-                loop.call_soon_threadsafe(done, why)
-            except RuntimeError:  # (the loop has closed: nobody is waiting)
-                pass
+    def _ended(self) -> None:
+        """(In the thread that hears the hub.)"""
+        why = self._lib.jl_result(self._mem, ctypes.byref(self.state))
+        loop, done = self._job
+        try:
+            loop.call_soon_threadsafe(done, why)
+        except RuntimeError:  # (the loop has closed: nobody is waiting)
+            pass
 
     def stop(self) -> None:
-        """Make the relay return (STOPPED) as soon as it can."""
+        """Make the relay stop (STOPPED) as soon as it can."""
         if not self._stopped:
             self._stopped = True
             os.write(self._stop_w, b"x")
@@ -244,7 +297,7 @@ class Run:
         return ctypes.string_at(ctypes.addressof(self._out) + s.unsent_off, s.unsent_len) if s.unsent_len > 0 else b""
 
     def close(self) -> None:
-        """Give the thread back (once ``done`` has been called)."""
+        """Give the run back (once ``done`` has been called)."""
         global relayed_events
         relayed_events += self.state.events
         if self._stopped:
@@ -253,5 +306,7 @@ class Run:
             except BlockingIOError:
                 pass
             self._stopped = False
-        self._job = self._spec = None
-        _idle.append(self)
+        self._job = None
+        if not self._spoilt:
+            self._spec = None
+            _idle.append(self)

@@ -1,13 +1,16 @@
-/* The token relay below Python (see native.py): a llama-server child's chunked stream of
- * server-sent events, read from one socket, and the client's chunked stream written on
- * another, in a thread of its own that holds no Python lock.
+/* The token relay below Python (see native.py): llama-server children's chunked streams of
+ * server-sent events, each read from one socket, and the clients' chunked streams written on
+ * others, all of them by one thread that holds no Python lock (the hub, jl_hub_run), waiting
+ * on one epoll set: a batch of eight slots' tokens wakes it fewer times than it would eight
+ * threads, one a stream.
  *
  * It relays only the events it can write exactly as the Python relay would (a token of
  * text, one event per line of "data: ..."), and stops at the first chunk that holds any
  * other line (the last event with its timings, an error, a tool call, [DONE], the end of the
  * body), leaving that chunk and everything after it, unread by it, to the Python relay. It
  * also stops when the child's connection ends, when the client hangs up, and when told to
- * (a byte on `stop`).
+ * (a byte on the stream's `stop`). Each time a stream stops, its number goes to the hub's
+ * `notify` pipe, for Python to take it back.
  *
  * Two ways to write an event:
  *   JL_TEMPLATE  an Ollama line: the event must start as the spec's pattern says (literal
@@ -19,10 +22,11 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <poll.h>
+#include <pthread.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
+#include <stdint.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -132,20 +136,27 @@ static void digits(char *p, long n, int width) {
 }
 
 /* Now as RFC 3339, UTC, microseconds: 2026-01-02T03:04:05.123456+00:00 (32 bytes). Written by
- * hand, as the size line is: snprintf's machinery for the size line alone was 6% of this
- * thread's time (perf, one stream), and strftime is heavier. */
+ * hand, as the size line is: snprintf's machinery for the size line alone was 6% of the relay's
+ * time (perf, one stream), strftime is heavier, and gmtime_r takes glibc's time-zone lock. The
+ * date from the days since 1970 by the civil calendar (eras of 400 years, March-based years). */
 static int stamp_now(char *buf) {
     struct timespec t;
-    struct tm tm;
     clock_gettime(CLOCK_REALTIME, &t);
-    gmtime_r(&t.tv_sec, &tm);
+    long days = t.tv_sec / 86400, secs = t.tv_sec % 86400;
+    long z = days + 719468, era = z / 146097;
+    long doe = z - era * 146097;                                  /* [0, 146096] */
+    long yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365; /* [0, 399] */
+    long doy = doe - (365 * yoe + yoe / 4 - yoe / 100);           /* [0, 365] */
+    long mp = (5 * doy + 2) / 153;                                /* [0, 11], from March */
+    long day = doy - (153 * mp + 2) / 5 + 1, month = mp < 10 ? mp + 3 : mp - 9;
+    long year = yoe + era * 400 + (month <= 2);
     memcpy(buf, "0000-00-00T00:00:00.000000+00:00", 32);
-    digits(buf, tm.tm_year + 1900L, 4);
-    digits(buf + 5, tm.tm_mon + 1, 2);
-    digits(buf + 8, tm.tm_mday, 2);
-    digits(buf + 11, tm.tm_hour, 2);
-    digits(buf + 14, tm.tm_min, 2);
-    digits(buf + 17, tm.tm_sec, 2);
+    digits(buf, year, 4);
+    digits(buf + 5, month, 2);
+    digits(buf + 8, day, 2);
+    digits(buf + 11, secs / 3600, 2);
+    digits(buf + 14, secs / 60 % 60, 2);
+    digits(buf + 17, secs % 60, 2);
     digits(buf + 20, t.tv_nsec / 1000, 6);
     return 32;
 }
@@ -158,127 +169,197 @@ static int size_line(char *end, int n) {
     return (int)(end - p);
 }
 
-/* Wait until the client takes out[*off..*off+*len): 0 when it has, else why not. */
-static int send_all(int dst, int stop, char *out, int *off, int *len) {
-    while (*len > 0) {
-        ssize_t n = send(dst, out + *off, *len, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n > 0) { *off += (int)n; *len -= (int)n; continue; }
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return JL_CLIENT_GONE;
-        struct pollfd p[2] = {{dst, POLLOUT | POLLRDHUP, 0}, {stop, POLLIN, 0}};
-        if (poll(p, 2, -1) < 0 && errno != EINTR) return JL_STOPPED;
-        if (p[1].revents) return JL_STOPPED;
-        if (p[0].revents & (POLLRDHUP | POLLHUP | POLLERR)) return JL_CLIENT_GONE;
-    }
-    return 0;
+/* One stream the hub relays. Python holds its memory (jl_stream_size bytes) and reads its
+ * outcome with jl_result once its number has come through `notify`. */
+struct jl_stream {
+    int src, dst, stop, id;
+    const struct jl_spec *spec;
+    char *buf; int cap;     /* the child's bytes: [pos, have) not parsed yet */
+    char *out; int ocap;    /* ours: [unsent_off, unsent_off + unsent_len) not taken by the client */
+    int have, pos;
+    int why;                /* why it stops (once what is unsent has gone, for a GIVE_BACK) */
+    int sending;            /* waiting for the client to take what is unsent (src not watched) */
+    int over;               /* stopped: events still in this wait's batch are not for it */
+    struct jl_state st;
+    pthread_mutex_t lock;   /* held by jl_start while it adds the sockets, and by the hub for an event */
+};
+
+enum { SRC = 0, DST = 1, STOP = 2 };
+
+static int arm(int ep, int op, int fd, unsigned events, struct jl_stream *s, int role) {
+    struct epoll_event e = {.events = events, .data.u64 = (uint64_t)(uintptr_t)s | (uint64_t)role};
+    return epoll_ctl(ep, op, fd, &e);
 }
 
-static int relay(int ep, int src, int dst, int stop, const struct jl_spec *s, char *buf, int cap, char *out,
-                 int ocap, struct jl_state *st) {
-    int have = 0, pos = 0, why = 0;
-    char stamp[32];
+/* Read into chunks of ours what has come complete, in order, until one is not ours to write
+ * (s->why = JL_GIVE_BACK) or ours is full: ours is then at out[FRAME, o), and s->pos past the
+ * chunks it holds. Returns o. */
+static int translate(struct jl_stream *s, int *relayed, int *full) {
+    const struct jl_spec *sp = s->spec;
+    char *buf = s->buf, stamp[32];
+    int o = FRAME, stamp_len = 0;
+    *relayed = 0; *full = 0;
+    while (!s->why) {
+        const char *c = buf + s->pos, *end = buf + s->have;
+        const char *eol = memchr(c, '\r', end - c);
+        if (eol == NULL || eol + 1 >= end) break; /* its size line is still to come */
+        long size = 0;
+        const char *h = c;
+        for (; h < eol; h++) {
+            int v = (*h >= '0' && *h <= '9') ? *h - '0' : (*h >= 'a' && *h <= 'f') ? *h - 'a' + 10
+                    : (*h >= 'A' && *h <= 'F') ? *h - 'A' + 10 : -1;
+            if (v < 0 || size > (1L << 24)) break;
+            size = size * 16 + v;
+        }
+        if (h != eol || h == c || eol[1] != '\n' || size == 0) { s->why = JL_GIVE_BACK; break; }
+        const char *data = eol + 2;
+        if (data + size + 2 > end) {
+            if ((long)(data - buf) + size + 2 > s->cap) s->why = JL_GIVE_BACK; /* larger than our buffer */
+            break;
+        }
+        if (data[size] != '\r' || data[size + 1] != '\n' || data[size - 1] != '\n') { s->why = JL_GIVE_BACK; break; }
+        if (sp->mode == JL_TEMPLATE && stamp_len == 0) stamp_len = stamp_now(stamp);
+        int mark = o, n_events = 0, ok = 1;
+        for (const char *l = data; l < data + size;) {
+            const char *nl = memchr(l, '\n', data + size - l);
+            int ln = (int)(nl - l);
+            if (ln > 0 && l[ln - 1] == '\r') ln--;
+            int r = one_line(sp, l, ln, s->out, &o, s->ocap - 2, stamp, stamp_len);
+            if (r < 0) { s->why = JL_GIVE_BACK; ok = 0; break; }
+            if (r == 0) { *full = 1; ok = 0; break; }
+            n_events += ln > 0;
+            l = nl + 1;
+        }
+        if (!ok) { o = mark; break; } /* this chunk is left whole: to Python, or for the next round */
+        *relayed += n_events;
+        s->pos = (int)(data + size + 2 - buf);
+    }
+    if (*full && o == FRAME) s->why = JL_GIVE_BACK; /* one event larger than all of ours */
+    return o;
+}
+
+/* Move the stream on as far as it goes without waiting: send what is unsent, translate and
+ * send what has come, read what the child has sent. 0: it waits (for the child's bytes, or
+ * for the client to take ours); else why it stops. */
+static int pump(int ep, struct jl_stream *s) {
     for (;;) {
-        /* the complete chunks read so far, into one chunk of ours */
-        int o = FRAME, relayed = 0, stamp_len = 0;
-        int full = 0;
-        while (!why) {
-            const char *c = buf + pos, *end = buf + have;
-            const char *eol = memchr(c, '\r', end - c);
-            if (eol == NULL || eol + 1 >= end) break; /* its size line is still to come */
-            long size = 0;
-            const char *h = c;
-            for (; h < eol; h++) {
-                int v = (*h >= '0' && *h <= '9') ? *h - '0' : (*h >= 'a' && *h <= 'f') ? *h - 'a' + 10
-                        : (*h >= 'A' && *h <= 'F') ? *h - 'A' + 10 : -1;
-                if (v < 0 || size > (1L << 24)) break;
-                size = size * 16 + v;
+        while (s->st.unsent_len > 0) {
+            ssize_t n = send(s->dst, s->out + s->st.unsent_off, s->st.unsent_len, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (n > 0) { s->st.unsent_off += (int)n; s->st.unsent_len -= (int)n; continue; }
+            if (n < 0 && errno == EINTR) continue;
+            if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return JL_CLIENT_GONE;
+            if (!s->sending) { /* the client is behind: wait for it alone, reading nothing meanwhile */
+                s->sending = 1;
+                if (epoll_ctl(ep, EPOLL_CTL_DEL, s->src, NULL) < 0
+                    || arm(ep, EPOLL_CTL_MOD, s->dst, EPOLLOUT | EPOLLRDHUP, s, DST) < 0)
+                    return JL_STOPPED;
             }
-            if (h != eol || h == c || eol[1] != '\n' || size == 0) { why = JL_GIVE_BACK; break; }
-            const char *data = eol + 2;
-            if (data + size + 2 > end) {
-                if ((long)(data - buf) + size + 2 > cap) why = JL_GIVE_BACK; /* larger than our buffer */
-                break;
-            }
-            if (data[size] != '\r' || data[size + 1] != '\n' || data[size - 1] != '\n') { why = JL_GIVE_BACK; break; }
-            if (s->mode == JL_TEMPLATE && stamp_len == 0) stamp_len = stamp_now(stamp);
-            int mark = o, n_events = 0, ok = 1;
-            for (const char *l = data; l < data + size;) {
-                const char *nl = memchr(l, '\n', data + size - l);
-                int ln = (int)(nl - l);
-                if (ln > 0 && l[ln - 1] == '\r') ln--;
-                int r = one_line(s, l, ln, out, &o, ocap - 2, stamp, stamp_len);
-                if (r < 0) { why = JL_GIVE_BACK; ok = 0; break; }
-                if (r == 0) { full = 1; ok = 0; break; }
-                n_events += ln > 0;
-                l = nl + 1;
-            }
-            if (!ok) { o = mark; break; } /* this chunk is left whole: to Python, or for the next round */
-            relayed += n_events;
-            pos = (int)(data + size + 2 - buf);
+            return 0;
         }
-        if (full && o == FRAME) why = JL_GIVE_BACK; /* one event larger than all of ours */
+        if (s->sending) {
+            s->sending = 0;
+            if (arm(ep, EPOLL_CTL_MOD, s->dst, EPOLLRDHUP, s, DST) < 0 || arm(ep, EPOLL_CTL_ADD, s->src, EPOLLIN, s, SRC) < 0)
+                return JL_STOPPED;
+        }
+        if (s->why) return s->why; /* (what came before the chunk it stopped at has gone) */
+        int relayed, full;
+        int o = translate(s, &relayed, &full);
         if (o > FRAME) {
-            int hl = size_line(out + FRAME, o - FRAME);
-            out[o++] = '\r'; out[o++] = '\n';
-            int off = FRAME - hl, len = o - off;
-            int r = send_all(dst, stop, out, &off, &len);
-            st->events += relayed;
-            if (r) {
-                st->unsent_off = off; st->unsent_len = len;
-                st->left_off = pos; st->left_len = have - pos;
-                return r;
+            int hl = size_line(s->out + FRAME, o - FRAME);
+            s->out[o++] = '\r'; s->out[o++] = '\n';
+            s->st.unsent_off = FRAME - hl; s->st.unsent_len = o - s->st.unsent_off;
+            s->st.events += relayed;
+            continue; /* send it, then go on */
+        }
+        if (s->why) return s->why;
+        if (full) continue;
+        if (s->pos > 0) { memmove(s->buf, s->buf + s->pos, s->have - s->pos); s->have -= s->pos; s->pos = 0; }
+        if (s->have == s->cap) return JL_GIVE_BACK;
+        ssize_t n = recv(s->src, s->buf + s->have, s->cap - s->have, MSG_DONTWAIT);
+        if (n > 0) { s->have += (int)n; continue; }
+        if (n == 0) return JL_CHILD_ENDED;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+        if (errno == EINTR) continue;
+        return JL_CHILD_ENDED;
+    }
+}
+
+int jl_stream_size(void) { return (int)sizeof(struct jl_stream); }
+
+/* Start relaying a stream on the hub's set `ep`: 0, or -1 when its sockets cannot be watched
+ * (nothing is read then: Python goes on with it, and does not start this one again, which
+ * the hub may still be about to look at). The hub may hear of a socket before the next is
+ * added: the lock keeps it waiting until all three are. */
+int jl_start(int ep, struct jl_stream *s, int src, int dst, int stop, int id, const struct jl_spec *spec,
+             char *buf, int cap, char *out, int ocap) {
+    memset(s, 0, sizeof *s);
+    pthread_mutex_init(&s->lock, NULL);
+    s->src = src; s->dst = dst; s->stop = stop; s->id = id; s->spec = spec;
+    s->buf = buf; s->cap = cap; s->out = out; s->ocap = ocap;
+    const int fds[3] = {src, dst, stop};
+    const unsigned what[3] = {EPOLLIN, EPOLLRDHUP, EPOLLIN};
+    int ok = 1;
+    pthread_mutex_lock(&s->lock);
+    for (int i = 0; i < 3 && ok; i++) {
+        if (arm(ep, EPOLL_CTL_ADD, fds[i], what[i], s, i) < 0) {
+            for (int j = 0; j < i; j++) epoll_ctl(ep, EPOLL_CTL_DEL, fds[j], NULL);
+            s->over = 1;
+            ok = 0;
+        }
+    }
+    pthread_mutex_unlock(&s->lock);
+    return ok ? 0 : -1;
+}
+
+/* A stopped stream's outcome: why it stopped, and its counts and leftovers in st. */
+int jl_result(const struct jl_stream *s, struct jl_state *st) {
+    *st = s->st;
+    st->left_off = s->pos; st->left_len = s->have - s->pos;
+    return s->why;
+}
+
+#define BATCH 64
+
+/* The hub: relay every stream started on `ep` until `ep` fails (it is never closed while the
+ * process lives). A stopped stream's sockets leave the set at once; its number goes to
+ * `notify` after the rest of the batch, which may still name it (and is then passed by). */
+void jl_hub_run(int ep, int notify) {
+    struct epoll_event ev[BATCH];
+    int ended[BATCH];
+    for (;;) {
+        int n = epoll_wait(ep, ev, BATCH, -1);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return;
+        }
+        int n_ended = 0;
+        for (int i = 0; i < n; i++) {
+            struct jl_stream *s = (struct jl_stream *)(uintptr_t)(ev[i].data.u64 & ~(uint64_t)3);
+            int role = (int)(ev[i].data.u64 & 3);
+            unsigned e = ev[i].events;
+            pthread_mutex_lock(&s->lock);
+            int why = 0;
+            if (s->over) why = 0;
+            else if (role == STOP) why = JL_STOPPED;
+            else if (role == DST && (e & (EPOLLRDHUP | EPOLLHUP | EPOLLERR))) why = JL_CLIENT_GONE;
+            else why = pump(ep, s);
+            if (why) {
+                s->why = why; s->over = 1;
+                if (!s->sending) epoll_ctl(ep, EPOLL_CTL_DEL, s->src, NULL);
+                epoll_ctl(ep, EPOLL_CTL_DEL, s->dst, NULL);
+                epoll_ctl(ep, EPOLL_CTL_DEL, s->stop, NULL);
+                ended[n_ended++] = s->id;
+            }
+            pthread_mutex_unlock(&s->lock);
+        }
+        if (n_ended) {
+            const char *p = (const char *)ended;
+            size_t left = (size_t)n_ended * sizeof(int);
+            while (left > 0) { /* (a pipe takes up to 4 KiB whole) */
+                ssize_t w = write(notify, p, left);
+                if (w > 0) { p += w; left -= (size_t)w; }
+                else if (w < 0 && errno != EINTR) break;
             }
         }
-        if (why) break;
-        if (full) continue; /* more complete chunks are waiting for room in ours */
-        if (pos > 0) { memmove(buf, buf + pos, have - pos); have -= pos; pos = 0; }
-        if (have == cap) { why = JL_GIVE_BACK; break; }
-        struct epoll_event ev[3];
-        int n_ev = epoll_wait(ep, ev, 3, -1);
-        if (n_ev < 0) {
-            if (errno == EINTR) continue;
-            why = JL_STOPPED; break;
-        }
-        unsigned got[3] = {0, 0, 0};
-        for (int i = 0; i < n_ev; i++) got[ev[i].data.u32] |= ev[i].events;
-        if (got[2]) { why = JL_STOPPED; break; }
-        if (got[1] & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) { why = JL_CLIENT_GONE; break; }
-        if (got[0]) {
-            ssize_t n = recv(src, buf + have, cap - have, MSG_DONTWAIT);
-            if (n > 0) have += (int)n;
-            else if (n == 0) { why = JL_CHILD_ENDED; break; }
-            else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) { why = JL_CHILD_ENDED; break; }
-        }
     }
-    st->left_off = pos; st->left_len = have - pos;
-    return why;
-}
-
-static void unwatch(int ep, const int *fds, int n) {
-    for (int i = 0; i < n; i++) epoll_ctl(ep, EPOLL_CTL_DEL, fds[i], NULL);
-}
-
-/* Watch src for the child's bytes, dst for the client hanging up and stop for a byte, on the
- * thread's own epoll set `ep` (one wait a token, where a poll of the three set up and took down
- * three waits each time): 0, or -1 when they cannot be watched. */
-static int watch(int ep, const int fds[3]) {
-    const unsigned what[3] = {EPOLLIN, EPOLLRDHUP, EPOLLIN};
-    for (int i = 0; i < 3; i++) {
-        struct epoll_event e = {.events = what[i], .data.u32 = (unsigned)i};
-        if (epoll_ctl(ep, EPOLL_CTL_ADD, fds[i], &e) < 0) {
-            unwatch(ep, fds, i);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-int jl_relay(int ep, int src, int dst, int stop, const struct jl_spec *s, char *buf, int cap, char *out, int ocap,
-             struct jl_state *st) {
-    const int fds[3] = {src, dst, stop};
-    st->events = 0; st->unsent_off = st->unsent_len = 0; st->left_off = st->left_len = 0;
-    if (watch(ep, fds) < 0) return JL_GIVE_BACK; /* (nothing read: Python goes on with it) */
-    int why = relay(ep, src, dst, stop, s, buf, cap, out, ocap, st);
-    unwatch(ep, fds, 3);
-    return why;
 }

@@ -204,3 +204,36 @@ async def test_a_chunk_larger_than_its_buffer_is_handed_back_whole(pair):
         rest += pair.src.recv(1 << 20)
     assert left + rest == big[:native.READ_BUFFER] and pair.read_client() == b""
     run.close()
+
+
+async def test_streams_share_the_relay_and_one_client_that_does_not_read_holds_up_no_other():
+    """One thread relays every stream: while one client takes nothing, the others' tokens go
+    on, each stream's bytes on its own socket, and the one held loses nothing."""
+    pairs = [Pair() for _ in range(4)]
+    try:
+        held = pairs[0]
+        held.dst.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        held.client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        pad = b'data: {"choices":[],"pad":"' + b"x" * 900 + b'"}\n\n'
+        runs = [start(p, native.sse()) for p in pairs]
+        held.child.setblocking(True)
+        held.child.sendall(chunk(pad) * 40)  # more than its client's socket takes
+        for k, p in enumerate(pairs[1:], 1):
+            for i in range(20):
+                p.child.send(chunk(b'data: {"stream":%d,"n":%d}\n\n' % (k, i)))
+                await asyncio.sleep(0)
+            p.child.send(chunk(b"data: [DONE]\n\n"))
+        for k, (p, (run, fut)) in enumerate(zip(pairs[1:], runs[1:]), 1):
+            assert await asyncio.wait_for(fut, 10) == native.GIVE_BACK
+            assert run.state.events == 20 and run.leftover() == chunk(b"data: [DONE]\n\n")
+            run.close()
+            assert dechunk(p.read_client()) == b"".join(b'data: {"stream":%d,"n":%d}\n\n' % (k, i) for i in range(20))
+        run, fut = runs[0]
+        assert not fut.done()  # still waiting for its client
+        run.stop()
+        assert await asyncio.wait_for(fut, 10) == native.STOPPED
+        assert dechunk(held.read_client() + run.unsent()) + dechunk(run.leftover()) == pad * 40
+        run.close()
+    finally:
+        for p in pairs:
+            p.close()

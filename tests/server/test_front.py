@@ -244,7 +244,7 @@ async def test_a_client_that_leaves_mid_stream_stops_the_generation(front, token
     running = native.Run.make()  # (the relay below Python has the stream, if it is here: it hears the client leave)
     if running is not None:
         running.close()
-        assert native._idle.count(running) == 1 and native._threads > len(native._idle)
+        assert native._idle.count(running) == 1 and native._made > len(native._idle)
     writer.close()
 
     async def stopped():
@@ -268,9 +268,9 @@ async def test_closing_the_server_mid_stream_closes_a_connection_the_c_relay_wri
     for _ in range(3):
         size = int((await reader.readuntil(b"\r\n")).strip(), 16)
         await reader.readexactly(size + 2)
-    busy = native._threads - len(native._idle)
+    busy = native._made - len(native._idle)
     await asyncio.wait_for(server.close_all_connections(), 10)
-    assert not server._connections and native._threads - len(native._idle) == busy - (native.library() is not None)
+    assert not server._connections and native._made - len(native._idle) == busy - (native.library() is not None)
     rest = await asyncio.wait_for(reader.read(), 10)  # what was on its way, then the end
     assert not rest.endswith(b"0\r\n\r\n")  # (cut off, not finished)
     writer.close()
