@@ -92,6 +92,7 @@ _hub: select.epoll | None = None  # the set the hub waits on (made with the firs
 _idle: list["Run"] = []  # runs not relaying a stream now, for the next one
 _running: dict[int, "Run"] = {}  # by number: the runs the hub has, until it gives them back
 _made = 0  # runs made (each holds its buffers); at most MAX_RUNS
+_spoilt: list["Run"] = []  # runs whose start failed, kept for good (see Run.start)
 relayed_events = 0  # tokens relayed below Python in this process (the tests read it)
 
 
@@ -194,7 +195,7 @@ class Target:
         self.spec, self.lend, self.take_back = spec, lend, take_back
 
 
-def _start_hub(lib: ctypes.CDLL) -> int:
+def _start_hub(lib: ctypes.CDLL) -> None:
     """The hub's epoll set, its thread (in ``jl_hub_run`` for good, without the Python lock)
     and the thread that hears which streams it has stopped and tells their event loops."""
     global _hub
@@ -206,7 +207,6 @@ def _start_hub(lib: ctypes.CDLL) -> int:
                              daemon=True).start()
             threading.Thread(target=_hear, args=(notify_r,), name="jupyter-llama-relay-done", daemon=True).start()
             _hub = ep
-    return _hub.fileno()
 
 
 def _hear(notify: int) -> None:
@@ -246,7 +246,6 @@ class Run:
         os.set_blocking(self._stop_r, False)
         self._job: tuple | None = None
         self._stopped = False
-        self._spoilt = False  # not to be started again (see jl_start)
 
     @staticmethod
     def make() -> "Run | None":
@@ -258,8 +257,13 @@ class Run:
             return _idle.pop()
         if _made >= MAX_RUNS:
             return None
+        try:
+            _start_hub(_lib)  # (here, before the connection lends its socket: a failure leaves it untouched)
+            run = Run(_lib, _made + 1)
+        except OSError:  # (out of descriptors: this stream goes through Python)
+            return None
         _made += 1
-        return Run(_lib, _made)
+        return run
 
     def start(self, src: int, dst: int, spec: _Spec, done: Callable[[int], None]) -> None:
         loop = asyncio.get_running_loop()
@@ -267,10 +271,12 @@ class Run:
         self._job = (loop, done)
         self.state = _State()
         _running[self.number] = self
-        if self._lib.jl_start(_start_hub(self._lib), self._mem, src, dst, self._stop_r, self.number,
+        if self._lib.jl_start(_hub.fileno(), self._mem, src, dst, self._stop_r, self.number,
                               ctypes.byref(spec), self._buf, READ_BUFFER, self._out, OUT_BUFFER) < 0:
-            del _running[self.number]  # (its sockets cannot be watched: nothing was read)
-            self._spoilt = True
+            # Its sockets cannot be watched: nothing was read. The hub may still be about to look
+            # at it (see jl_start), so it is kept, never started again nor freed.
+            del _running[self.number]
+            _spoilt.append(self)
             loop.call_soon(done, GIVE_BACK)
 
     def _ended(self) -> None:
@@ -307,6 +313,6 @@ class Run:
                 pass
             self._stopped = False
         self._job = None
-        if not self._spoilt:
+        if self not in _spoilt:
             self._spec = None
             _idle.append(self)

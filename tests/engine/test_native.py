@@ -237,3 +237,21 @@ async def test_streams_share_the_relay_and_one_client_that_does_not_read_holds_u
     finally:
         for p in pairs:
             p.close()
+
+
+async def test_a_stream_whose_sockets_cannot_be_watched_goes_back_to_python_and_its_run_is_not_reused(pair, tmp_path):
+    """epoll refuses a regular file: the run says GIVE_BACK with nothing read, and is kept
+    out of the pool (the hub may still have been about to look at it); the next run works."""
+    with open(tmp_path / "f", "wb") as f:
+        run = native.Run.make()
+        fut = asyncio.get_running_loop().create_future()
+        run.start(f.fileno(), pair.dst.fileno(), native.sse(), fut.set_result)
+        assert await asyncio.wait_for(fut, 10) == native.GIVE_BACK
+        assert run.leftover() == b"" and run.unsent() == b"" and run.state.events == 0
+        run.close()
+    assert run not in native._idle and run in native._spoilt
+    again, fut = start(pair, native.sse())
+    assert again is not run
+    pair.child.send(chunk(b'data: {"n":1}\n\n') + chunk(b"data: [DONE]\n\n"))
+    assert await asyncio.wait_for(fut, 10) == native.GIVE_BACK and again.state.events == 1
+    again.close()
