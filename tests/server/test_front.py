@@ -134,8 +134,13 @@ async def test_a_streams_last_line_goes_out_with_the_end_of_its_body(front, toke
         assert status == 200 and end in text, (path, text[-200:])
         assert b"" not in sent, path
         last = sent[-1]
-        assert last.endswith(b"\r\n0\r\n\r\n") and end in last, (path, sent[-3:])
-        assert not any(end in data for data in sent[:-1]), path  # (said once, in that send)
+        if b"\r\ncontent-length:" in sent[0].split(b"\r\n\r\n", 1)[0].lower():
+            # The child's whole answer came in one read, before our head had gone: Tornado's
+            # finish gave it a length, and head and body leave in one send (still one wake-up).
+            assert len(sent) == 1, (path, sent)
+        else:
+            assert last.endswith(b"\r\n0\r\n\r\n") and end in last, (path, sent[-3:])
+        assert end in last and not any(end in data for data in sent[:-1]), path  # (said once, in that send)
 
 
 async def test_a_connection_goes_on_to_tornado_at_a_request_boundary(front, token):
