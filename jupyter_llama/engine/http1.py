@@ -19,6 +19,14 @@ child as soon as a request has that runner, and the stream's request goes out on
 it once its body is ready (a prompt templated, a payload written), so the connection (0.4
 ms on 2 slow cores, and the child's accept) is not on the way to the first token.
 
+A request goes out the moment it is given, not in a later turn of the event loop: a
+connection to the child (on loopback) is made with a non-blocking ``connect`` that the kernel
+completes before returning (:func:`_connect_now`), and the request is written straight to
+its socket; the transport that reads the answer is made after. In a burst of streams (eight
+requests read in one turn of the loop) a connection's callback would otherwise wait behind
+every other request's handler, and the first request reached the child 5-6 ms after it
+was ready, all eight together, where asked directly they arrive ~0.5 ms apart.
+
 On top of the same parser: :func:`post_lines` (an async iterator of lines, what the bench
 uses as its client), :func:`sse_data` and :func:`sse_events` (events as bytes or objects,
 for callers that want an iterator). Closing or cancelling any of them closes the
@@ -29,7 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import json
+import socket
 from typing import AsyncIterator, Awaitable, Callable
 
 from ..errors import RequestError
@@ -122,6 +132,7 @@ class _LineProtocol(asyncio.Protocol):
     def __init__(self, request: bytes | None, sink: LineSink | None):
         self.request = request  # None: connected ahead of its request (see :meth:`begin`)
         self.sink = sink
+        self.early: socket.socket | None = None  # connected, its transport not made yet: begin writes to it
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
         self.lost = False  # the connection closed before its request was given
@@ -144,14 +155,22 @@ class _LineProtocol(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        if self.request is not None:
+        self.early = None
+        if self.request:  # (what was not written before, see begin)
             transport.write(self.request)
 
     def begin(self, request: bytes, sink: LineSink) -> None:
-        """Give a connection opened ahead its request (written now, or once it is connected)."""
-        self.request, self.sink = request, sink
+        """Give a connection opened ahead its request: written now (to its transport, or to
+        its socket when that is connected and the transport not made yet), or once it is
+        connected."""
+        self.sink = sink
         if self.transport is not None:
+            self.request = request
             self.transport.write(request)
+        elif self.early is not None:
+            self.request = request[_send_now(self.early, request):]
+        else:
+            self.request = request
 
     def data_received(self, data: bytes) -> None:
         if self.done.done():
@@ -376,6 +395,58 @@ class _LineProtocol(asyncio.Protocol):
         self.hang_up()
 
 
+def _connect_now(host: str, port: int) -> socket.socket | None:
+    """A non-blocking socket connected to ``host:port`` when the kernel connects it within
+    ``connect`` itself (as it does on loopback, where the handshake runs inside the call);
+    None when it has not (another host, or nothing listening) or ``host`` is a name, not an
+    address (no lookup here): the caller connects as usual, in the event loop, and so hears
+    why."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.inet_pton(family, host)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.connect_ex((host, port)) in (0, errno.EINPROGRESS):
+            sock.getpeername()  # (raises ENOTCONN while the handshake is still under way)
+            return sock
+    except OSError:
+        pass
+    sock.close()
+    return None
+
+
+def _send_now(sock: socket.socket, data: bytes) -> int:
+    """Bytes of ``data`` the socket took at once (the rest goes to the transport)."""
+    try:
+        return sock.send(data)
+    except OSError:  # (a full buffer, or a broken connection, which the transport then reports)
+        return 0
+
+
+def _connect(loop, proto: _LineProtocol, host: str, port: int):
+    """``create_connection`` for ``proto``, on a socket connected now (whose request, when
+    ``proto`` has one, is written now) when :func:`_connect_now` gives one."""
+    sock = _connect_now(host, port)
+    if sock is None:
+        return loop.create_connection(lambda: proto, host, port)
+    proto.early = sock
+    if proto.request:
+        proto.request = proto.request[_send_now(sock, proto.request):]
+    return loop.create_connection(lambda: proto, sock=sock)
+
+
+def _close_socket(proto: _LineProtocol):
+    def close(task: asyncio.Task) -> None:
+        if proto.early is not None and proto.transport is None:  # no transport took it: close it here
+            proto.early.close()
+            proto.early = None
+    return close
+
+
 class Ahead:
     """A connection to ``host:port`` opened now, for a request whose body is not ready yet
     (:func:`post` takes it). One that is not taken is closed after ``ttl`` seconds, well
@@ -386,8 +457,9 @@ class Ahead:
     def __init__(self, port: int, host: str = "127.0.0.1", ttl: float = 1.0):
         loop = asyncio.get_running_loop()
         self.proto = _LineProtocol(None, None)
-        self._connecting = loop.create_task(loop.create_connection(lambda: self.proto, host, port))
+        self._connecting = loop.create_task(_connect(loop, self.proto, host, port))
         self._connecting.add_done_callback(_retrieved)
+        self._connecting.add_done_callback(_close_socket(self.proto))
         self._expiry = loop.call_later(ttl, self.close)
         self.taken = False
 
@@ -450,7 +522,9 @@ async def post(port: int, path: str, body: bytes | None, headers: dict[str, str]
     if transport is None:
         loop = asyncio.get_running_loop()
         proto = _LineProtocol(request, sink)
-        transport, _ = await asyncio.wait_for(loop.create_connection(lambda: proto, host, port), CONNECT_TIMEOUT_S)
+        connecting = loop.create_task(_connect(loop, proto, host, port))
+        connecting.add_done_callback(_close_socket(proto))
+        transport, _ = await asyncio.wait_for(connecting, CONNECT_TIMEOUT_S)
     try:
         await proto.done
     except BaseException:
