@@ -156,21 +156,34 @@ class _LineProtocol(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.early = None
-        if self.request:  # (what was not written before, see begin)
+        if self.request:  # (what the socket did not take before, see send_early)
             transport.write(self.request)
 
     def begin(self, request: bytes, sink: LineSink) -> None:
         """Give a connection opened ahead its request: written now (to its transport, or to
         its socket when that is connected and the transport not made yet), or once it is
         connected."""
-        self.sink = sink
+        self.request, self.sink = request, sink
         if self.transport is not None:
-            self.request = request
             self.transport.write(request)
         elif self.early is not None:
-            self.request = request[_send_now(self.early, request):]
-        else:
-            self.request = request
+            self.send_early()
+
+    def send_early(self) -> None:
+        """Write the request to the connected socket now, before the transport exists;
+        what it does not take, the transport writes once made."""
+        try:
+            sent = self.early.send(self.request)
+        except OSError:  # (a full buffer, or a broken connection, which the transport then reports)
+            sent = 0
+        self.request = self.request[sent:]
+
+    def drop_early(self, _task=None) -> None:
+        """Close the socket connected now that no transport took (its connecting failed or
+        was cancelled; once a transport has it, closing that closes the socket)."""
+        if self.early is not None:
+            self.early.close()
+            self.early = None
 
     def data_received(self, data: bytes) -> None:
         if self.done.done():
@@ -419,32 +432,20 @@ def _connect_now(host: str, port: int) -> socket.socket | None:
     return None
 
 
-def _send_now(sock: socket.socket, data: bytes) -> int:
-    """Bytes of ``data`` the socket took at once (the rest goes to the transport)."""
-    try:
-        return sock.send(data)
-    except OSError:  # (a full buffer, or a broken connection, which the transport then reports)
-        return 0
-
-
-def _connect(loop, proto: _LineProtocol, host: str, port: int):
-    """``create_connection`` for ``proto``, on a socket connected now (whose request, when
-    ``proto`` has one, is written now) when :func:`_connect_now` gives one."""
+def _connect(proto: _LineProtocol, host: str, port: int) -> asyncio.Task:
+    """The task that makes ``proto``'s connection: on a socket connected now, with its
+    request (when ``proto`` has one) written now, when :func:`_connect_now` gives one; else
+    ``create_connection`` as usual."""
+    loop = asyncio.get_running_loop()
     sock = _connect_now(host, port)
     if sock is None:
-        return loop.create_connection(lambda: proto, host, port)
+        return loop.create_task(loop.create_connection(lambda: proto, host, port))
     proto.early = sock
     if proto.request:
-        proto.request = proto.request[_send_now(sock, proto.request):]
-    return loop.create_connection(lambda: proto, sock=sock)
-
-
-def _close_socket(proto: _LineProtocol):
-    def close(task: asyncio.Task) -> None:
-        if proto.early is not None and proto.transport is None:  # no transport took it: close it here
-            proto.early.close()
-            proto.early = None
-    return close
+        proto.send_early()
+    task = loop.create_task(loop.create_connection(lambda: proto, sock=sock))
+    task.add_done_callback(proto.drop_early)
+    return task
 
 
 class Ahead:
@@ -457,9 +458,8 @@ class Ahead:
     def __init__(self, port: int, host: str = "127.0.0.1", ttl: float = 1.0):
         loop = asyncio.get_running_loop()
         self.proto = _LineProtocol(None, None)
-        self._connecting = loop.create_task(_connect(loop, self.proto, host, port))
+        self._connecting = _connect(self.proto, host, port)
         self._connecting.add_done_callback(_retrieved)
-        self._connecting.add_done_callback(_close_socket(self.proto))
         self._expiry = loop.call_later(ttl, self.close)
         self.taken = False
 
@@ -520,11 +520,8 @@ async def post(port: int, path: str, body: bytes | None, headers: dict[str, str]
             ahead.drop()
             raise
     if transport is None:
-        loop = asyncio.get_running_loop()
         proto = _LineProtocol(request, sink)
-        connecting = loop.create_task(_connect(loop, proto, host, port))
-        connecting.add_done_callback(_close_socket(proto))
-        transport, _ = await asyncio.wait_for(connecting, CONNECT_TIMEOUT_S)
+        transport, _ = await asyncio.wait_for(_connect(proto, host, port), CONNECT_TIMEOUT_S)
     try:
         await proto.done
     except BaseException:
