@@ -331,15 +331,15 @@ async def test_a_connection_opened_ahead_carries_the_request_given_later():
         assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
 
 
-def _received_now(listener: socket.socket) -> bytes | None:
+def _received_now(listener: socket.socket, conns: list[socket.socket]) -> bytes | None:
     """The request a client has already sent on a connection the listener has (None when no
-    connection is made yet); nothing here waits."""
+    connection is made yet; the connection goes on ``conns``); nothing here waits."""
     try:
         conn, _ = listener.accept()
     except BlockingIOError:
         return None
     conn.setblocking(False)
-    _received_now.conns.append(conn)
+    conns.append(conn)
     try:
         return conn.recv(65536)
     except BlockingIOError:
@@ -355,27 +355,27 @@ async def test_a_request_is_on_the_wire_before_the_event_loop_turns():
     listener.setblocking(False)
     port = listener.getsockname()[1]
     loop = asyncio.get_running_loop()
-    _received_now.conns = []
+    conns: list[socket.socket] = []
     try:
         for ahead in (False, True):
             taken = http1.Ahead(port).take() if ahead else None
             batches, seen = [], []
             task = loop.create_task(http1.relay_sse(port, "/completion", {"prompt": "x"}, "", batches.append,
                                                     ahead=taken))
-            loop.call_soon(lambda: seen.append(_received_now(listener)))  # runs after the task's first step
+            loop.call_soon(lambda: seen.append(_received_now(listener, conns)))  # runs after the task's first step
             await asyncio.sleep(0)
             await asyncio.sleep(0)
             assert seen and seen[0] is not None, "no connection was made in the step that gave the request"
             request = seen[0]
             assert request.startswith(b"POST /completion HTTP/1.1\r\n") and request.endswith(b'{"prompt": "x", "stream": true}')
-            conn = _received_now.conns[-1]
+            conn = conns[-1]
             conn.setblocking(True)
             conn.sendall(HEAD_CHUNKED + chunked(SSE, []))
             conn.close()
             await asyncio.wait_for(task, 5)
             assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
     finally:
-        for conn in _received_now.conns:
+        for conn in conns:
             conn.close()
         listener.close()
 
