@@ -146,10 +146,9 @@ class _LineProtocol(asyncio.Protocol):
         self._error_body: list[bytes] | None = None
         self._run: native.Run | None = None  # the relay below Python, while it has the stream
         self._abort_after = False  # hung up while it had it: the connection closes when it returns
-        # batches to deliver here before the C relay is tried (again): the head and the first
-        # token go out from here, so that its thread starts while the second is made, not on
-        # the way to the first
-        self._native_after = 2
+        # batches to deliver here before the C relay is tried (again): the head goes out from
+        # here, and the C relay has the stream while the child makes its first token
+        self._native_after = 1
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -344,7 +343,7 @@ class _LineProtocol(asyncio.Protocol):
         """Hand the stream to the C relay (native.py) when its sink offers a target and the
         client's socket can be lent; it returns the stream at the first chunk it does not
         relay, which is then parsed here as if just read. It is first tried after the head
-        and the first token (see ``_native_after``); after a return, a few batches go
+        (see ``_native_after``), so the first token is its own; after a return, a few batches go
         through Python before it is tried again (the stream's last event and its end come
         in quick succession; a stream of events it does not relay, a thinking model's, is
         tried again now and then)."""

@@ -15,7 +15,7 @@ import socket
 import pytest
 
 from jupyter_llama.api import ollama as oa
-from jupyter_llama.engine import native
+from jupyter_llama.engine import http1, native
 
 lib = native.library(wait=True)
 pytestmark = pytest.mark.skipif(lib is None, reason=f"no relay below Python here: {native.status()}")
@@ -261,3 +261,49 @@ async def test_a_stream_whose_sockets_cannot_be_watched_goes_back_to_python_and_
     pair.child.send(chunk(b'data: {"n":1}\n\n') + chunk(b"data: [DONE]\n\n"))
     assert await asyncio.wait_for(fut, 10) == native.GIVE_BACK and again.state.events == 1
     again.close()
+
+
+async def test_a_child_stream_is_lent_once_its_head_is_in_and_every_token_is_the_relays():
+    """http1's side of the hand-over: the stream goes below Python as soon as the child's
+    head is in, while the child makes its first token, so the first token is written by the
+    relay like every other; what is not a token (here [DONE], then the body's end) comes back
+    to Python, and the request ends there."""
+    loop = asyncio.get_running_loop()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    dst, client = socket.socketpair()
+    dst.setblocking(False)
+    client.setblocking(False)
+    lent, taken, in_python = asyncio.Event(), [], []
+
+    def lend(stop):
+        lent.set()
+        return dst.fileno()
+
+    def on_data(batch):
+        in_python.append(batch)
+
+    on_data.native = native.Target(native.sse(), lend, lambda unsent, gone: taken.append((unsent, gone)))
+    task = loop.create_task(http1.relay_sse(listener.getsockname()[1], "/v1/chat/completions", {"n": 1}, "",
+                                            on_data))
+    conn = None
+    try:
+        conn, _ = await asyncio.wait_for(loop.sock_accept(listener), 10)
+        request = b""
+        while not request.endswith(b'"stream": true}'):
+            request += await asyncio.wait_for(loop.sock_recv(conn, 65536), 10)
+        await loop.sock_sendall(conn, b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                      b"Transfer-Encoding: chunked\r\n\r\n")
+        await asyncio.wait_for(lent.wait(), 10)  # (no token has been sent yet)
+        assert in_python == [[]]  # the head, which sends ours
+        events = [b'{"choices":[{"delta":{"content":"%d"}}]}' % i for i in range(3)]
+        await loop.sock_sendall(conn, b"".join(chunk(b"data: " + e + b"\n\n") for e in events)
+                                + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await asyncio.wait_for(task, 10)
+        assert dechunk(drain(client)) == b"".join(b"data: " + e + b"\n\n" for e in events)
+        assert in_python == [[]] and taken == [(b"", False)]
+    finally:
+        task.cancel()
+        for s in (conn, listener, dst, client):
+            if s is not None:
+                s.close()
