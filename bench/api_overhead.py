@@ -37,6 +37,9 @@ to the last byte (the stream's wall time). Rounds alternate the order of the sid
   it, and a 95% interval for both ratios;
 * with ``--workers`` (the default) all of it again with the model on two RPC workers
   (ggml-rpc-server on loopback, the same two for every side, one llama-server at a time).
+* for each placement, the share of the busy CPU time the hypervisor gave to other virtual
+  machines meanwhile (``steal`` in ``/proc/stat``): above 2% the run is not on a quiet
+  machine, and the report says so (its figures still print).
 
 Usage: ``.venv/bin/python bench/api_overhead.py [--rounds N] [--n-predict N] [--swap-rounds N]
 [--phases all|streams|swap] [--no-workers] [--keep-alive]``
@@ -210,6 +213,27 @@ async def stream(server: Server, route: str, prompt: str, n: int) -> tuple[float
                 first = time.perf_counter()
     end = time.perf_counter()
     return (first or end) - t0, end - t0, count
+
+
+def machine_times() -> list[int] | None:
+    """The machine's CPU time so far by kind (``/proc/stat``'s first line, in ticks: user,
+    nice, system, idle, iowait, irq, softirq, steal...); None where there is no /proc."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Of the CPU time that went by, the share the hypervisor gave to other machines
+    (``steal``): a virtual machine's figures are only comparable when it is near 0, so the
+    report prints it beside them."""
+    if not before or not after or len(before) < 8:
+        return None
+    d = [b - a for a, b in zip(before, after)]
+    busy = sum(d[:3]) + sum(d[5:8])  # (not idle or iowait: what the bench's processes wanted)
+    return d[7] / busy if busy > 0 else 0.0
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -486,6 +510,7 @@ async def measure(engine, tmp: Path, args, workers: tuple[LocalWorker, LocalWork
     if workers:
         env["JUPYTER_LLAMA_RPC_WORKERS"] = ",".join(w.endpoint for w in workers)
     procs = Procs()
+    started = machine_times()
     mgr = EmbeddedManager(log_path=str(tmp / "serve.log"), env=env).start()
     try:
         c = LlamaClient(mgr.url, mgr.token)
@@ -562,6 +587,7 @@ async def measure(engine, tmp: Path, args, workers: tuple[LocalWorker, LocalWork
                 router.up, router.down = router_up, lambda: down("router")
             res["swap"] = await swap_phase(ours, load_opts, argvs, router, procs, tmp, args.swap_rounds)
         res["argv"] = argvs["a"]
+        res["steal"] = steal_share(started, machine_times())
         return res
     finally:
         procs.stop_all()
@@ -577,6 +603,10 @@ def report(title: str, res: dict) -> bool:
     argv = res["argv"]
     print("child: " + " ".join(Path(argv[0]).name if i == 0 else x for i, x in enumerate(argv)
                                if not x.startswith("/") or i == 0))
+    if res.get("steal") is not None:
+        print(f"steal: {res['steal']:.1%} of the busy CPU time went to other virtual machines"
+              + (" (not a quiet machine: the figures below are not ones to judge the goals by)"
+                 if res["steal"] > 0.02 else ""))
     print("columns: ours = through the manager, bare = our child asked directly, router = llama-server's router,\n"
           "rchild = the router's child asked directly, hand = a second process of our child's command line")
     head = (f"{'route':<7}{'streams':>8}  {'measure':<24}{'ours':>8}{'bare':>8}{'router':>8}{'rchild':>8}{'hand':>8}"
