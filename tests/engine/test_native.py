@@ -263,7 +263,7 @@ async def test_a_stream_whose_sockets_cannot_be_watched_goes_back_to_python_and_
     again.close()
 
 
-async def test_a_child_stream_is_lent_once_its_head_is_in_and_every_token_is_the_relays():
+async def test_a_child_stream_is_lent_once_its_head_is_in_and_every_token_is_the_relays(pair):
     """http1's side of the hand-over: the stream goes below Python as soon as the child's
     head is in, while the child makes its first token, so the first token is written by the
     relay like every other; what is not a token (here [DONE], then the body's end) comes back
@@ -271,14 +271,11 @@ async def test_a_child_stream_is_lent_once_its_head_is_in_and_every_token_is_the
     loop = asyncio.get_running_loop()
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
-    dst, client = socket.socketpair()
-    dst.setblocking(False)
-    client.setblocking(False)
     lent, taken, in_python = asyncio.Event(), [], []
 
     def lend(stop):
         lent.set()
-        return dst.fileno()
+        return pair.dst.fileno()  # (the client's side: the relay writes there, the test reads pair.client)
 
     def on_data(batch):
         in_python.append(batch)
@@ -300,10 +297,10 @@ async def test_a_child_stream_is_lent_once_its_head_is_in_and_every_token_is_the
         await loop.sock_sendall(conn, b"".join(chunk(b"data: " + e + b"\n\n") for e in events)
                                 + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         await asyncio.wait_for(task, 10)
-        assert dechunk(drain(client)) == b"".join(b"data: " + e + b"\n\n" for e in events)
+        assert dechunk(pair.read_client()) == b"".join(b"data: " + e + b"\n\n" for e in events)
         assert in_python == [[]] and taken == [(b"", False)]
     finally:
         task.cancel()
-        for s in (conn, listener, dst, client):
-            if s is not None:
-                s.close()
+        listener.close()
+        if conn is not None:
+            conn.close()
