@@ -366,7 +366,7 @@ class _LineProtocol(asyncio.Protocol):
         run, self._run = self._run, None
         left = run.leftover()
         self._native_after = 2 if run.state.events else 16
-        target.take_back(run.unsent(), why == native.CLIENT_GONE)
+        target.take_back(run.unsent(), why == native.CLIENT_GONE, why == native.FINISHED)
         run.close()
         if self._abort_after:  # the request ended meanwhile (see hang_up)
             self.transport.abort()

@@ -45,7 +45,7 @@ __all__ = ["Run", "Target", "library", "prepare", "sse", "status", "template"]
 
 SOURCE = Path(__file__).with_name("relay.c")
 TEMPLATE, SSE = 0, 1
-GIVE_BACK, CHILD_ENDED, CLIENT_GONE, STOPPED = 1, 2, 3, 4
+GIVE_BACK, CHILD_ENDED, CLIENT_GONE, STOPPED, FINISHED = 1, 2, 3, 4, 5
 READ_BUFFER = 64 * 1024  # the child's bytes one read may bring (a larger chunk goes to Python)
 OUT_BUFFER = 96 * 1024
 MAX_RUNS = 64  # streams relayed below Python at once (each holds its buffers, 160 KiB); more use the Python relay
@@ -58,7 +58,8 @@ class _Spec(ctypes.Structure):
                 ("key", ctypes.c_char_p), ("key_len", ctypes.c_int),
                 ("tail", ctypes.c_char_p), ("tail_len", ctypes.c_int),
                 ("from_", ctypes.c_char_p), ("from_len", ctypes.c_int),
-                ("to", ctypes.c_char_p), ("to_len", ctypes.c_int)]
+                ("to", ctypes.c_char_p), ("to_len", ctypes.c_int),
+                ("end", ctypes.c_char_p), ("end_len", ctypes.c_int)]
 
 
 class _State(ctypes.Structure):
@@ -67,8 +68,9 @@ class _State(ctypes.Structure):
                 ("unsent_off", ctypes.c_int), ("unsent_len", ctypes.c_int)]
 
 
-def _spec(mode: int, pat=b"", head=b"", key=b"", tail=b"", from_=b"", to=b"") -> _Spec:
-    return _Spec(mode, pat, len(pat), head, len(head), key, len(key), tail, len(tail), from_, len(from_), to, len(to))
+def _spec(mode: int, pat=b"", head=b"", key=b"", tail=b"", from_=b"", to=b"", end=b"") -> _Spec:
+    return _Spec(mode, pat, len(pat), head, len(head), key, len(key), tail, len(tail), from_, len(from_), to, len(to),
+                 end, len(end))
 
 
 def template(pattern: bytes, head: bytes, key: bytes, tail: bytes) -> _Spec:
@@ -77,9 +79,13 @@ def template(pattern: bytes, head: bytes, key: bytes, tail: bytes) -> _Spec:
     return _spec(TEMPLATE, pattern, head, key, tail)
 
 
-def sse(replace: bytes = b"", by: bytes = b"") -> _Spec:
-    """Server-sent events passed on as they came, each with its first ``replace`` (if any) made ``by``."""
-    return _spec(SSE, from_=replace, to=by)
+def sse(replace: bytes = b"", by: bytes = b"", end: bytes = b"") -> _Spec:
+    """Server-sent events passed on as they came, each with its first ``replace`` (if any) made
+    ``by``. ``end``: what the answer's end is for the child's ``[DONE]`` (``data: [DONE]`` and a
+    blank line): the C relay then writes it and the body's last chunk itself, and stops with
+    FINISHED, the client's answer complete (the child's body's own end is left to Python, to
+    read and write nothing for). Without it, ``[DONE]`` and all after it go back to Python."""
+    return _spec(SSE, from_=replace, to=by, end=end)
 
 
 # ---------------------------------------------------------------------------- the library
@@ -186,12 +192,13 @@ class Target:
     """The client's side of a stream the C relay may write: ``spec`` (what it writes, see
     :func:`template` and :func:`sse`), and the client connection's ``lend(stop)``, which gives
     its socket's descriptor (None when it cannot be lent now: something of ours is still to
-    be written, or it has closed) and keeps it untouched until ``take_back(unsent, gone)``;
+    be written, or it has closed) and keeps it untouched until ``take_back(unsent, gone, ended)``;
     ``stop`` is for the connection to end the relay early (it is closing). ``take_back`` gets
-    what the client had not taken yet (to be written first) and whether the client has left."""
+    what the client had not taken yet (to be written first), whether the client has left, and
+    whether the C relay has written the answer's end (FINISHED: nothing more is to be written)."""
 
     def __init__(self, spec: _Spec, lend: Callable[[Callable[[], None]], int | None],
-                 take_back: Callable[[bytes, bool], None]):
+                 take_back: Callable[[bytes, bool, bool], None]):
         self.spec, self.lend, self.take_back = spec, lend, take_back
 
 
@@ -231,7 +238,7 @@ class Run:
     """One stretch of a stream relayed by C, on the hub (kept for the next stretch once this
     one is closed): from :meth:`start` until the C relay stops (see ``relay.c`` for why it
     does), when ``done(why)`` is called in the event loop with one of GIVE_BACK,
-    CHILD_ENDED, CLIENT_GONE and STOPPED. Then :meth:`leftover` is the child's bytes it did
+    CHILD_ENDED, CLIENT_GONE, STOPPED and FINISHED. Then :meth:`leftover` is the child's bytes it did
     not relay and :meth:`unsent` ours the client had not taken; :meth:`close` gives the
     run back."""
 

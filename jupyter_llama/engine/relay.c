@@ -12,6 +12,13 @@
  * (a byte on the stream's `stop`). Each time a stream stops, its number goes to the hub's
  * `notify` pipe, for Python to take it back.
  *
+ * One exception: a JL_SSE spec with an `end` (what Python writes for the child's [DONE],
+ * "data: [DONE]" and a blank line) ends the client's answer itself. A chunk whose events
+ * are all its own and whose last is [DONE] goes out with `end` in place of the [DONE],
+ * then the body's last chunk (0 and a blank line), and the stream stops (JL_FINISHED) with
+ * the child's bytes after that chunk (its own body's end) left to Python, which writes
+ * nothing more for it. The client has all of its answer without waiting for Python.
+ *
  * Two ways to write an event:
  *   JL_TEMPLATE  an Ollama line: the event must start as the spec's pattern says (literal
  *                bytes, and \001 for digits, \002 for a JSON string, captured, that is not "",
@@ -31,7 +38,7 @@
 #include <unistd.h>
 
 enum { JL_TEMPLATE = 0, JL_SSE = 1 };
-enum { JL_GIVE_BACK = 1, JL_CHILD_ENDED = 2, JL_CLIENT_GONE = 3, JL_STOPPED = 4 };
+enum { JL_GIVE_BACK = 1, JL_CHILD_ENDED = 2, JL_CLIENT_GONE = 3, JL_STOPPED = 4, JL_FINISHED = 5 };
 
 struct jl_spec {
     int mode;
@@ -41,6 +48,7 @@ struct jl_spec {
     const char *tail; int tail_len;
     const char *from; int from_len;
     const char *to; int to_len;
+    const char *end; int end_len; /* JL_SSE: written for [DONE], then the body's end (none: [DONE] is Python's) */
 };
 
 struct jl_state {
@@ -50,6 +58,8 @@ struct jl_state {
 };
 
 #define FRAME 12 /* room before a chunk's data for its size line */
+#define LAST "\r\n0\r\n\r\n" /* a chunk's end, then the body's last chunk */
+#define ROOM 7 /* (its length: kept free at the end of ours) */
 
 /* The end of a JSON string starting at p (its opening quote), or NULL. */
 static const char *json_string_end(const char *p, const char *end) {
@@ -100,7 +110,8 @@ static int put(char *out, int *o, int ocap, const char *p, int n) {
     return 1;
 }
 
-/* Our bytes for one line of an event's chunk: 1 written, 0 no room, -1 not ours to write. */
+/* Our bytes for one line of an event's chunk: 1 written, 2 written and it was [DONE] (the
+ * answer's end, with a spec's `end`), 0 no room, -1 not ours to write. */
 static int one_line(const struct jl_spec *s, const char *line, int n, char *out, int *o, int ocap,
                     const char *stamp, int stamp_len) {
     if (n == 0) return 1; /* the blank line that ends an event */
@@ -116,7 +127,13 @@ static int one_line(const struct jl_spec *s, const char *line, int n, char *out,
             && put(out, o, ocap, s->tail, s->tail_len))
             return 1;
     } else {
-        if ((dn == 6 && memcmp(d, "[DONE]", 6) == 0) || looks_like_error(d, dn)) return -1;
+        if (dn == 6 && memcmp(d, "[DONE]", 6) == 0) {
+            if (s->end_len == 0) return -1;
+            if (put(out, o, ocap, s->end, s->end_len)) return 2;
+            *o = start;
+            return 0;
+        }
+        if (looks_like_error(d, dn)) return -1;
         const char *at = s->from_len ? memmem(d, dn, s->from, s->from_len) : NULL;
         int ok = put(out, o, ocap, "data: ", 6);
         if (at != NULL)
@@ -192,8 +209,8 @@ static int arm(int ep, int op, int fd, unsigned events, struct jl_stream *s, int
 }
 
 /* Read into chunks of ours what has come complete, in order, until one is not ours to write
- * (s->why = JL_GIVE_BACK) or ours is full: ours is then at out[FRAME, o), and s->pos past the
- * chunks it holds. Returns o. */
+ * (s->why = JL_GIVE_BACK), one ends the answer (s->why = JL_FINISHED: see the top) or ours is
+ * full: ours is then at out[FRAME, o), and s->pos past the chunks it holds. Returns o. */
 static int translate(struct jl_stream *s, int *relayed, int *full) {
     const struct jl_spec *sp = s->spec;
     char *buf = s->buf, stamp[32];
@@ -219,20 +236,23 @@ static int translate(struct jl_stream *s, int *relayed, int *full) {
         }
         if (data[size] != '\r' || data[size + 1] != '\n' || data[size - 1] != '\n') { s->why = JL_GIVE_BACK; break; }
         if (sp->mode == JL_TEMPLATE && stamp_len == 0) stamp_len = stamp_now(stamp);
-        int mark = o, n_events = 0, ok = 1;
+        int mark = o, n_events = 0, ok = 1, ended = 0;
         for (const char *l = data; l < data + size;) {
             const char *nl = memchr(l, '\n', data + size - l);
             int ln = (int)(nl - l);
             if (ln > 0 && l[ln - 1] == '\r') ln--;
-            int r = one_line(sp, l, ln, s->out, &o, s->ocap - 2, stamp, stamp_len);
+            /* (after [DONE], only the blank line that ends it) */
+            int r = ended && ln > 0 ? -1 : one_line(sp, l, ln, s->out, &o, s->ocap - ROOM, stamp, stamp_len);
             if (r < 0) { s->why = JL_GIVE_BACK; ok = 0; break; }
             if (r == 0) { *full = 1; ok = 0; break; }
-            n_events += ln > 0;
+            if (r == 2) ended = 1;
+            else n_events += ln > 0;
             l = nl + 1;
         }
         if (!ok) { o = mark; break; } /* this chunk is left whole: to Python, or for the next round */
         *relayed += n_events;
         s->pos = (int)(data + size + 2 - buf);
+        if (ended) { s->why = JL_FINISHED; break; }
     }
     if (*full && o == FRAME) s->why = JL_GIVE_BACK; /* one event larger than all of ours */
     return o;
@@ -266,7 +286,9 @@ static int pump(int ep, struct jl_stream *s) {
         int o = translate(s, &relayed, &full);
         if (o > FRAME) {
             int hl = size_line(s->out + FRAME, o - FRAME);
-            s->out[o++] = '\r'; s->out[o++] = '\n';
+            int tail = s->why == JL_FINISHED ? ROOM : 2; /* (the body's last chunk too) */
+            memcpy(s->out + o, LAST, tail);
+            o += tail;
             s->st.unsent_off = FRAME - hl; s->st.unsent_len = o - s->st.unsent_off;
             s->st.events += relayed;
             continue; /* send it, then go on */

@@ -154,6 +154,7 @@ class _LeanConnection(httputil.HTTPConnection):
         self._lent: Callable[[], None] | None = None  # the socket is the C relay's: how to stop it
         self._back: asyncio.Future | None = None  # resolved when the C relay gives it back
         self._close_when_back = False
+        self._ended_below = False  # the C relay wrote this answer's end: nothing more of it goes out
         server._connections.add(self)
 
     # ------------------------------------------------------------------ waiting for a request
@@ -251,6 +252,7 @@ class _LeanConnection(httputil.HTTPConnection):
         self._close_after = headers.get("Connection", "").lower() == "close"
         self._chunked = False
         self._max_body = None
+        self._ended_below = False
         self._answering = True
         self._watch(True)  # to hear of the client leaving while the answer is made
         self.server.lean_requests += 1
@@ -322,6 +324,8 @@ class _LeanConnection(httputil.HTTPConnection):
         return self._send(data)
 
     def write(self, chunk: bytes) -> asyncio.Future:
+        if self._ended_below:  # (an answer whose end has gone: see take_back)
+            return self._sent()
         return self._send(self._frame(chunk))
 
     def hold(self, chunk: bytes) -> None:
@@ -332,7 +336,7 @@ class _LeanConnection(httputil.HTTPConnection):
 
     def finish(self) -> None:
         data, self._tail = self._tail + (b"0\r\n\r\n" if self._chunked else b""), b""
-        if data:
+        if data and not self._ended_below:
             self._send(data)
         self._finish_request()
 
@@ -356,17 +360,22 @@ class _LeanConnection(httputil.HTTPConnection):
         the answer's head has gone and nothing of ours waits to be written; until
         :meth:`take_back`, nothing here reads, writes or closes it (a close asked meanwhile
         calls ``stop`` and happens then)."""
-        if self._closed or self._out or not self._chunked or not self._answering or self._lent is not None:
+        if (self._closed or self._out or not self._chunked or not self._answering or self._lent is not None
+                or self._ended_below):
             return None
         self._lent = stop
         self._back = self.loop.create_future()
         self._watch(False)  # (the relay watches for the client hanging up)
         return self.fd
 
-    def take_back(self, unsent: bytes, gone: bool) -> None:
+    def take_back(self, unsent: bytes, gone: bool, ended: bool = False) -> None:
         """The socket is ours again: ``unsent``, what the relay wrote that the client had not
-        taken yet, goes first; ``gone``: the client hung up."""
+        taken yet, goes first; ``gone``: the client hung up; ``ended``: the relay wrote the
+        answer's end (its last event and the body's last chunk, engine/native.py's
+        FINISHED), and what the handler writes after it (the same last event, the end)
+        goes nowhere."""
         self._lent = None
+        self._ended_below = ended
         self._back.set_result(None)
         if gone or self._close_when_back:
             self.close_now()
@@ -376,6 +385,11 @@ class _LeanConnection(httputil.HTTPConnection):
         self._watch(True)
 
     # ------------------------------------------------------------------ the socket
+
+    def _sent(self) -> asyncio.Future:
+        fut = self.loop.create_future()
+        fut.set_result(None)
+        return fut
 
     def _send(self, data: bytes) -> asyncio.Future:
         """Write ``data`` now or once the socket takes it; the future resolves when it has

@@ -140,6 +140,57 @@ async def test_server_sent_events_pass_on_with_the_model_renamed_until_one_is_no
     assert dechunk(pair.read_client()) == 2 * b'data: {"choices":[],"model":"tiny","note":"model tiny:latest"}\n\n'
 
 
+async def test_with_an_end_it_writes_the_answers_end_for_the_childs_done_and_leaves_the_childs_end(pair):
+    """An OpenAI stream's end, [DONE] and the body's last chunk, goes out from the relay in
+    the send that carries its last events; the child's own end is left to Python."""
+    ev = b'data: {"choices":[{"delta":{"content":"a"}}],"model":"tiny:latest"}\n\n'
+    usage = b'data: {"choices":[],"usage":{"completion_tokens":2},"model":"tiny:latest"}\n\n'
+    pair.child.send(chunk(ev) + chunk(ev + usage) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+    run, fut = start(pair, native.sse(b'"model":"tiny:latest"', b'"model":"tiny"', end=b"data: [DONE]\n\n"))
+    assert await asyncio.wait_for(fut, 10) == native.FINISHED
+    assert run.leftover() == b"0\r\n\r\n" and run.state.events == 3 and run.unsent() == b""
+    run.close()
+    got = pair.read_client()
+    renamed = ev.replace(b"tiny:latest", b"tiny")
+    assert dechunk(got) == renamed * 2 + usage.replace(b"tiny:latest", b"tiny") + b"data: [DONE]\n\n"
+    assert got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and got.count(b"\r\n0\r\n\r\n") == 1
+
+
+@pytest.mark.parametrize("after", [b"data: [DONE]\n\ndata: {}\n\n", b"data: [DONE]\n\n: more\n\n"])
+async def test_a_done_with_more_after_it_in_its_chunk_goes_back_whole(pair, after):
+    ev = b'data: {"n":1}\n\n'
+    pair.child.send(chunk(ev) + chunk(after))
+    run, fut = start(pair, native.sse(end=b"data: [DONE]\n\n"))
+    assert await asyncio.wait_for(fut, 10) == native.GIVE_BACK
+    assert run.leftover() == chunk(after) and run.state.events == 1
+    run.close()
+    assert pair.read_client() == chunk(ev)
+
+
+async def test_an_end_behind_more_than_the_relays_buffer_goes_out_whole_after_every_event(pair):
+    """More events than the relay's buffer holds, for a client with a small socket buffer
+    that reads slowly, then [DONE]: the relay waits for the client again and again, and the
+    end still goes out whole, after every event."""
+    pair.client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    ev = b'data: {"t":"' + b"x" * 900 + b'"}\n\n'
+    n = native.OUT_BUFFER // len(ev) + 40
+    wire = chunk(ev) * n + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+    run, fut = start(pair, native.sse(end=b"data: [DONE]\n\n"))
+    got, sent = b"", 0
+    while not fut.done():
+        if sent < len(wire):
+            try:
+                sent += pair.child.send(wire[sent:sent + 65536])
+            except BlockingIOError:
+                pass
+        got += pair.read_client()
+        await asyncio.sleep(0.001)
+    assert fut.result() == native.FINISHED and run.leftover() == b"0\r\n\r\n" and run.state.events == n
+    run.close()
+    got += pair.read_client()
+    assert dechunk(got) == ev * n + b"data: [DONE]\n\n" and got.endswith(b"\r\n0\r\n\r\n")
+
+
 async def test_it_stops_for_a_client_that_left_a_child_that_ended_and_a_stop(pair):
     run, fut = start(pair, native.sse())
     pair.client.close()
@@ -280,7 +331,7 @@ async def test_a_child_stream_is_lent_once_its_head_is_in_and_every_token_is_the
     def on_data(batch):
         in_python.append(batch)
 
-    on_data.native = native.Target(native.sse(), lend, lambda unsent, gone: taken.append((unsent, gone)))
+    on_data.native = native.Target(native.sse(), lend, lambda *back: taken.append(back))
     task = loop.create_task(http1.relay_sse(listener.getsockname()[1], "/v1/chat/completions", {"n": 1}, "",
                                             on_data))
     conn = None
@@ -298,7 +349,7 @@ async def test_a_child_stream_is_lent_once_its_head_is_in_and_every_token_is_the
                                 + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         await asyncio.wait_for(task, 10)
         assert dechunk(pair.read_client()) == b"".join(b"data: " + e + b"\n\n" for e in events)
-        assert in_python == [[]] and taken == [(b"", False)]
+        assert in_python == [[]] and taken == [(b"", False, False)]
     finally:
         task.cancel()
         listener.close()

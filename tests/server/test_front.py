@@ -133,6 +133,13 @@ async def test_a_streams_last_line_goes_out_with_the_end_of_its_body(front, toke
         writer.close()
         assert status == 200 and end in text, (path, text[-200:])
         assert b"" not in sent, path
+        assert text.count(end) == 1, path
+        if not any(end in data for data in sent):
+            # The relay below Python wrote it (an OpenAI stream's [DONE]), with the body's end in
+            # the same send (tests/engine/test_native.py), and Python wrote nothing after it.
+            assert path == "v1/chat/completions" and native.library() is not None, (path, sent[-3:])
+            assert text.endswith(end), path
+            continue
         last = sent[-1]
         if b"\r\ncontent-length:" in sent[0].split(b"\r\n\r\n", 1)[0].lower():
             # The child's whole answer came in one read, before our head had gone: Tornado's
@@ -141,6 +148,43 @@ async def test_a_streams_last_line_goes_out_with_the_end_of_its_body(front, toke
         else:
             assert last.endswith(b"\r\n0\r\n\r\n") and end in last, (path, sent[-3:])
         assert end in last and not any(end in data for data in sent[:-1]), path  # (said once, in that send)
+
+
+async def test_an_openai_streams_end_from_the_relay_below_python_leaves_the_connection_ready(front, token,
+                                                                                            monkeypatch):
+    """The relay below Python writes an OpenAI stream's [DONE] and its body's end; the
+    handler's own end then writes nothing, and the same connection answers what comes next:
+    another stream (by another name for the model, which the relay renames), then a request
+    that is not a stream."""
+    server, port = front
+    relayed = native.relayed_events
+    by_python: list[bytes] = []  # what Python sent on the server's side of a connection
+    send = socket.socket.send
+
+    def recorded(sock, data, *flags):
+        if sock.family == socket.AF_INET and sock.getsockname()[1] == port:
+            by_python.append(bytes(data))
+        return send(sock, data, *flags)
+
+    monkeypatch.setattr(socket.socket, "send", recorded)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for name in ("tiny", "tiny:latest"):
+            writer.write(request("v1/chat/completions", token, {
+                "model": name, "stream": True, "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}))
+            status, headers, body = await response(reader)
+            assert status == 200 and headers["transfer-encoding"] == "chunked"
+            assert body.endswith(b"\n\ndata: [DONE]\n\n") and body.count(b"[DONE]") == 1
+            events = [json.loads(ln[6:]) for ln in body.splitlines() if ln.startswith(b"data: {")]
+            assert len(events) >= 64 and all(e["model"] == name for e in events)
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+        writer.write(request("api/version", token))
+        status, _, body = await response(reader)
+        assert status == 200 and "version" in json.loads(body) and server.lean_requests == 3
+        if native.library() is not None:  # (cc here) the tokens and the ends were the relay's
+            assert native.relayed_events >= relayed + 64 and not any(b"[DONE]" in d for d in by_python)
+    finally:
+        writer.close()
 
 
 async def test_a_connection_goes_on_to_tornado_at_a_request_boundary(front, token):
