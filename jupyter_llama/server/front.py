@@ -154,7 +154,7 @@ class _LeanConnection(httputil.HTTPConnection):
         self._lent: Callable[[], None] | None = None  # the socket is the C relay's: how to stop it
         self._back: asyncio.Future | None = None  # resolved when the C relay gives it back
         self._close_when_back = False
-        self._ended_below = False  # the C relay wrote this answer's end: nothing more of it goes out
+        self._ended = False  # this answer's end has gone (end_body, or the C relay): nothing more of it goes out
         server._connections.add(self)
 
     # ------------------------------------------------------------------ waiting for a request
@@ -252,7 +252,7 @@ class _LeanConnection(httputil.HTTPConnection):
         self._close_after = headers.get("Connection", "").lower() == "close"
         self._chunked = False
         self._max_body = None
-        self._ended_below = False
+        self._ended = False
         self._answering = True
         self._watch(True)  # to hear of the client leaving while the answer is made
         self.server.lean_requests += 1
@@ -324,9 +324,19 @@ class _LeanConnection(httputil.HTTPConnection):
         return self._send(data)
 
     def write(self, chunk: bytes) -> asyncio.Future:
-        if self._ended_below:  # (an answer whose end has gone: see take_back)
+        if self._ended:  # (an answer whose end has gone: see end_body)
             return self._sent()
         return self._send(self._frame(chunk))
+
+    def end_body(self, chunk: bytes) -> bool:
+        """Send ``chunk``, a chunked answer's last, and the body's end now, in one send; what
+        the handler writes after it (its finish, a late error line) goes nowhere. False, and
+        nothing sent, for an answer that is not chunked."""
+        if not self._chunked or self._ended:
+            return False
+        self._send(self._frame(chunk) + b"0\r\n\r\n")
+        self._ended = True
+        return True
 
     def hold(self, chunk: bytes) -> None:
         """Keep ``chunk``, an answer's last, to go out in one send with the body's end: the
@@ -336,7 +346,7 @@ class _LeanConnection(httputil.HTTPConnection):
 
     def finish(self) -> None:
         data, self._tail = self._tail + (b"0\r\n\r\n" if self._chunked else b""), b""
-        if data and not self._ended_below:
+        if data and not self._ended:
             self._send(data)
         self._finish_request()
 
@@ -361,7 +371,7 @@ class _LeanConnection(httputil.HTTPConnection):
         :meth:`take_back`, nothing here reads, writes or closes it (a close asked meanwhile
         calls ``stop`` and happens then)."""
         if (self._closed or self._out or not self._chunked or not self._answering or self._lent is not None
-                or self._ended_below):
+                or self._ended):
             return None
         self._lent = stop
         self._back = self.loop.create_future()
@@ -375,7 +385,7 @@ class _LeanConnection(httputil.HTTPConnection):
         FINISHED), and what the handler writes after it (the same last event, the end)
         goes nowhere."""
         self._lent = None
-        self._ended_below = ended
+        self._ended = ended
         self._back.set_result(None)
         if gone or self._close_when_back:
             self.close_now()

@@ -423,7 +423,8 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
 
         ``complete``: an async function that adds to the last chunk (a dict) once the child's
         stream has ended, before it goes out; streamed, the translator holds that chunk back
-        (its ``final``), and it is sent here."""
+        (its ``final``), and it is sent here. Without it, on serve's lean connection, the last
+        chunk goes out with the body's end as soon as the child's last event is in."""
         if not stream:
             def gather(batch: list[bytes]) -> None:
                 for data in batch:
@@ -438,12 +439,18 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         self.start_stream(NDJSON)
         write = self.stream_writer()
         last: list[bytes] = []  # the lines from the last chunk on: they go with the body's end
+        end_body = getattr(self.request.connection, "end_body", None)  # (serve's lean connection)
 
         def send_on(batch: list[bytes]):
             if not batch:  # the child's answer has begun: our head goes now, while it makes the first token
                 return write(b"")
             out = b"".join([translator.lines(data) for data in batch])
             if translator.final is not None:  # (the child's stream ends here: its EOF is next)
+                # The answer is whole: on serve's connection its last line and the body's end go
+                # now, not after the child's EOF and this request's way back to end_stream.
+                if (complete is None and end_body is not None and self._headers_written and not self._transforms
+                        and not self._gone and end_body(out)):
+                    return None
                 last.append(out)
                 return None
             return write(out) if out else None
