@@ -86,8 +86,10 @@ ROUTES = ("ollama", "openai")
 SWAP_BLOCK = 4  # swaps a side makes in a row before the next side's turn (even: see swap_phase)
 TTFT_SAMPLES = 4  # short requests per round and side, beside the 1-stream turn, for its time to first token
 # 1-stream turns per round and side (each 64 tokens): with one, 1,024 tokens a side in 16 rounds, a
-# 1-stream ratio's 95% interval was +-0.03, the goal's whole margin
-SINGLE_TURNS = 4
+# 1-stream ratio's 95% interval was +-0.03, the goal's whole margin; with four, still +-0.04-0.06 on
+# a day whose single streams varied by 8-17% from one to the next (their ratio's sd, ours and bare
+# taking turns stream by stream), so eight
+SINGLE_TURNS = 8
 
 
 # ============================================================================ one stream
