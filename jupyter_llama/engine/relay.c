@@ -197,6 +197,7 @@ struct jl_stream {
     int why;                /* why it stops (once what is unsent has gone, for a GIVE_BACK) */
     int sending;            /* waiting for the client to take what is unsent (src not watched) */
     int over;               /* stopped: events still in this wait's batch are not for it */
+    int drained;            /* the last read emptied the child's socket: wait for epoll, not read again */
     struct jl_state st;
     pthread_mutex_t lock;   /* held by jl_start while it adds the sockets, and by the hub for an event */
 };
@@ -297,8 +298,13 @@ static int pump(int ep, struct jl_stream *s) {
         if (full) continue;
         if (s->pos > 0) { memmove(s->buf, s->buf + s->pos, s->have - s->pos); s->have -= s->pos; s->pos = 0; }
         if (s->have == s->cap) return JL_GIVE_BACK;
-        ssize_t n = recv(s->src, s->buf + s->have, s->cap - s->have, MSG_DONTWAIT);
-        if (n > 0) { s->have += (int)n; continue; }
+        /* A read that took less than it asked for emptied the socket: another now would
+         * almost always find nothing (a system call a token, a quarter of the relay's), and
+         * the set is level-triggered, so what comes meanwhile wakes the hub at once. */
+        if (s->drained) { s->drained = 0; return 0; }
+        int room = s->cap - s->have;
+        ssize_t n = recv(s->src, s->buf + s->have, room, MSG_DONTWAIT);
+        if (n > 0) { s->have += (int)n; s->drained = n < room; continue; }
         if (n == 0) return JL_CHILD_ENDED;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
         if (errno == EINTR) continue;
