@@ -9,8 +9,8 @@
  * other line (the last event with its timings, an error, a tool call, [DONE], the end of the
  * body), leaving that chunk and everything after it, unread by it, to the Python relay. It
  * also stops when the child's connection ends, when the client hangs up, and when told to
- * (a byte on the stream's `stop`). Each time a stream stops, its number goes to the hub's
- * `notify` pipe, for Python to take it back.
+ * (a byte on the stream's `stop`). Each time a stream stops, its number goes to its
+ * `notify` pipe (its event loop's, which reads it), for Python to take it back.
  *
  * One exception: a JL_SSE spec with an `end` (what Python writes for the child's [DONE],
  * "data: [DONE]" and a blank line) ends the client's answer itself. A chunk whose events
@@ -189,7 +189,7 @@ static int size_line(char *end, int n) {
 /* One stream the hub relays. Python holds its memory (jl_stream_size bytes) and reads its
  * outcome with jl_result once its number has come through `notify`. */
 struct jl_stream {
-    int src, dst, stop, id;
+    int src, dst, stop, id, notify;
     const struct jl_spec *spec;
     char *buf; int cap;     /* the child's bytes: [pos, have) not parsed yet */
     char *out; int ocap;    /* ours: [unsent_off, unsent_off + unsent_len) not taken by the client */
@@ -317,12 +317,13 @@ int jl_stream_size(void) { return (int)sizeof(struct jl_stream); }
 /* Start relaying a stream on the hub's set `ep`: 0, or -1 when its sockets cannot be watched
  * (nothing is read then: Python goes on with it, and does not start this one again, which
  * the hub may still be about to look at). The hub may hear of a socket before the next is
- * added: the lock keeps it waiting until all three are. */
-int jl_start(int ep, struct jl_stream *s, int src, int dst, int stop, int id, const struct jl_spec *spec,
-             char *buf, int cap, char *out, int ocap) {
+ * added: the lock keeps it waiting until all three are. Its number goes to `notify` when
+ * it stops. */
+int jl_start(int ep, struct jl_stream *s, int src, int dst, int stop, int id, int notify,
+             const struct jl_spec *spec, char *buf, int cap, char *out, int ocap) {
     memset(s, 0, sizeof *s);
     pthread_mutex_init(&s->lock, NULL);
-    s->src = src; s->dst = dst; s->stop = stop; s->id = id; s->spec = spec;
+    s->src = src; s->dst = dst; s->stop = stop; s->id = id; s->notify = notify; s->spec = spec;
     s->buf = buf; s->cap = cap; s->out = out; s->ocap = ocap;
     const int fds[3] = {src, dst, stop};
     const unsigned what[3] = {EPOLLIN, EPOLLRDHUP, EPOLLIN};
@@ -348,12 +349,23 @@ int jl_result(const struct jl_stream *s, struct jl_state *st) {
 
 #define BATCH 64
 
+/* Numbers to one notify pipe, whole (a pipe takes up to 4 KiB in one write). */
+static void tell(int fd, const int *ids, int n) {
+    const char *p = (const char *)ids;
+    size_t left = (size_t)n * sizeof(int);
+    while (left > 0) {
+        ssize_t w = write(fd, p, left);
+        if (w > 0) { p += w; left -= (size_t)w; }
+        else if (w < 0 && errno != EINTR) break;
+    }
+}
+
 /* The hub: relay every stream started on `ep` until `ep` fails (it is never closed while the
- * process lives). A stopped stream's sockets leave the set at once; its number goes to
+ * process lives). A stopped stream's sockets leave the set at once; its number goes to its
  * `notify` after the rest of the batch, which may still name it (and is then passed by). */
-void jl_hub_run(int ep, int notify) {
+void jl_hub_run(int ep) {
     struct epoll_event ev[BATCH];
-    int ended[BATCH];
+    int ended[BATCH], to[BATCH];
     for (;;) {
         int n = epoll_wait(ep, ev, BATCH, -1);
         if (n < 0) {
@@ -376,18 +388,14 @@ void jl_hub_run(int ep, int notify) {
                 if (!s->sending) epoll_ctl(ep, EPOLL_CTL_DEL, s->src, NULL);
                 epoll_ctl(ep, EPOLL_CTL_DEL, s->dst, NULL);
                 epoll_ctl(ep, EPOLL_CTL_DEL, s->stop, NULL);
+                to[n_ended] = s->notify;
                 ended[n_ended++] = s->id;
             }
             pthread_mutex_unlock(&s->lock);
         }
-        if (n_ended) {
-            const char *p = (const char *)ended;
-            size_t left = (size_t)n_ended * sizeof(int);
-            while (left > 0) { /* (a pipe takes up to 4 KiB whole) */
-                ssize_t w = write(notify, p, left);
-                if (w > 0) { p += w; left -= (size_t)w; }
-                else if (w < 0 && errno != EINTR) break;
-            }
+        for (int i = 0, j; i < n_ended; i = j) { /* (one write for each run of the same pipe) */
+            for (j = i + 1; j < n_ended && to[j] == to[i]; j++) {}
+            tell(to[i], ended + i, j - i);
         }
     }
 }
