@@ -100,6 +100,7 @@ _idle: list["Run"] = []  # runs not relaying a stream now, for the next one
 _running: dict[int, "Run"] = {}  # by number: the runs the hub has, until it gives them back
 _made = 0  # runs made (each holds its buffers); at most MAX_RUNS
 _spoilt: list["Run"] = []  # runs whose start failed, kept for good (see Run.start)
+_runs_lock = threading.Lock()  # (Run.make, from event loops that may be on threads of their own)
 relayed_events = 0  # tokens relayed below Python in this process (the tests read it)
 
 
@@ -243,8 +244,13 @@ class _Ears:
         self._pending = pending[whole:]
         for (number,) in struct.iter_unpack("i", pending[:whole]):
             run = _running.pop(number, None)
-            if run is not None:
+            if run is None:
+                continue
+            try:
                 run._ended()
+            except Exception as e:  # noqa: BLE001 - one stream's failure, told as a callback's is; the others go on
+                asyncio.get_running_loop().call_exception_handler(
+                    {"message": "a stream's hand-back from the relay below Python failed", "exception": e})
 
 
 _INT = ctypes.sizeof(ctypes.c_int)
@@ -293,22 +299,24 @@ class Run:
         global _made
         if _lib is None:
             return None
-        try:  # (here, before the connection lends its socket: a failure leaves it untouched)
-            if _hub is None:
-                _start_hub(_lib)
-            _ears_of(asyncio.get_running_loop())
-        except OSError:  # (out of descriptors: this stream goes through Python)
-            return None
-        if _idle:
-            return _idle.pop()
-        if _made >= MAX_RUNS:
-            return None
-        try:
-            run = Run(_lib, _made + 1)
-        except OSError:
-            return None
-        _made += 1
-        return run
+        loop = asyncio.get_running_loop()
+        with _runs_lock:
+            try:  # (here, before the connection lends its socket: a failure leaves it untouched)
+                if _hub is None:
+                    _start_hub(_lib)
+                _ears_of(loop)
+            except OSError:  # (out of descriptors: this stream goes through Python)
+                return None
+            if _idle:
+                return _idle.pop()
+            if _made >= MAX_RUNS:
+                return None
+            try:
+                run = Run(_lib, _made + 1)
+            except OSError:
+                return None
+            _made += 1
+            return run
 
     def start(self, src: int, dst: int, spec: _Spec, done: Callable[[int], None]) -> None:
         loop = asyncio.get_running_loop()

@@ -383,6 +383,9 @@ void jl_hub_run(int ep) {
             else if (role == STOP) why = JL_STOPPED;
             else if (role == DST && (e & (EPOLLRDHUP | EPOLLHUP | EPOLLERR))) why = JL_CLIENT_GONE;
             else why = pump(ep, s);
+            /* (told to stop while the answer's end waits for the client: it is still the end,
+             * and what the client has not taken goes back to Python as unsent) */
+            if (why == JL_STOPPED && s->why == JL_FINISHED) why = JL_FINISHED;
             if (why) {
                 s->why = why; s->over = 1;
                 if (!s->sending) epoll_ctl(ep, EPOLL_CTL_DEL, s->src, NULL);
