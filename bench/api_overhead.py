@@ -267,11 +267,25 @@ async def streams_phase(servers: dict[str, Server], groups: list[list[str]], rou
     ``groups``: sides that run on one child (a relay and that child asked directly), brought
     up together by the first one's ``up`` (on RPC workers, where a ggml-rpc-server serves one
     llama-server at a time) and down after their turn. Groups take turns in an order that
-    rotates from round to round, and the sides of a group alternate."""
+    rotates from round to round, and the sides of a group take turns turn by turn (a relay's
+    stream, its child's, its child's, the relay's, ...), so that what drifts within a round
+    (a single stream's time varied by 8-17% from one to the next, and a round's ratio by
+    ~10% when each side ran all its turns in a row) falls on both sides of a ratio alike."""
     # per side: each round's [tokens, wall seconds] (the totals are their sums), TTFTs, relay CPU
     acc = {(route, k): {s: {"rounds": [[0, 0.0] for _ in range(rounds)], "ttft": [[] for _ in range(rounds)],
                             "cpu": 0.0} for s in servers}
            for route in ROUTES for k in counts}
+
+    async def turn(side: str, route: str, k: int, i: int, prompts: list[str]) -> None:
+        srv, a = servers[side], acc[(route, k)][side]
+        c0, t0 = cpu_seconds(srv.relay_pid), time.perf_counter()
+        res = await asyncio.gather(*(stream(srv, route, p, n) for p in prompts))
+        wall = time.perf_counter() - t0  # (before the CPU figure's read of /proc)
+        a["cpu"] += cpu_seconds(srv.relay_pid) - c0
+        a["ttft"][i] += [r[0] for r in res]
+        a["rounds"][i][0] += sum(r[2] for r in res)
+        a["rounds"][i][1] += wall
+
     for i in range(rounds):
         order = groups[i % len(groups):] + groups[:i % len(groups)]
         for group in order:
@@ -279,28 +293,25 @@ async def streams_phase(servers: dict[str, Server], groups: list[list[str]], rou
             if first.up is not None:
                 await first.up()
             try:
-                for side in (group if i % 2 == 0 else group[::-1]):
-                    srv = servers[side]
-                    for route in ROUTES:
-                        if i == 0 or first.up is not None:  # warm the path (connections, prompt cache)
-                            await stream(srv, route, PROMPTS[0], 8)
-                        for k in counts:
-                            a = acc[(route, k)][side]
-                            for turn in range(SINGLE_TURNS if k == 1 else 1):
-                                prompts = [PROMPTS[(i + j + turn) % len(PROMPTS)] for j in range(k)]
-                                c0, t0 = cpu_seconds(srv.relay_pid), time.perf_counter()
-                                res = await asyncio.gather(*(stream(srv, route, p, n) for p in prompts))
-                                wall = time.perf_counter() - t0  # (before the CPU figure's read of /proc)
-                                a["cpu"] += cpu_seconds(srv.relay_pid) - c0
-                                a["ttft"][i] += [r[0] for r in res]
-                                a["rounds"][i][0] += sum(r[2] for r in res)
-                                a["rounds"][i][1] += wall
-                            if k == 1:  # more samples of the time to first token: short requests, one at a time
-                                for j in range(TTFT_SAMPLES):
-                                    a["ttft"][i].append((await stream(srv, route, PROMPTS[(i + j + 1) % len(PROMPTS)], 8))[0])
+                sides = group if i % 2 == 0 else group[::-1]
+                for route in ROUTES:
+                    if i == 0 or first.up is not None:  # warm the path (connections, prompt cache)
+                        for side in sides:
+                            await stream(servers[side], route, PROMPTS[0], 8)
+                    for k in counts:
+                        for t in range(SINGLE_TURNS if k == 1 else 1):
+                            prompts = [PROMPTS[(i + j + t) % len(PROMPTS)] for j in range(k)]
+                            for side in (sides if t % 2 == 0 else sides[::-1]):
+                                await turn(side, route, k, i, prompts)
+                        if k == 1:  # more samples of the time to first token: short requests, one at a time
+                            for j in range(TTFT_SAMPLES):
+                                for side in (sides if j % 2 == 0 else sides[::-1]):
+                                    r = await stream(servers[side], route, PROMPTS[(i + j + 1) % len(PROMPTS)], 8)
+                                    acc[(route, k)][side]["ttft"][i].append(r[0])
             finally:
                 if first.down is not None:
                     await first.down()
+
     def summary(a: dict) -> dict:
         tokens, wall = (sum(col) for col in zip(*a["rounds"]))
         every = sum(a["ttft"], [])
