@@ -216,6 +216,9 @@ def _start_hub(lib: ctypes.CDLL) -> None:
             _hub = ep
 
 
+_INT = ctypes.sizeof(ctypes.c_int)
+
+
 class _Ears:
     """Where the hub tells one event loop which of the streams it started the hub has
     stopped: a pipe that loop reads (the numbers, as ints), each run's ``done(why)`` called
@@ -253,7 +256,6 @@ class _Ears:
                     {"message": "a stream's hand-back from the relay below Python failed", "exception": e})
 
 
-_INT = ctypes.sizeof(ctypes.c_int)
 _ears: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Ears]" = weakref.WeakKeyDictionary()
 
 

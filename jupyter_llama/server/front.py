@@ -324,9 +324,8 @@ class _LeanConnection(httputil.HTTPConnection):
         return self._send(data)
 
     def write(self, chunk: bytes) -> asyncio.Future:
-        if self._ended:  # (an answer whose end has gone: see end_body)
-            return self._sent()
-        return self._send(self._frame(chunk))
+        # (of an answer whose end has gone, nothing: see end_body)
+        return self._send(b"" if self._ended else self._frame(chunk))
 
     def end_body(self, chunk: bytes) -> bool:
         """Send ``chunk``, a chunked answer's last, and the body's end now, in one send; what
@@ -395,11 +394,6 @@ class _LeanConnection(httputil.HTTPConnection):
         self._watch(True)
 
     # ------------------------------------------------------------------ the socket
-
-    def _sent(self) -> asyncio.Future:
-        fut = self.loop.create_future()
-        fut.set_result(None)
-        return fut
 
     def _send(self, data: bytes) -> asyncio.Future:
         """Write ``data`` now or once the socket takes it; the future resolves when it has

@@ -1007,7 +1007,7 @@ class OpenAIHandler(LlamaHandler):
                 def frame(batch):
                     return write(b"".join([head + d.replace(alias, asked, 1) + b"\n\n" for d in batch]))
             if not req.named:  # (the relay below Python writes our [DONE] and the end: they are end_stream's)
-                frame.native = self.native_target(native.sse(*((alias, asked) if alias != asked else (b"", b"")),
+                frame.native = self.native_target(native.sse(*((alias, asked) if alias != asked else ()),
                                                              end=oai.SSE_DONE))
             if req.endpoint == "/v1/chat/completions":
                 await lease.runner.send_chat(req.body, frame)

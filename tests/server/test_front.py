@@ -39,6 +39,23 @@ async def front(jp_serverapp, jp_base_url):
         await server.close_all_connections()
 
 
+@pytest.fixture
+def python_sends(front, monkeypatch) -> list[bytes]:
+    """What Python sends on the server's side of the front's connections, a send at a time
+    (the C relay's writes are not among them)."""
+    port = front[1]
+    sent: list[bytes] = []
+    send = socket.socket.send
+
+    def recorded(sock, data, *flags):
+        if sock.family == socket.AF_INET and sock.getsockname()[1] == port:  # (not the loops' self-pipes)
+            sent.append(bytes(data))
+        return send(sock, data, *flags)
+
+    monkeypatch.setattr(socket.socket, "send", recorded)
+    return sent
+
+
 def request(path: str, token: str, body: dict | None = None, extra: str = "", version: str = "HTTP/1.1",
             method: str | None = None) -> bytes:
     """A request for ``<base>llama/<path>`` (``/<path>`` for one of Jupyter's own), as bytes."""
@@ -105,20 +122,12 @@ async def test_api_requests_are_answered_on_the_lean_connection(front, token, ex
     await wait_until(lambda: not server._connections, timeout=5)  # each closed with its client
 
 
-async def test_a_streams_last_line_goes_out_with_the_end_of_its_body(front, token, monkeypatch):
+async def test_a_streams_last_line_goes_out_with_the_end_of_its_body(front, token, python_sends):
     """The last line (Ollama's done chunk, OpenAI's [DONE]) and the chunked body's end leave
     in one send, and Tornado's finish writes no empty one: the client is woken once at the
     end, not two or three times."""
     server, port = front
-    sent: list[bytes] = []  # what the server's side of a connection sent, a send at a time
-    send = socket.socket.send
-
-    def recorded(sock, data, *flags):
-        if sock.family == socket.AF_INET and sock.getsockname()[1] == port:  # (not the loops' self-pipes)
-            sent.append(bytes(data))
-        return send(sock, data, *flags)
-
-    monkeypatch.setattr(socket.socket, "send", recorded)
+    sent = python_sends
     for path, body, end in (
             ("api/generate", {"model": "tiny", "prompt": "Once", "raw": True, "options": dict(OPTS, num_predict=3)},
              b'"done":true'),
@@ -151,22 +160,13 @@ async def test_a_streams_last_line_goes_out_with_the_end_of_its_body(front, toke
 
 
 async def test_an_openai_streams_end_from_the_relay_below_python_leaves_the_connection_ready(front, token,
-                                                                                            monkeypatch):
+                                                                                            python_sends):
     """The relay below Python writes an OpenAI stream's [DONE] and its body's end; the
     handler's own end then writes nothing, and the same connection answers what comes next:
     another stream (by another name for the model, which the relay renames), then a request
     that is not a stream."""
     server, port = front
     relayed = native.relayed_events
-    by_python: list[bytes] = []  # what Python sent on the server's side of a connection
-    send = socket.socket.send
-
-    def recorded(sock, data, *flags):
-        if sock.family == socket.AF_INET and sock.getsockname()[1] == port:
-            by_python.append(bytes(data))
-        return send(sock, data, *flags)
-
-    monkeypatch.setattr(socket.socket, "send", recorded)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         for name in ("tiny", "tiny:latest"):
@@ -182,7 +182,7 @@ async def test_an_openai_streams_end_from_the_relay_below_python_leaves_the_conn
         status, _, body = await response(reader)
         assert status == 200 and "version" in json.loads(body) and server.lean_requests == 3
         if native.library() is not None:  # (cc here) the tokens and the ends were the relay's
-            assert native.relayed_events >= relayed + 64 and not any(b"[DONE]" in d for d in by_python)
+            assert native.relayed_events >= relayed + 64 and not any(b"[DONE]" in d for d in python_sends)
     finally:
         writer.close()
 
