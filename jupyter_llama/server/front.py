@@ -11,15 +11,17 @@ connection around it. So :class:`FrontServer` keeps Tornado's application and ha
 and replaces the connection, for the requests where that is safe:
 
 * a GET, POST or DELETE under ``<base_url>llama/`` on a plain (not TLS) connection, HTTP/1.1, whose
-  head and whole body (a Content-Length of at most :data:`MAX_BODY` bytes) have arrived,
-  with no ``Transfer-Encoding``, ``Expect`` or ``Upgrade``, and not a blob upload (which
-  streams its body);
-* anything else (JupyterLab's pages, kernels and websockets, an upload, a request still
+  head has arrived, with a Content-Length of at most :data:`MAX_BODY` bytes, no
+  ``Transfer-Encoding``, ``Expect`` or ``Upgrade``, and not a blob upload (which streams its
+  body);
+* anything else (JupyterLab's pages, kernels and websockets, an upload, a head still
   arriving, TLS, ``trust_xheaders``) goes to Tornado's own connection, untouched.
 
 The choice is made by *peeking* at the socket (``MSG_PEEK``): nothing is read until the
 request is known to be ours, and then exactly its bytes are, so a connection can go on to
-Tornado at any request boundary with nothing lost. A lean connection hands each request to
+Tornado at any request boundary with nothing lost. A body that comes after its head (most
+clients send the two in separate writes, and a busy machine can run the server between
+them) is read as it arrives, and the request is handed on once it is whole. A lean connection hands each request to
 the application as Tornado's would (:meth:`~tornado.web.Application.start_request`, the
 head, the body, finish) and writes its answer to the socket itself, one ``send`` per write
 (the rest waits for the socket, and the writer for it). While an answer is being written it
@@ -72,8 +74,8 @@ class FrontServer(HTTPServer):
 
     def ours(self, peeked: bytes) -> tuple[int, int] | None:
         """(head length, body length) of the request at the start of ``peeked`` when it is
-        one for the lean connection; None for Tornado's (or for a request not all here yet:
-        Tornado's connection waits for the rest)."""
+        one for the lean connection (its body may not all be here yet); None for Tornado's
+        (and for a head not all here yet: Tornado's connection waits for the rest)."""
         end = peeked.find(b"\r\n\r\n")
         if end < 0:
             return None
@@ -155,6 +157,7 @@ class _LeanConnection(httputil.HTTPConnection):
         self._back: asyncio.Future | None = None  # resolved when the C relay gives it back
         self._close_when_back = False
         self._ended = False  # this answer's end has gone (end_body, or the C relay): nothing more of it goes out
+        self._coming: tuple[str, bytearray, int] | None = None  # a request whose body is still arriving
         server._connections.add(self)
 
     # ------------------------------------------------------------------ waiting for a request
@@ -177,6 +180,9 @@ class _LeanConnection(httputil.HTTPConnection):
     def _look(self) -> None:
         if self._closed:
             return
+        if self._coming is not None:
+            self._more_body()
+            return
         if self._answering:  # readable while an answer goes out: the client left, or sent more
             self._check_gone()
             return
@@ -194,13 +200,6 @@ class _LeanConnection(httputil.HTTPConnection):
             self.close_now()
             return
         sizes = self.server.ours(peeked)
-        if sizes is not None and sum(sizes) > len(peeked):  # a larger body: all of it here yet?
-            try:
-                peeked = self.sock.recv(sum(sizes), socket.MSG_PEEK)
-            except OSError:
-                peeked = b""
-            if sum(sizes) > len(peeked):
-                sizes = None
         if sizes is None:
             self._hand_over()
             return
@@ -210,11 +209,42 @@ class _LeanConnection(httputil.HTTPConnection):
             self._idle.cancel()
             self._idle = None
         head_len, body_len = sizes
-        data = self._take(head_len + body_len)  # exactly this request (all of it is here: just peeked)
+        total = head_len + body_len
+        if total > len(peeked):  # a larger body, or one still coming: how much of it is here?
+            try:
+                peeked = self.sock.recv(total, socket.MSG_PEEK)
+            except OSError:
+                pass
+        data = self._take(min(total, len(peeked)))  # (only what was peeked: nothing of the next request)
         if data is None:
             self.close_now()
             return
+        if len(data) < total:  # the rest is read as it comes (_more_body)
+            self._coming = (data[:head_len - 4].decode("latin1"), bytearray(data[head_len:]), body_len)
+            self._watch(True)
+            self._idle = self.loop.call_later(self.server.conn_params.body_timeout or 3600, self.close_now)
+            return
         self._dispatch(data[:head_len - 4].decode("latin1"), data[head_len:])
+
+    def _more_body(self) -> None:
+        """Read more of a body that came after its head; once it is whole, the request goes on."""
+        head, body, length = self._coming
+        try:
+            part = self.sock.recv(length - len(body))  # (not a byte of the next request)
+        except BlockingIOError:
+            return
+        except OSError:
+            part = b""
+        if not part:  # the client left before its body was all sent: there is no request to answer
+            self.close_now()
+            return
+        body += part
+        if len(body) < length:
+            return
+        self._coming = None
+        self._idle.cancel()
+        self._idle = None
+        self._dispatch(head, bytes(body))
 
     def _take(self, n: int) -> bytes | None:
         """Read ``n`` bytes that a peek has seen (None when the connection broke meanwhile)."""

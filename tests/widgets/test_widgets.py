@@ -398,14 +398,15 @@ def test_panel_follows_a_model_loaded_elsewhere(manager, client):
 
         # a request in flight shows in the refcount and the keep-alive
         stop = threading.Event()
-        started = threading.Event()
 
         def generate():
+            # The tiny model fills its 1024-token context in well under a second, which a
+            # slow machine's refresh can miss: so ask again until the panel has seen one.
             with LlamaClient(manager.url, manager.token) as c:
-                for _ in c.generate("tiny", "Tell me a long story", options=dict(OPTS, num_predict=2000)):
-                    started.set()
-                    if stop.is_set():
-                        break
+                while not stop.is_set():
+                    for _ in c.generate("tiny", "Tell me a long story", options=dict(OPTS, num_predict=2000)):
+                        if stop.is_set():
+                            break
 
         t = threading.Thread(target=generate)
         t.start()
