@@ -462,9 +462,14 @@ class Ahead:
         self._expiry = loop.call_later(ttl, self.close)
         self.taken = False
 
+    @property
+    def usable(self) -> bool:
+        """Whether :meth:`take` would give it (not taken, expired, closed, or failed to connect)."""
+        return not (self.taken or self.proto.lost or (self._connecting.done() and self.proto.transport is None))
+
     def take(self) -> "Ahead | None":
         """This connection for one request, or None when it has expired or closed already."""
-        if self.taken or self.proto.lost or (self._connecting.done() and self.proto.transport is None):
+        if not self.usable:
             return None
         self.taken = True
         self._expiry.cancel()

@@ -386,7 +386,7 @@ async def test_a_connection_ahead_that_closed_or_failed_leaves_the_request_to_a_
         await asyncio.wait_for(srv.closed_idle.wait(), 5)
         while not ahead.proto.lost:  # (its end reaches this side a moment later)
             await asyncio.sleep(0.005)
-        assert ahead.take() is None
+        assert not ahead.usable and ahead.take() is None
         srv.idle = None
         await http1.relay_sse(srv.port, "/completion", {}, "", lambda b: None, ahead=ahead.take())
         assert srv.connections == 2 and len(srv.requests) == 1
@@ -400,7 +400,7 @@ async def test_a_connection_ahead_that_closed_or_failed_leaves_the_request_to_a_
     failed = http1.Ahead(port)
     with pytest.raises(ConnectionRefusedError):
         await failed._connecting
-    assert failed.take() is None
+    assert not failed.usable and failed.take() is None
     with pytest.raises(ConnectionRefusedError):
         await http1.relay_sse(port, "/completion", {}, "", lambda b: None, ahead=http1.Ahead(port).take())
 
@@ -409,7 +409,7 @@ async def test_a_connection_ahead_nobody_takes_is_closed_after_its_time():
     async with Accepting() as srv:
         ahead = http1.Ahead(srv.port, ttl=0.05)
         await asyncio.wait_for(srv.hung_up.wait(), 5)  # closed by this side, with no request
-        assert srv.requests == [] and ahead.take() is None
+        assert srv.requests == [] and not ahead.usable and ahead.take() is None
         srv.hung_up.clear()
         srv.accepted.clear()
         ahead = http1.Ahead(srv.port)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -289,7 +290,9 @@ async def test_real_english_from_stories260k(start_runner, stories_model):
 
 async def test_a_stream_goes_out_on_the_connection_opened_ahead_for_it(start_runner, tiny_model):
     """What a server does as soon as a request has a runner (runner.connect_ahead): the stream
-    sent later uses that connection; one that is never used closes with the runner."""
+    sent later uses that connection. A stream opens the next one's behind itself, so a
+    request that follows finds its connection made; one that is never used closes with the
+    runner."""
     r = await start_runner(tiny_model)
     r.connect_ahead()
     ahead = r._ahead
@@ -298,12 +301,52 @@ async def test_a_stream_goes_out_on_the_connection_opened_ahead_for_it(start_run
     assert await ahead.connected() is not None
     batches = []
     await r.relay_completion("Once upon a time", batches.append, n_predict=4, temperature=0)
-    assert ahead.taken and r._ahead is None
+    assert ahead.taken
     assert ahead.proto.done.done() and ahead.proto.done.exception() is None  # the stream came on it
     assert sum(len(b) for b in batches) >= 2
+    await asyncio.sleep(0)  # (opened once the step that ended the stream is over)
+    spare = r._ahead
+    assert spare is not None and spare is not ahead and spare.usable
+    assert await spare.connected() is not None
+    r.connect_ahead()  # the next request's own call finds it made
+    assert r._ahead is spare
     assert (await r.post("/tokenize", {"content": "hi"}))["tokens"]  # answered whole: on a fresh connection
-    r.connect_ahead()
+    assert spare.usable
+    again = []
+    await r.relay_completion("Once upon a time", again.append, n_predict=4, temperature=0)
+    assert spare.taken and spare.proto.done.done() and spare.proto.done.exception() is None
+    def text(bs):
+        return "".join(json.loads(d).get("content", "") for b in bs for d in b)
+
+    assert text(again) == text(batches)  # (greedy: the same answer, on the connection opened behind the first)
+    await asyncio.sleep(0)
     idle = r._ahead
     transport = await idle.connected()
     await r.stop()
     assert idle.taken and transport.is_closing()
+    r.connect_ahead()  # a stopped runner opens none
+    assert r._ahead is None
+
+
+async def test_a_connection_opened_ahead_that_the_child_closed_is_replaced(start_runner, tiny_model):
+    """A connection opened ahead can be lost before a request takes it (llama-server closes one
+    that has carried no request after its keep-alive time, tests/engine/test_http1.py); a
+    lost one is not kept as the next stream's: connect_ahead opens another, and the stream
+    goes out on that."""
+    r = await start_runner(tiny_model)
+    r.connect_ahead()
+    closed = r._ahead
+    await closed.connected()
+    closed.proto.transport.close()  # (lost without a request, as when the child's close arrives)
+    for _ in range(100):
+        if closed.proto.lost:
+            break
+        await asyncio.sleep(0.01)
+    assert not closed.usable
+    r.connect_ahead()
+    fresh = r._ahead
+    assert fresh is not closed and fresh.usable
+    batches = []
+    await r.relay_completion("Once upon a time", batches.append, n_predict=4, temperature=0)
+    assert fresh.taken and fresh.proto.done.exception() is None
+    assert sum(len(b) for b in batches) >= 2
