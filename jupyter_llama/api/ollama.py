@@ -750,6 +750,9 @@ def _text_event(*pieces: bytes) -> tuple[re.Pattern, bytes]:
 _COMPLETION_TEXT = _text_event(b'{"index":', _DIGITS, b',"content":', _STRING, b',"tokens":[', _DIGIT_LIST,
                                b'],"stop":false,')
 _CHAT_TEXT = _text_event(b'{"choices":[{"finish_reason":null,"index":0,"delta":{"content":', _STRING, b"}}]")
+# The child's last ``/completion`` event of a stream, as it writes it (no text; its stop type
+# and timings further on): the C relay writes our last line for it (see _Lines.native_done).
+_COMPLETION_DONE = b'{"index":' + _DIGITS + b',"content":"","tokens":[],"id_slot":' + _DIGITS + b',"stop":true,'
 
 
 class _Lines:
@@ -781,6 +784,18 @@ class _Lines:
             return None
         return self._text_event[1], self._head, self._text_key, self._text_tail
 
+    # our last line between its time and its reason, for a translator whose last line the C
+    # relay may write (its last event is _COMPLETION_DONE's, its stats stats_from_timings')
+    _done_key: bytes | None = None
+
+    def native_done(self) -> tuple[bytes, bytes, bytes, int] | None:
+        """What the relay below Python needs to write this translator's last line as
+        :meth:`feed` does (see :func:`.native.template`), or None when that line is Python's."""
+        if self._done_key is None or self.native_template() is None:
+            return None
+        return (_COMPLETION_DONE, self._done_key, b',"load_duration":%d' % int(self.load_s * 1e9),
+                int(self.started * 1e9))
+
     def lines(self, data: bytes) -> bytes:
         m = self._text_event[0].match(data)
         if m is not None and m.group(1) != b'""':
@@ -796,6 +811,7 @@ class GenerateTranslator(_Lines):
     _text_event = _COMPLETION_TEXT
     _text_key = b'","response":'
     _text_tail = b',"done":false}\n'
+    _done_key = b'","response":"","done":true,"done_reason":"'
 
     def __init__(self, model: str, started: float, load_s: float):
         self.model = model
@@ -884,6 +900,7 @@ class TemplatedChatTranslator(GenerateTranslator):
 
     _text_key = b'","message":{"role":"assistant","content":'
     _text_tail = b'},"done":false}\n'
+    _done_key = None  # (its last line puts the message after the stats: Python's)
 
     @staticmethod
     def _as_chat(d: dict) -> dict:
@@ -940,6 +957,7 @@ class ChatTranslator(_Lines):
     _text_event = _CHAT_TEXT
     _text_key = b'","message":{"role":"assistant","content":'
     _text_tail = b'},"done":false}\n'
+    _done_key = None  # (its last line puts the message after the stats: Python's)
 
     def __init__(self, model: str, started: float, load_s: float):
         self.model = model

@@ -60,7 +60,11 @@ class _Spec(ctypes.Structure):
                 ("tail", ctypes.c_char_p), ("tail_len", ctypes.c_int),
                 ("from_", ctypes.c_char_p), ("from_len", ctypes.c_int),
                 ("to", ctypes.c_char_p), ("to_len", ctypes.c_int),
-                ("end", ctypes.c_char_p), ("end_len", ctypes.c_int)]
+                ("end", ctypes.c_char_p), ("end_len", ctypes.c_int),
+                ("done", ctypes.c_char_p), ("done_len", ctypes.c_int),
+                ("done_key", ctypes.c_char_p), ("done_key_len", ctypes.c_int),
+                ("load", ctypes.c_char_p), ("load_len", ctypes.c_int),
+                ("started", ctypes.c_longlong)]
 
 
 class _State(ctypes.Structure):
@@ -69,15 +73,24 @@ class _State(ctypes.Structure):
                 ("unsent_off", ctypes.c_int), ("unsent_len", ctypes.c_int)]
 
 
-def _spec(mode: int, pat=b"", head=b"", key=b"", tail=b"", from_=b"", to=b"", end=b"") -> _Spec:
+def _spec(mode: int, pat=b"", head=b"", key=b"", tail=b"", from_=b"", to=b"", end=b"", done=b"", done_key=b"",
+          load=b"", started=0) -> _Spec:
     return _Spec(mode, pat, len(pat), head, len(head), key, len(key), tail, len(tail), from_, len(from_), to, len(to),
-                 end, len(end))
+                 end, len(end), done, len(done), done_key, len(done_key), load, len(load), started)
 
 
-def template(pattern: bytes, head: bytes, key: bytes, tail: bytes) -> _Spec:
+def template(pattern: bytes, head: bytes, key: bytes, tail: bytes,
+             done: tuple[bytes, bytes, bytes, int] | None = None) -> _Spec:
     """Ollama lines: an event that starts as ``pattern`` says becomes ``head``, the time,
-    ``key``, its text's JSON string, ``tail`` (see ``relay.c`` for the pattern's pieces)."""
-    return _spec(TEMPLATE, pattern, head, key, tail)
+    ``key``, its text's JSON string, ``tail`` (see ``relay.c`` for the pattern's pieces).
+
+    ``done``: how the child's last event becomes the answer's last line, which the C relay
+    then writes with the body's end (FINISHED), as :meth:`.ollama._Lines.native_done`
+    gives it: the event's pattern, the line's bytes between the time and the reason, its
+    load duration (``,"load_duration":N``) and the request's start (``time.monotonic``,
+    in ns). Without it, that event and all after it go back to Python."""
+    pat, done_key, load, started = done or (b"", b"", b"", 0)
+    return _spec(TEMPLATE, pattern, head, key, tail, done=pat, done_key=done_key, load=load, started=started)
 
 
 def sse(replace: bytes = b"", by: bytes = b"", end: bytes = b"") -> _Spec:

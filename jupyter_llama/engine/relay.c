@@ -26,6 +26,14 @@
  *                microseconds), key, the captured string as the child spelled it, tail.
  *   JL_SSE       the event as it came ("data: ", its JSON, a blank line), with its first
  *                `from` replaced by `to` when `from` is given (the model's name).
+ *
+ * A JL_TEMPLATE spec with a `done` pattern ends the client's answer too: the child's last
+ * event (one that starts as that pattern says, with its stop type and timings) becomes
+ * Ollama's last line, head, the time, `done_key`, the reason ("length" for a stop at the
+ * token limit, else "stop"), the durations and counts Python's stats_from_timings gives
+ * (the total from the spec's `started` to now), "}" and a line end; then the body's last
+ * chunk, and the stream stops (JL_FINISHED), as with [DONE] above. An event that says
+ * less than that (no timings, say) goes to Python, which writes its line.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -34,6 +42,7 @@
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -49,6 +58,12 @@ struct jl_spec {
     const char *from; int from_len;
     const char *to; int to_len;
     const char *end; int end_len; /* JL_SSE: written for [DONE], then the body's end (none: [DONE] is Python's) */
+    /* JL_TEMPLATE: the child's last event, as a pattern (none: it is Python's), our last line's
+     * bytes between the time and the reason, and its load duration (',"load_duration":N') */
+    const char *done; int done_len;
+    const char *done_key; int done_key_len;
+    const char *load; int load_len;
+    long long started; /* the request's start, CLOCK_MONOTONIC, in ns */
 };
 
 struct jl_state {
@@ -71,9 +86,16 @@ static const char *json_string_end(const char *p, const char *end) {
     return NULL;
 }
 
-/* Does the event d[0..n) start as the pattern says? Sets the captured string. */
-static int match(const struct jl_spec *s, const char *d, int n, const char **cap, int *cap_len) {
-    const char *p = d, *end = d + n, *q = s->pat, *qend = s->pat + s->pat_len;
+static int put(char *out, int *o, int ocap, const char *p, int n) {
+    if (*o + n > ocap) return 0;
+    memcpy(out + *o, p, n);
+    *o += n;
+    return 1;
+}
+
+/* Does the event d[0..n) start as the pattern pat[0..pat_len) says? Sets the captured string. */
+static int starts_as(const char *pat, int pat_len, const char *d, int n, const char **cap, int *cap_len) {
+    const char *p = d, *end = d + n, *q = pat, *qend = pat + pat_len;
     *cap = NULL;
     while (q < qend) {
         char c = *q++;
@@ -92,7 +114,93 @@ static int match(const struct jl_spec *s, const char *d, int n, const char **cap
             p++;
         }
     }
-    return *cap != NULL;
+    return 1;
+}
+
+/* The last key (its quoted name and colon) in d[0..n), or NULL. A key inside a JSON string
+ * cannot match: its quotes there are escaped. */
+static const char *last_key(const char *d, int n, const char *key) {
+    int k = (int)strlen(key);
+    for (const char *p = d + n - k; p >= d; p--)
+        if (*p == '"' && memcmp(p, key, k) == 0) return p + k;
+    return NULL;
+}
+
+/* The JSON number at p (before end), as text, NUL-terminated in num; 0 when there is none. */
+static int number_at(const char *p, const char *end, char *num, int cap) {
+    int i = 0;
+    while (p + i < end && i < cap - 1
+           && ((p[i] >= '0' && p[i] <= '9') || p[i] == '-' || p[i] == '+' || p[i] == '.' || p[i] == 'e' || p[i] == 'E'))
+        { num[i] = p[i]; i++; }
+    num[i] = 0;
+    return i > 0 && p + i < end && (p[i] == ',' || p[i] == '}');
+}
+
+/* An integer key's value, as Python's int() of the JSON number it is. */
+static int int_of(const char *t, const char *end, const char *key, long long *v) {
+    char num[40], *e;
+    const char *p = last_key(t, (int)(end - t), key);
+    if (p == NULL || !number_at(p, end, num, sizeof num)) return 0;
+    *v = strtoll(num, &e, 10);
+    return *e == 0;
+}
+
+/* A milliseconds key's value in ns, as Python's int(float(ms) * 1e6). */
+static int ns_of(const char *t, const char *end, const char *key, long long *v) {
+    char num[40], *e;
+    const char *p = last_key(t, (int)(end - t), key);
+    if (p == NULL || !number_at(p, end, num, sizeof num)) return 0;
+    double ms = strtod(num, &e);
+    if (*e != 0 || !(ms * 1e6 > -9.2e18 && ms * 1e6 < 9.2e18)) return 0;
+    *v = (long long)(ms * 1e6);
+    return 1;
+}
+
+static int put_int(char *out, int *o, int ocap, long long v) {
+    char b[24];
+    int i = 24, neg = v < 0;
+    unsigned long long u = neg ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    do { b[--i] = (char)('0' + u % 10); u /= 10; } while (u);
+    if (neg) b[--i] = '-';
+    return put(out, o, ocap, b + i, 24 - i);
+}
+
+/* Ollama's last line for the child's last event d[0..n): 1 written, 0 no room, -1 not ours
+ * (the event says less than the line needs: Python writes it). */
+static int done_line(const struct jl_spec *s, const char *d, int n, char *out, int *o, int ocap,
+                     const char *stamp, int stamp_len) {
+    const char *end = d + n, *cap;
+    int cap_len;
+    if (!starts_as(s->done, s->done_len, d, n, &cap, &cap_len)) return -1;
+    const char *why = last_key(d, n, "\"stop_type\":");
+    const char *t = last_key(d, n, "\"timings\":");
+    if (why == NULL || t == NULL || *t != '{') return -1;
+    const char *why_end = json_string_end(why, end);
+    if (why_end == NULL) return -1;
+    int limit = why_end - why == 7 && memcmp(why, "\"limit\"", 7) == 0;
+    const char *t_end = memchr(t, '}', end - t); /* (its values are numbers: the first } closes it) */
+    long long prompt_n, cache_n, prompt_ns, predicted_n, predicted_ns;
+    if (t_end == NULL || !int_of(t, t_end + 1, "\"prompt_n\":", &prompt_n) || !int_of(t, t_end + 1, "\"cache_n\":", &cache_n)
+        || !ns_of(t, t_end + 1, "\"prompt_ms\":", &prompt_ns) || !int_of(t, t_end + 1, "\"predicted_n\":", &predicted_n)
+        || !ns_of(t, t_end + 1, "\"predicted_ms\":", &predicted_ns))
+        return -1;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    long long total = (long long)now.tv_sec * 1000000000LL + now.tv_nsec - s->started;
+    int start = *o;
+    if (put(out, o, ocap, s->head, s->head_len) && put(out, o, ocap, stamp, stamp_len)
+        && put(out, o, ocap, s->done_key, s->done_key_len)
+        && put(out, o, ocap, limit ? "length" : "stop", limit ? 6 : 4)
+        && put(out, o, ocap, "\",\"total_duration\":", 19) && put_int(out, o, ocap, total < 0 ? 0 : total)
+        && put(out, o, ocap, s->load, s->load_len)
+        && put(out, o, ocap, ",\"prompt_eval_count\":", 21) && put_int(out, o, ocap, prompt_n + cache_n)
+        && put(out, o, ocap, ",\"prompt_eval_duration\":", 24) && put_int(out, o, ocap, prompt_ns)
+        && put(out, o, ocap, ",\"eval_count\":", 14) && put_int(out, o, ocap, predicted_n)
+        && put(out, o, ocap, ",\"eval_duration\":", 17) && put_int(out, o, ocap, predicted_ns)
+        && put(out, o, ocap, "}\n", 2))
+        return 1;
+    *o = start;
+    return 0;
 }
 
 /* An error event ({"error": ...}) goes to Python, which tells it as one. */
@@ -101,13 +209,6 @@ static int looks_like_error(const char *d, int n) {
     int i = 1;
     while (i < n && (d[i] == ' ' || d[i] == '\t' || d[i] == '\r' || d[i] == '\n')) i++;
     return n - i >= 7 && memcmp(d + i, "\"error\"", 7) == 0;
-}
-
-static int put(char *out, int *o, int ocap, const char *p, int n) {
-    if (*o + n > ocap) return 0;
-    memcpy(out + *o, p, n);
-    *o += n;
-    return 1;
 }
 
 /* Our bytes for one line of an event's chunk: 1 written, 2 written and it was [DONE] (the
@@ -121,7 +222,11 @@ static int one_line(const struct jl_spec *s, const char *line, int n, char *out,
     int start = *o;
     if (s->mode == JL_TEMPLATE) {
         const char *cap; int cap_len;
-        if (!match(s, d, dn, &cap, &cap_len)) return -1;
+        if (!starts_as(s->pat, s->pat_len, d, dn, &cap, &cap_len) || cap == NULL) {
+            if (s->done_len == 0) return -1;
+            int r = done_line(s, d, dn, out, o, ocap, stamp, stamp_len);
+            return r == 1 ? 2 : r;
+        }
         if (put(out, o, ocap, s->head, s->head_len) && put(out, o, ocap, stamp, stamp_len)
             && put(out, o, ocap, s->key, s->key_len) && put(out, o, ocap, cap, cap_len)
             && put(out, o, ocap, s->tail, s->tail_len))

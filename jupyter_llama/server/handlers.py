@@ -456,8 +456,9 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             return write(out) if out else None
 
         spelled = translator.native_template()
-        if spelled is not None:
-            send_on.native = self.native_target(native.template(*spelled))
+        if spelled is not None:  # (the last line too, when nothing is to be added to it)
+            done = translator.native_done() if complete is None else None
+            send_on.native = self.native_target(native.template(*spelled, done=done))
         try:
             await start(send_on)
         except Exception:
