@@ -95,6 +95,11 @@ SINGLE_TURNS = 8
 # faster (a warm child), so a round's ratio swung between odd and even rounds and a ratio's 95%
 # interval was +-0.03-0.06; two, each side once first and once second, cancel that within a round
 BURST_TURNS = 2
+# turns of each relay, after the timed rounds, that measure its CPU a token (CPU_TURNS[k] for k streams):
+# reading a relay's CPU (its threads' /proc entries) just before its timed turns cost its streams
+# 2-4% (a probe of 5 alternating pairs of 60 one-stream requests a side: ours/bare 0.960-0.978 with
+# the reads, 0.984-1.014 without), so the timed rounds read nothing
+CPU_TURNS = {1: 8, 8: 2}
 
 
 # ============================================================================ one stream
@@ -267,7 +272,8 @@ def cpu_seconds(pid: int | None) -> float:
 async def streams_phase(servers: dict[str, Server], groups: list[list[str]], rounds: int, n: int,
                         counts=(1, 8)) -> dict:
     """Per route and stream count, per side: tokens/s (all tokens / all wall), mean TTFT (and median), and
-    the CPU the relaying process (ours: the manager; the router) spent per token.
+    the CPU the relaying process (ours: the manager; the router) spent per token, measured in turns of
+    its own after the timed rounds (see CPU_TURNS).
 
     ``groups``: sides that run on one child (a relay and that child asked directly), brought
     up together by the first one's ``up`` (on RPC workers, where a ggml-rpc-server serves one
@@ -278,15 +284,14 @@ async def streams_phase(servers: dict[str, Server], groups: list[list[str]], rou
     ~10% when each side ran all its turns in a row) falls on both sides of a ratio alike."""
     # per side: each round's [tokens, wall seconds] (the totals are their sums), TTFTs, relay CPU
     acc = {(route, k): {s: {"rounds": [[0, 0.0] for _ in range(rounds)], "ttft": [[] for _ in range(rounds)],
-                            "cpu": 0.0} for s in servers}
+                            "cpu": None} for s in servers}
            for route in ROUTES for k in counts}
 
     async def turn(side: str, route: str, k: int, i: int, prompts: list[str]) -> None:
         srv, a = servers[side], acc[(route, k)][side]
-        c0, t0 = cpu_seconds(srv.relay_pid), time.perf_counter()
+        t0 = time.perf_counter()
         res = await asyncio.gather(*(stream(srv, route, p, n) for p in prompts))
-        wall = time.perf_counter() - t0  # (before the CPU figure's read of /proc)
-        a["cpu"] += cpu_seconds(srv.relay_pid) - c0
+        wall = time.perf_counter() - t0
         a["ttft"][i] += [r[0] for r in res]
         a["rounds"][i][0] += sum(r[2] for r in res)
         a["rounds"][i][1] += wall
@@ -317,12 +322,36 @@ async def streams_phase(servers: dict[str, Server], groups: list[list[str]], rou
                 if first.down is not None:
                     await first.down()
 
+    for group in groups:  # each relay's CPU a token, in turns of its own that nothing times
+        relays = [side for side in group if servers[side].relay_pid is not None]
+        if not relays:
+            continue
+        first = servers[group[0]]
+        if first.up is not None:
+            await first.up()
+        try:
+            for side in relays:
+                srv = servers[side]
+                for route in ROUTES:
+                    await stream(srv, route, PROMPTS[0], 8)  # (warm: a fresh child on workers)
+                    for k in counts:
+                        tokens, c0 = 0, cpu_seconds(srv.relay_pid)
+                        for t in range(CPU_TURNS[k]):
+                            res = await asyncio.gather(*(stream(srv, route, PROMPTS[(t + j) % len(PROMPTS)], n)
+                                                         for j in range(k)))
+                            tokens += sum(r[2] for r in res)
+                        acc[(route, k)][side]["cpu"] = (cpu_seconds(srv.relay_pid) - c0, tokens)
+        finally:
+            if first.down is not None:
+                await first.down()
+
     def summary(a: dict) -> dict:
         tokens, wall = (sum(col) for col in zip(*a["rounds"]))
         every = sum(a["ttft"], [])
+        cpu, cpu_tokens = a["cpu"] or (0.0, 0)
         return {"tps": tokens / wall, "ttft_ms": statistics.fmean(every) * 1000,
                 "ttft_median_ms": statistics.median(every) * 1000, "tokens": tokens,
-                "cpu_us": a["cpu"] / tokens * 1e6, "rounds": a["rounds"], "ttft": a["ttft"]}
+                "cpu_us": cpu / cpu_tokens * 1e6 if cpu_tokens else 0.0, "rounds": a["rounds"], "ttft": a["ttft"]}
 
     return {key: {s: summary(a) for s, a in sides.items()} for key, sides in acc.items()}
 
