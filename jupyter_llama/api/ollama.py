@@ -957,7 +957,6 @@ class ChatTranslator(_Lines):
     _text_event = _CHAT_TEXT
     _text_key = b'","message":{"role":"assistant","content":'
     _text_tail = b'},"done":false}\n'
-    _done_key = None  # (its last line puts the message after the stats: Python's)
 
     def __init__(self, model: str, started: float, load_s: float):
         self.model = model

@@ -121,6 +121,7 @@ static int starts_as(const char *pat, int pat_len, const char *d, int n, const c
  * cannot match: its quotes there are escaped. */
 static const char *last_key(const char *d, int n, const char *key) {
     int k = (int)strlen(key);
+    if (n < k) return NULL;
     for (const char *p = d + n - k; p >= d; p--)
         if (*p == '"' && memcmp(p, key, k) == 0) return p + k;
     return NULL;

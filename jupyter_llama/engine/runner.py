@@ -368,10 +368,11 @@ class Runner:
         """Open the connection that the next stream to the child (:meth:`relay_sse`) will
         use, unless one is open already: a server calls this as soon as a request has this
         runner, and a stream calls it behind itself once its answer has begun and once it has
-        ended (:meth:`relay_sse`), so that a request following another finds its connection made, off its way to the first
-        token (on loopback the kernel makes the connection inside ``connect``: 0.11 ms of
-        the event loop's time, traced in ``serve``). One not used within a second is closed
-        (see :class:`.http1.Ahead`); requests answered whole connect as they always did.
+        ended (:meth:`relay_sse`), so that a request following another finds its connection
+        made, off its way to the first token (on loopback the kernel makes the connection
+        inside ``connect``: 0.11 ms of the event loop's time, traced in ``serve``). One not
+        used within a second is closed (see :class:`.http1.Ahead`); requests answered whole
+        connect as they always did.
 
         One waits at a time: each holds one of llama-server's HTTP threads (it has
         n_parallel + 2 or more) until its stream is sent, and a request may first need a
