@@ -35,10 +35,9 @@ to the last byte (the stream's wall time). Rounds alternate the order of the sid
   jumps between them from run to run: over 128 samples a side its interval was 3-4 times the
   mean's (host, 8 streams: [-7.6, +10.8] ms against [-3.8, +5.5]). The median still prints;
 * for 8 streams, also the mean time to each burst's *last* first token, against the child
-  behind it (no goal): a relay takes a burst's requests one after another, so its last one
-  reaches the child last (the manager spends ~1 ms of Python on each, the router's C++ threads
-  far less), and requests that join the child over more of its steps leave it a longer tail
-  of small batches;
+  behind it (no goal): how late a relay gets a burst's last request to the child (the
+  manager takes them one after another, ~1 ms of Python each); requests that join the child
+  over more of its steps leave it a longer tail of small batches;
 * a 95% interval for each throughput ratio and for ours minus the router's, from the rounds
   (a paired bootstrap, :func:`ratio_interval`), to say which differences the run can tell;
 * model swap with room for one model (A loaded, B requested, a one-token answer): ours
