@@ -275,9 +275,10 @@ def cpu_seconds(pid: int | None) -> float:
 
 async def streams_phase(servers: dict[str, Server], groups: list[list[str]], rounds: int, n: int,
                         counts=(1, 8)) -> dict:
-    """Per route and stream count, per side: tokens/s (all tokens / all wall), mean TTFT (and median), and
-    the CPU the relaying process (ours: the manager; the router) spent per token, measured in turns of
-    its own after the timed rounds (see CPU_TURNS).
+    """Per route and stream count, per side: tokens/s (all tokens / all wall), mean TTFT (and median), at
+    more than one stream the mean of each burst's last TTFT, and the CPU the relaying process (ours: the
+    manager; the router) spent per token, measured in turns of its own after the timed rounds (see
+    CPU_TURNS).
 
     ``groups``: sides that run on one child (a relay and that child asked directly), brought
     up together by the first one's ``up`` (on RPC workers, where a ggml-rpc-server serves one
@@ -716,7 +717,7 @@ def report(title: str, res: dict) -> bool:
               + f"  ours [{alo:+.2f}, {ahi:+.2f}], router [{rlo:+.2f}, {rhi:+.2f}]; medians: ours "
               f"{o['ttft_median_ms'] - b['ttft_median_ms']:+.2f}, router {t['ttft_median_ms'] - tb['ttft_median_ms']:+.2f}")
         print(f"{'':<7}{'':>8}  {'relay CPU per token us':<24}{o['cpu_us']:>8.0f}{'':>8}{t['cpu_us']:>8.0f}")
-        if o["last_ms"] is not None:  # (no goal: what explains an 8-stream ratio, see "last" in streams_phase)
+        if o["last_ms"] is not None:  # (no goal: how late each relay gets a burst's last request to its child)
             print(f"{'':<7}{'':>8}  {'last stream 1st token ms':<24}" + "".join(f"{x['last_ms']:>8.1f}" for x in (o, b, t, tb, h))
                   + f"  added: ours {o['last_ms'] - b['last_ms']:+.1f}, router {t['last_ms'] - tb['last_ms']:+.1f} (no goal)")
     if "swap" not in res:

@@ -137,11 +137,16 @@ static int number_at(const char *p, const char *end, char *num, int cap) {
     return i > 0 && p + i < end && (p[i] == ',' || p[i] == '}');
 }
 
+/* The last value of a key in t[0..end) when it is a JSON number, as text in num; 0 when not. */
+static int number_of(const char *t, const char *end, const char *key, char *num, int cap) {
+    const char *p = last_key(t, (int)(end - t), key);
+    return p != NULL && number_at(p, end, num, cap);
+}
+
 /* An integer key's value, as Python's int() of the JSON number it is. */
 static int int_of(const char *t, const char *end, const char *key, long long *v) {
     char num[40], *e;
-    const char *p = last_key(t, (int)(end - t), key);
-    if (p == NULL || !number_at(p, end, num, sizeof num)) return 0;
+    if (!number_of(t, end, key, num, sizeof num)) return 0;
     *v = strtoll(num, &e, 10);
     return *e == 0;
 }
@@ -149,8 +154,7 @@ static int int_of(const char *t, const char *end, const char *key, long long *v)
 /* A milliseconds key's value in ns, as Python's int(float(ms) * 1e6). */
 static int ns_of(const char *t, const char *end, const char *key, long long *v) {
     char num[40], *e;
-    const char *p = last_key(t, (int)(end - t), key);
-    if (p == NULL || !number_at(p, end, num, sizeof num)) return 0;
+    if (!number_of(t, end, key, num, sizeof num)) return 0;
     double ms = strtod(num, &e);
     if (*e != 0 || !(ms * 1e6 > -9.2e18 && ms * 1e6 < 9.2e18)) return 0;
     *v = (long long)(ms * 1e6);
