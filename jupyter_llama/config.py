@@ -40,6 +40,24 @@ def shown(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def json_kind(value) -> str:
+    """What a JSON value is, as a message names it ("null", "a number", "an array"), not
+    Python's type name ("NoneType", "int", "list")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
 def parse_size(text: str | int, what: str = "size") -> int:
     """Bytes from ``"8GiB"``, ``"8G"``, ``"8000MB"``, ``"512MiB"`` or a plain number of bytes.
 

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from ..config import shown
+from ..config import json_kind, shown
 from ..load_options import LoadOptions
 from ..errors import BadRequest
 from ..models.preset import Preset
@@ -106,9 +106,36 @@ def parse_body(raw: bytes | str | None) -> dict:
     except RecursionError:
         raise BadRequest(f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
     if not isinstance(data, dict):
-        raise BadRequest(f"request body must be a JSON object, got {type(data).__name__}")
+        raise BadRequest(f"request body must be a JSON object, got {json_kind(data)}")
     _check_depth(data)
+    if _SURROGATE_ESCAPE.search(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")):
+        _check_surrogates(data)
     return data
+
+
+# A \uD800-\uDFFF escape: half of a UTF-16 pair. json.loads joins a whole pair into one
+# character and leaves a lone half in the string, which no UTF-8 encoder (ours, the
+# child's) takes. Only a body with such an escape is looked through for one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_surrogates(data: Any) -> None:
+    """BadRequest naming where a string of ``data`` holds an unpaired UTF-16 surrogate."""
+    todo: list[tuple[Any, str]] = [(data, "")]
+    while todo:
+        value, where = todo.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            at = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key
+            for text, what in ((key, f"a name in {where or 'the body'}"), (item, f"the text of {at}")):
+                found = _SURROGATE.search(text) if isinstance(text, str) else None
+                if found is not None:
+                    raise BadRequest(f"{what} holds \\u{ord(found.group()):04x}, half of a UTF-16 surrogate pair "
+                                     "without its other half, which is not a character: send valid Unicode (a "
+                                     "\\ud800-\\udbff escape must be followed by a \\udc00-\\udfff one)")
+            if isinstance(item, (dict, list)):
+                todo.append((item, at))
 
 
 MAX_JSON_DEPTH = 64  # far more than any request needs; deeper would recurse in every later step
@@ -154,7 +181,7 @@ def _str(body: dict, key: str, default: str = "") -> str:
     if v is None:
         return default
     if not isinstance(v, str):
-        raise BadRequest(f"{key} must be a string, got {type(v).__name__}")
+        raise BadRequest(f"{key} must be a string, got {json_kind(v)}")
     return v
 
 
@@ -368,7 +395,7 @@ def _options_with(preset: Preset | None, options, defaults=None) -> dict | None:
     """The request's ``options`` over the preset's parameters (the request's values win), over
     ``defaults`` (ours, ``default_options``: what a client wants only where nothing else is set)."""
     if defaults is not None and not isinstance(defaults, dict):
-        raise BadRequest(f"default_options must be a JSON object, got {type(defaults).__name__}")
+        raise BadRequest(f"default_options must be a JSON object, got {json_kind(defaults)}")
     if not (preset and preset.parameters) and not defaults:
         return options
     if options is not None and not isinstance(options, dict):
@@ -383,7 +410,7 @@ def _context(body: dict) -> list[int] | None:
         return None
     if not isinstance(ids, list):
         raise BadRequest(f"context must be a list of token ids (whole numbers of 0 or more), as the last chunk of "
-                         f"an earlier /api/generate answer gives it; got {type(ids).__name__}")
+                         f"an earlier /api/generate answer gives it; got {json_kind(ids)}")
     if ids and (not set(map(type, ids)) <= {int} or min(ids) < 0):  # (C loops: a context may be long)
         i, t = next((i, t) for i, t in enumerate(ids) if type(t) is not int or t < 0)
         raise BadRequest(f"context[{i}] must be a token id (a whole number of 0 or more), got {shown(t)}; send "

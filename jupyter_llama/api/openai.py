@@ -13,7 +13,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from ..config import shown
+from ..config import json_kind, shown
 from ..load_options import LoadOptions
 from ..errors import BadRequest
 from .options import parse_keep_alive, split_options
@@ -101,7 +101,7 @@ def parse_request(route: str, body: dict) -> OpenAIRequest:
         if inp is None:
             raise BadRequest("input is required: a string, or a list of input items")
         if not isinstance(inp, (str, list)):
-            raise BadRequest(f"input must be a string or a list of input items, got {type(inp).__name__}")
+            raise BadRequest(f"input must be a string or a list of input items, got {json_kind(inp)}")
         if body.get("previous_response_id"):
             raise BadRequest("previous_response_id is not supported: responses are not stored; send the "
                              "conversation in input")

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..config import ConfigError, parse_duration, shown
+from ..config import ConfigError, json_kind, parse_duration, shown
 from ..load_options import FLASH_ATTN, KV_CACHE_TYPES, LoadOptions, LoadOptionsError
 from ..errors import BadRequest
 
@@ -165,7 +165,7 @@ def split_options(options: dict | None) -> SplitOptions:
     if options is None:
         return out
     if not isinstance(options, dict):
-        raise BadRequest(f"options must be a JSON object, got {type(options).__name__}")
+        raise BadRequest(f"options must be a JSON object, got {json_kind(options)}")
     unknown = sorted(k for k in options if k not in LOAD_OPTIONS and k not in SAMPLING_OPTIONS
                      and k not in IGNORED_OPTIONS)
     for name in unknown:  # Ollama ignores what it does not know (old clients send num_gqa, ...)

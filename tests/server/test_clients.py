@@ -180,7 +180,7 @@ async def test_generate_context_round_trips(llama_url, token, ext, http):
         assert e.value.status_code == 400 and said in e.value.error, e.value.error
     for bad, said in (("abc", "context must be a list of token ids"), ([1, 2.5], "context[1] must be a token id"),
                       ([True], "context[0] must be a token id (a whole number of 0 or more), got true"),
-                      ({"a": 1}, "got dict")):
+                      ({"a": 1}, "got an object")):
         r = await http.post("api/generate", json={"model": "tiny", "prompt": "x", "context": bad, "stream": False})
         assert r.status_code == 400 and said in r.json()["error"], r.text
     c.close()

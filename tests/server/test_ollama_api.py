@@ -221,7 +221,13 @@ async def test_error_statuses(http):
                                                           json={"source": "nope", "destination": "x"})
     assert (await err("POST", "api/embed", 404, json={"model": "nope", "input": "x"})).startswith(NOT_FOUND)
     assert "malformed JSON" in await err("POST", "api/generate", 400, content=b'{"model": "tiny",')
-    assert "JSON object" in await err("POST", "api/generate", 400, content=b"[1, 2]")
+    assert "JSON object, got an array" in await err("POST", "api/generate", 400, content=b"[1, 2]")
+    assert "JSON object, got null" in await err("POST", "api/generate", 400, content=b"null")
+    for path, body in (("api/generate", b'{"model": "tiny", "prompt": "\\ud800 x", "stream": false}'),
+                       ("api/embed", b'{"model": "tiny", "input": "\\ud800"}'),
+                       ("v1/embeddings", b'{"model": "tiny", "input": ["a", "\\ud800"]}')):
+        said = await err("POST", path, 400, content=body)
+        assert "half of a UTF-16 surrogate pair" in (said["message"] if path.startswith("v1/") else said), said
     assert "model is required" in await err("POST", "api/generate", 400, json={"prompt": "x"})
     # an option Ollama does not know is ignored, as Ollama ignores it
     r = await http.post("api/generate", json=gen(stream=False, options={"num_gqa": 8, "num_predict": 2}))

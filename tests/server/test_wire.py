@@ -286,6 +286,24 @@ def test_bodies_nested_too_deeply_or_with_nan_are_400():
     assert parse_body('{"a": [[1]]}') == {"a": [[1]]}
 
 
+def test_bodies_with_half_a_surrogate_pair_are_400():
+    """A lone \\ud800 in a JSON string parses, but is no character: the child (and our own
+    tokenizer call) could not encode it. A 400 names where it is; a whole pair, or the
+    same six characters escaped as text, are fine."""
+    from jupyter_llama.api.ollama import parse_body
+
+    for raw, where in ((b'{"prompt": "\\ud800 x"}', "the text of prompt holds \\ud800"),
+                       ('{"messages": [{"content": "ok \\uDC00"}]}', "the text of messages[0].content holds \\udc00"),
+                       (b'{"options": {"stop": ["a", "\\udfff"]}}', "the text of options.stop[1]"),
+                       (b'{"o": {"a\\ud800": 1}}', "a name in o holds \\ud800")):
+        with pytest.raises(BadRequest) as e:
+            parse_body(raw)
+        assert str(e.value).startswith(where) and "send valid Unicode" in str(e.value), e.value
+        str(e.value).encode("utf-8")  # (the message itself is whole Unicode: it can be sent)
+    assert parse_body(b'{"prompt": "\\ud83d\\ude00!"}') == {"prompt": "\U0001F600!"}
+    assert parse_body(b'{"prompt": "\\\\ud800"}') == {"prompt": "\\ud800"}
+
+
 @pytest.mark.parametrize("text", ["Hel", ' "quoted" \\ back', "line\nbreak\ttab", "naïve ☃ 日本", "\u0001", "}]{"])
 def test_streamed_lines_equal_the_chunks_feed_makes(text):
     """The relay's template for a text-only event says what feed() says, for any text the
