@@ -129,8 +129,15 @@ class ServerInfo:
 
 
 def api_url(url: str) -> str:
-    """The API root for a server URL: ``http://h:p/base/`` -> ``http://h:p/base/llama/``."""
+    """The API root for a server URL: ``http://h:p/base/`` -> ``http://h:p/base/llama/``;
+    ``h:p`` is read as ``http://h:p/`` (as curl and Ollama's OLLAMA_HOST read it)."""
     url = url.strip()
+    if "://" not in url:
+        url = "http://" + url
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in ("http", "https"):
+        raise ServerNotFound(f"{url} is not a jupyter-llama server's address: give it as http://HOST:PORT/ (with "
+                             "the Jupyter server's base URL, if it has one), as the server prints it when it starts")
     if not url.endswith("/"):
         url += "/"
     if not url.endswith("/llama/"):

@@ -367,11 +367,19 @@ def parse(words: Sequence[str] | str, prog: str = "jupyter-llama") -> argparse.N
     return build_parser(prog).parse_args(list(words))
 
 
-def execute(args: argparse.Namespace, fe: Frontend):
+def execute(args: argparse.Namespace, fe: Frontend, body: str | None = None):
+    """Run the parsed command (``body``: a cell's text, the prompt of ``run`` and ``chat``);
+    an error of the client's that the command did not put in its own words (finding or
+    starting the server, mostly) becomes a CommandError with the client's sentence."""
+    from .client import LlamaError
+
     func = getattr(args, "func", None)
     if func is None:
         return _usage(build_parser())
-    return func(args, fe)
+    try:
+        return func(args, fe) if body is None else func(args, fe, body=body)
+    except LlamaError as e:
+        raise _command_error(e) from None
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -404,7 +412,7 @@ def _not_found(fe: Frontend, model: str, message: str) -> CommandError:
 
 def _call(fe: Frontend, func: Callable, *a, model: str | None = None, **kw):
     """Call the client; turn its errors into CommandErrors that say what to do."""
-    from .client import LlamaError, ModelNotFoundError, ServerNotFound
+    from .client import LlamaError, ModelNotFoundError
 
     # The server's sentence is what a person reads (as `ollama` prints it); the HTTP status
     # only picks the exit code.
@@ -412,11 +420,13 @@ def _call(fe: Frontend, func: Callable, *a, model: str | None = None, **kw):
         return func(*a, **kw)
     except ModelNotFoundError as e:
         raise _not_found(fe, model or "", e.message) from None
-    except ServerNotFound as e:
-        raise CommandError(e.message) from None
     except LlamaError as e:
-        code = EXIT_USAGE if e.status == 400 else EXIT_FAIL
-        raise CommandError(e.message, code) from None
+        raise _command_error(e) from None
+
+
+def _command_error(e) -> CommandError:
+    """A client's error (LlamaError) as the command's: its sentence; a 400 exits as misuse."""
+    return CommandError(e.message, EXIT_USAGE if e.status == 400 else EXIT_FAIL)
 
 
 def _placement(fe: Frontend, model: str) -> str:

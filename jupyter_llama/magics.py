@@ -16,7 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from traitlets import Float, Unicode, observe
 
-from .commands import CommandError, Frontend, RunResult, _HelpShown, build_parser, cmd_chat, cmd_run, execute
+from .commands import CommandError, Frontend, RunResult, _HelpShown, build_parser, execute
 
 
 
@@ -144,7 +144,10 @@ class LlamaMagics(Magics):
         words = line.strip()
         if not words:
             words = "help"
-        if cell is not None and self.default_model and words in ("run", "chat"):
+        if cell is not None and words in ("run", "chat"):
+            if not self.default_model:
+                raise UsageError(f"%%llama {words} needs a model: `%%llama {words} MODEL`, the cell being the "
+                                 "prompt (or set a default: `%config LlamaMagics.default_model = 'MODEL'`)")
             words = f"{words} {self.default_model}"
         try:
             args = build_parser("%llama").parse_args(_split(words))
@@ -152,6 +155,9 @@ class LlamaMagics(Magics):
             raise UsageError(str(e)) from None
         except _HelpShown:
             return None
+        if cell is not None and cell.strip() and args.command not in ("run", "chat"):
+            raise UsageError(f"%%llama {args.command or 'help'} takes no cell: only `%%llama run MODEL` and "
+                             "`%%llama chat MODEL` do (the cell is the prompt); use `%llama` on one line")
         fe = NotebookFrontend(self)
         if args.url or args.token:  # `%llama --url U --token T ps`: this call only
             from .client import LlamaClient
@@ -159,12 +165,7 @@ class LlamaMagics(Magics):
             one_off = LlamaClient(args.url or self.url or None, args.token or self.token or None)
             fe.client = lambda: one_off  # type: ignore[method-assign]
         try:
-            if args.command == "run" and cell is not None:
-                result = cmd_run(args, fe, body=cell)
-            elif args.command == "chat" and cell is not None:
-                result = cmd_chat(args, fe, body=cell)
-            else:
-                result = execute(args, fe)
+            result = execute(args, fe, body=cell if args.command in ("run", "chat") else None)
         except CommandError as e:
             raise UsageError(str(e)) from None
         if isinstance(result, RunResult):

@@ -20,6 +20,8 @@ import sys
 from typing import Sequence
 
 from .._version import __version__
+from ..config import ConfigError
+from ..errors import SchedulerError
 from ..engine import native
 
 
@@ -46,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 def server_argv(args: argparse.Namespace) -> list[str]:
     """The ServerApp command line for parsed ``serve`` arguments (config files still apply below it)."""
     argv = [f"--ServerApp.ip={args.ip}", "--ServerApp.open_browser=False", "--ServerApp.answer_yes=True",
-            "--ServerApp.identity_provider_class=jupyter_llama.server.identity.ApiTokenIdentityProvider"]
+            "--ServerApp.identity_provider_class=jupyter_llama.server.identity.ApiTokenIdentityProvider",
+            # the extension is all this server serves: one that cannot start (a setting it cannot
+            # read) stops it, with its sentence, rather than leaving a server that answers 404
+            "--ServerApp.reraise_server_extension_failures=True"]
     if args.port is not None:
         argv.append(f"--ServerApp.port={args.port}")
     if args.token is not None:
@@ -168,7 +173,11 @@ def use_fast_loop() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until it is stopped; returns the exit status."""
     loop_name = use_fast_loop()
-    app = make_server(argv)
+    try:
+        app = make_server(argv)
+    except (ConfigError, SchedulerError) as e:  # (a setting the extension cannot read, mostly)
+        print(f"jupyter-llama serve: {e}", file=sys.stderr)
+        return 1
     # Stop cleanly on Ctrl-C whether or not a terminal is attached (jupyter_server asks for
     # confirmation only on a tty; without one Python's default would skip the extension's
     # clean-up and rely on the children's parent-death signal alone).

@@ -135,3 +135,17 @@ def test_stop_never_signals_a_process_that_is_not_the_manager(alone, tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_manager_that_cannot_start_is_a_sentence_at_once(alone):
+    """A setting the manager cannot read: the command says so as soon as the manager has
+    exited (it had waited a minute on a server answering 404, then printed a traceback), in
+    the manager's own words, and no manager is left behind."""
+    env = dict(alone, JUPYTER_LLAMA_KEEP_ALIVE="banana")
+    r = cli(env, "ps")
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("error: the background jupyter-llama manager exited at start (code 1)"), r.stderr
+    assert '"banana" is not a duration' in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = cli(env, "--url", "localhost:9", "ps")  # no scheme: read as http://, and the refusal is a sentence
+    assert r.returncode == 1 and "cannot reach the jupyter-llama server at http://localhost:9/llama/" in r.stderr, \
+        r.stderr

@@ -109,6 +109,11 @@ def test_user_mistakes_are_usage_errors_with_advice(shell, registered):
         shell.run_line_magic("llama", f"run {registered} hi --keep-alive soon")
     with pytest.raises(UsageError, match="invalid choice"):
         shell.run_line_magic("llama", "frobnicate")
+    # a cell's body is a prompt: a cell with no model, or for a command that takes none, says so
+    with pytest.raises(UsageError, match=r"%%llama run needs a model: `%%llama run MODEL`, the cell being the prompt"):
+        shell.run_cell_magic("llama", "run", "Hello")
+    with pytest.raises(UsageError, match=r"%%llama ps takes no cell"):
+        shell.run_cell_magic("llama", "ps", "Hello")
 
 
 def test_listing_commands(shell, registered, capsys):

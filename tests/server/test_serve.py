@@ -21,21 +21,26 @@ pytestmark = pytest.mark.engine
 
 
 
-@pytest.fixture
-def serve(tmp_path, engine, make_model):
-    """Start ``python -m jupyter_llama.server.serve``; yields (process, base url, token)."""
-    from jupyter_llama.models.store import ModelStore
-
-    models = tmp_path / "models"
-    ModelStore(models).create("tiny", make_model("serve-tiny", **TINY))
+def _serve_env(tmp_path, engine) -> dict[str, str]:
+    """This environment without our settings, with a home, a store and Jupyter's folders of its own."""
     env = dict(os.environ)
     for k in list(env):
         if k.startswith(("JUPYTER_LLAMA_", "JPY_")):
             del env[k]
     home = tmp_path / "home"
-    env.update(JUPYTER_LLAMA_MODELS=str(models), JUPYTER_LLAMA_SERVER=engine.path, HOME=str(home),
+    env.update(JUPYTER_LLAMA_MODELS=str(tmp_path / "models"), JUPYTER_LLAMA_SERVER=engine.path, HOME=str(home),
                JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_DATA_DIR=str(home / "data"),
                JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_PLATFORM_DIRS="1")
+    return env
+
+
+@pytest.fixture
+def serve(tmp_path, engine, make_model):
+    """Start ``python -m jupyter_llama.server.serve``; yields (process, base url, token)."""
+    from jupyter_llama.models.store import ModelStore
+
+    ModelStore(tmp_path / "models").create("tiny", make_model("serve-tiny", **TINY))
+    env = _serve_env(tmp_path, engine)
     port, token = free_port(), "serve-test-token"
     procs = []
 
@@ -173,3 +178,16 @@ def test_the_access_log_shows_what_it_showed_and_every_request_is_still_counted(
                and not ln.endswith(" 0.0") for ln in counted), counted
     assert any('handler="jupyter_llama.server.handlers.ShowHandler"' in ln and 'status_code="404"' in ln
                for ln in counted), counted
+
+
+def test_a_setting_the_extension_cannot_read_stops_serve_with_its_sentence(tmp_path, engine):
+    """Not a server that answers every API request with 404 (the extension failed to load),
+    which a client starting the background manager waited a minute on: serve exits, status
+    1, and says which setting is wrong and how to write it."""
+    env = dict(_serve_env(tmp_path, engine), JUPYTER_LLAMA_KEEP_ALIVE="banana")
+    done = subprocess.run([sys.executable, "-m", "jupyter_llama.server.serve", "--port", str(free_port()),
+                           "--allow-root", "--no-browser"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert ('jupyter-llama serve: LlamaExtension settings: LlamaExtension.keep_alive (JUPYTER_LLAMA_KEEP_ALIVE): '
+            '"banana" is not a duration') in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr.split("jupyter-llama serve:")[1]

@@ -244,6 +244,9 @@ def test_client_discovery(tmp_path, monkeypatch):
 
     assert api_url("http://h:1/base") == "http://h:1/base/llama/"
     assert api_url("http://h:1/base/llama") == "http://h:1/base/llama/"
+    assert api_url("localhost:9") == "http://localhost:9/llama/"  # as curl and OLLAMA_HOST read it
+    with pytest.raises(ServerNotFound, match="give it as http://HOST:PORT/"):
+        api_url("ftp://h:1/")
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setenv("JUPYTER_LLAMA_MANAGER_DIR", str(tmp_path / "manager"))  # none runs there
     (tmp_path / "jpserver-4242.json").write_text(json.dumps(
