@@ -766,6 +766,7 @@ def cmd_synth(args, fe: Frontend):
     try:
         shape = SynthShape(**overrides)
         if args.output:
+            _check_output(args.output)
             path, proj = write(args.output)
             fe.note(f"wrote {path} ({os.path.getsize(path):,} bytes)" + (f" and {proj}" if proj else ""))
             if not args.name:
@@ -776,6 +777,20 @@ def cmd_synth(args, fe: Frontend):
             return cmd_create(argparse.Namespace(name=args.name, from_file=path, projector=proj), fe)
     except ValueError as e:
         raise CommandError(f"synth: {e}", EXIT_USAGE) from None
+    except OSError as e:
+        raise CommandError(f"synth: cannot write {args.output or e.filename}: {e.strerror or e}") from None
+
+
+def _check_output(path: str) -> None:
+    """A file the user names for us to write: not a folder, in a folder that exists."""
+    import os
+
+    if os.path.isdir(path):
+        raise CommandError(f"{path} is a folder: give the file to write, such as {os.path.join(path, 'model.gguf')}",
+                           EXIT_USAGE)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CommandError(f"cannot write {path}: the folder {folder} does not exist (make it first)", EXIT_USAGE)
 
 
 def cmd_cp(args, fe: Frontend):

@@ -57,6 +57,18 @@ def test_synth_bad_shape_is_a_usage_error(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_synth_to_a_place_it_cannot_write_says_so(tmp_path):
+    """A folder, a folder that does not exist (not made for a typo), a file system that takes
+    no files: one line each, naming the user's path, never a traceback or our temporary file."""
+    for out, code, said in ((tmp_path, 2, f"{tmp_path} is a folder: give the file to write, such as "),
+                            (tmp_path / "no" / "x.gguf", 2, f"the folder {tmp_path / 'no'} does not exist"),
+                            ("/proc/x.gguf", 1, "synth: cannot write /proc/x.gguf: ")):
+        r = cli("synth", "--output", str(out), "--layers", "1", "--embd", "64")
+        assert r.returncode == code and said in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and ".tmp" not in r.stderr, r.stderr
+    assert not (tmp_path / "no").exists()
+
+
 @pytest.mark.parametrize("content,reason", [(b"hello world, not a model", "not a GGUF"), (b"", "empty")])
 def test_inspect_bad_file_one_line_exit_2(tmp_path, content, reason):
     bad = tmp_path / "bad.gguf"
