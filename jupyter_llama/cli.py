@@ -7,7 +7,7 @@ Exit codes: 0 success, 1 failure (the operation could not be done), 2 usage or b
 from __future__ import annotations
 
 import sys
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from .commands import EXIT_USAGE, CommandError, Frontend, _HelpShown, build_parser, execute
 
@@ -35,39 +35,6 @@ class TerminalFrontend(Frontend):
 
     def note(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
-
-    def stream(self, chunks: Iterator[str], *, raw: bool) -> str:
-        parts = []
-        for piece in chunks:
-            parts.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        return "".join(parts)
-
-    def progress(self, statuses) -> dict:
-        from .models.pull import render_progress
-
-        last: dict = {}
-        tty = sys.stderr.isatty()
-        for st in statuses:
-            last = st
-            line = render_progress(st)
-            if tty:
-                sys.stderr.write("\r\033[K" + line)
-            elif "completed" not in st or st.get("completed") == st.get("total"):
-                sys.stderr.write(line + "\n")
-            sys.stderr.flush()
-        if tty:
-            sys.stderr.write("\n")
-        return last
-
-    def figure(self, fig) -> None:
-        import tempfile
-
-        path = tempfile.NamedTemporaryFile(prefix="jupyter-llama-plot-", suffix=".png", delete=False).name
-        fig.savefig(path, dpi=110)
-        self.out(f"plot written to {path}")
 
 
 def run(argv: Sequence[str]) -> int:

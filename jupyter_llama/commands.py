@@ -111,19 +111,46 @@ class Frontend:
         self.out(text)
 
     def stream(self, chunks: Iterator[str], *, raw: bool) -> str:
-        """Show text as it arrives; return the whole text."""
-        raise NotImplementedError
+        """Show text as it arrives; return the whole text. Here: each piece written to
+        standard output as it comes (a terminal's way)."""
+        parts = []
+        for piece in chunks:
+            parts.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return "".join(parts)
 
     def progress(self, statuses: Iterator[dict]) -> dict:
-        """Show pull progress; return the last status."""
-        raise NotImplementedError
+        """Show pull progress; return the last status. Here: on standard error, one line
+        rewritten in place on a terminal, else a line a file or stage (and each file's last)."""
+        from .models.pull import render_progress
+
+        last: dict = {}
+        tty = sys.stderr.isatty()
+        for st in statuses:
+            last = st
+            line = render_progress(st)
+            if tty:
+                sys.stderr.write("\r\033[K" + line)
+            elif "completed" not in st or st.get("completed") == st.get("total"):
+                sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        if tty:
+            sys.stderr.write("\n")
+        return last
 
     def pull(self, source: str, name: str | None) -> dict:
         """Pull through the manager, showing progress; return the last status."""
         return self.progress(self.client().pull(source, name, stream=True))
 
     def figure(self, fig) -> None:
-        self.out(repr(fig))
+        """Show a matplotlib figure. Here: written as a PNG, and where is said."""
+        import tempfile
+
+        path = tempfile.NamedTemporaryFile(prefix="jupyter-llama-plot-", suffix=".png", delete=False).name
+        fig.savefig(path, dpi=110)
+        self.out(f"plot written to {path}")
 
     def widget(self, name: str, **kw):
         raise CommandError(f"`{name}` shows a widget: use it in a notebook (%llama {name})", EXIT_USAGE)

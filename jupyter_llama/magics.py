@@ -16,7 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from traitlets import Float, Unicode, observe
 
-from .commands import CommandError, Frontend, RunResult, _HelpShown, build_parser, execute
+from .commands import EXIT_USAGE, CommandError, Frontend, RunResult, _HelpShown, build_parser, execute
 
 
 
@@ -51,8 +51,20 @@ class NotebookFrontend(Frontend):
     def out(self, text: str) -> None:
         print(text)
 
+    def _prints(self) -> bool:
+        """Terminal IPython: a display is printed, and each update of it printed again below
+        (not replaced in place, as a notebook's frontend does): there, text streams as in a
+        terminal, a figure is a PNG file, and a widget cannot be shown."""
+        from IPython.core.displaypub import DisplayPublisher
+
+        shell = self.magics.shell
+        return shell is None or type(shell.display_pub) is DisplayPublisher
+
     def stream(self, chunks: Iterator[str], *, raw: bool) -> str:
         from IPython.display import display
+
+        if self._prints():
+            return super().stream(chunks, raw=raw)
 
         def render(text: str) -> dict:
             # A mimebundle, not IPython's Markdown(): that would read a chunk such as "/" or
@@ -82,6 +94,8 @@ class NotebookFrontend(Frontend):
         return text
 
     def pull(self, source: str, name: str | None) -> dict:
+        if self._prints():
+            return super().pull(source, name)
         from .widgets import pull_progress
 
         return pull_progress(self.client(), source, name, raise_errors=True)
@@ -89,10 +103,17 @@ class NotebookFrontend(Frontend):
     def figure(self, fig) -> None:
         from IPython.display import display
 
-        display(fig)
+        if self._prints():
+            super().figure(fig)
+        else:
+            display(fig)
 
     def widget(self, name: str, **kw):
         from IPython.display import display
+
+        if self._prints():
+            raise CommandError(f"`%llama {name}` shows a widget, which needs a notebook (JupyterLab, Jupyter "
+                               "Notebook, VS Code): terminal IPython can only print its text", EXIT_USAGE)
 
         from . import widgets
 

@@ -219,3 +219,27 @@ def test_create_from_a_modelfile_and_show_its_preset(shell, registered, tmp_path
     with pytest.raises(UsageError, match="Modelfile line 2: LoRA adapters"):
         shell.run_line_magic("llama", f"create magic-bad -f {tmp_path / 'Bad'}")
     shell.run_line_magic("llama", "rm magic-mario")
+
+
+def test_terminal_ipython_streams_the_answer_once_and_names_what_it_cannot_show(manager, registered, tmp_path):
+    """Terminal IPython prints a display, and each update of it again below: a streamed
+    answer came out as one growing copy of itself after another. There it streams as the CLI
+    does (each piece once); a plot is a PNG file; a widget is a sentence, not a repr."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "cells.ipy"
+    script.write_text("%load_ext jupyter_llama\n"
+                      "%config LlamaMagics.update_interval = 0\n"
+                      f"r = %llama run {registered} 'Once upon a time' --num-predict 40\n"
+                      "print('RESULT', repr(r.text))\n"
+                      f"%llama plot {registered}\n"
+                      "%llama panel\n")
+    done = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--colors=nocolor", "--simple-prompt",
+                           str(script)], env=manager["env"], capture_output=True, text=True, timeout=300)
+    out = done.stdout
+    text = eval(out.split("RESULT ", 1)[1].splitlines()[0])  # (the repr printed above)
+    assert text and out.count(text.strip()) == 2, out  # streamed once, then the print of the result
+    assert "plot written to " in out and ".png" in out and "<Figure" not in out, out
+    assert "`%llama panel` shows a widget, which needs a notebook" in out + done.stderr, out + done.stderr
+    assert "RunningPanel(" not in out
