@@ -1393,6 +1393,12 @@ class ModelStore:
     def names(self) -> list[str]:
         return [e.display for e in self.list()]
 
+    def sharing_weights(self, name: str | ModelName) -> list[str]:
+        """The other models whose weights are ``name``'s file (a copy, a model made FROM it):
+        removing ``name`` leaves that file, and what is loaded from it, to them."""
+        e = self.entry(name)
+        return [o.display for o in self.list() if o.model_digest == e.model_digest and o.display != e.display]
+
     def entry(self, name: str | ModelName) -> ModelEntry:
         """The manifest behind ``name``; ModelNotFound (with suggestions) if there is none."""
         mname = self._name(name)

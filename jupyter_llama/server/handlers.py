@@ -747,7 +747,10 @@ class DeleteHandler(LlamaHandler):
         sched = self.ext.scheduler
 
         async def unload_first(ref) -> None:
-            if sched is not None:
+            # Its file goes with it: what is loaded from that file goes first. A file another
+            # model also names stays, and so does that model's runner; one loaded under this
+            # name alone is retired by name_changed, below.
+            if sched is not None and not await asyncio.to_thread(self.ext.store.sharing_weights, name):
                 await sched.unload_file(ref.path, reason=f"model {name} deleted")
 
         with self.ext.work():

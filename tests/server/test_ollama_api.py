@@ -296,6 +296,12 @@ async def test_blobs_create_copy_delete(http, make_model, ext):
     r = await http.post("api/generate", json=gen("made", stream=False))
     assert r.status_code == 200 and r.json()["eval_count"] == 4
     assert (await http.request("DELETE", "api/delete", json={"model": "made3"})).status_code == 404
+    # a model that shares the loaded one's file (made2, made FROM it) goes; the loaded one stays
+    assert [m["name"] for m in (await http.get("api/ps")).json()["models"]] == ["made:latest"]
+    assert (await http.request("DELETE", "api/delete", json={"model": "made2"})).status_code == 200
+    assert [m["name"] for m in (await http.get("api/ps")).json()["models"]] == ["made:latest"]
+    assert (await http.request("DELETE", "api/delete", json={"model": "made"})).status_code == 200
+    assert (await http.get("api/ps")).json()["models"] == []
 
 
 @pytest.mark.llama_config(max_upload_size=1000)
