@@ -1374,6 +1374,9 @@ class ModelStore:
         entry = self._lookup(sname)
         if entry is None:
             raise self._not_found(str(src), sname)
+        if preset is None and sname == dname:  # (a create FROM itself, with a preset, changes it: that one is fine)
+            raise BadRequest(f'"{src}" and "{dst}" are the same model, {entry.display} (names ignore case): give '
+                             "the copy a name of its own")
         source = dict(entry.source)
         source.setdefault("from_model", entry.name.full if entry.shown else entry.display)  # (a name that lasts)
         return self._commit(dname, entry.layers, entry.info, source, entry.manifest.get("projector_info"),

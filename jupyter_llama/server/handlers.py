@@ -229,6 +229,11 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         exc_info = kwargs.get("exc_info")
         if exc_info and exc_info[1] is not None:
             message = error_status(exc_info[1])[1] if isinstance(exc_info[1], web.HTTPError) else message
+        if status_code == 405:
+            allowed = self._allowed_methods()
+            self.set_header("Allow", ", ".join(allowed))
+            message = (f"{self.request.method} is not a method of {self.request.path}: "
+                       f"use {' or '.join(allowed)}" if allowed else message)
         if status_code == 403 and not self._authenticated():
             status_code = 401
             self.set_status(401)
@@ -238,6 +243,11 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
                        "OLLAMA_API_KEY, OPENAI_API_KEY and ANTHROPIC_API_KEY (sent as x-api-key)")
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(self.error_payload(status_code, message)))
+
+    def _allowed_methods(self) -> list[str]:
+        """The methods this route answers: those its handler defines (Tornado's 405 is for the rest)."""
+        return [m for m in ("GET", "HEAD", "POST", "PUT", "DELETE")
+                if getattr(type(self), m.lower()) is not getattr(web.RequestHandler, m.lower())]
 
     def _authenticated(self) -> bool:
         try:
@@ -663,6 +673,9 @@ class TagsHandler(LlamaHandler):
         entries = await asyncio.to_thread(self.ext.store.list)
         self.finish(dumps(oa.tags_body(entries)))
 
+    async def head(self):  # (as Ollama answers it: some clients probe the server so)
+        await self.get()
+
 
 class ShowHandler(LlamaHandler):
     @web.authenticated
@@ -1077,6 +1090,9 @@ class VersionHandler(LlamaHandler):
         self.finish_json({"version": oa.OLLAMA_VERSION, "jupyter_llama": __version__,
                           "engine": eng.version if eng else None,
                           "engine_error": None if eng else self.ext.engine_error})
+
+    async def head(self):  # (as Ollama answers it: some clients probe the server so)
+        await self.get()
 
 
 @functools.lru_cache(maxsize=8)

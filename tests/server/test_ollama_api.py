@@ -221,6 +221,12 @@ async def test_error_statuses(http):
                                                           json={"source": "nope", "destination": "x"})
     assert (await err("POST", "api/embed", 404, json={"model": "nope", "input": "x"})).startswith(NOT_FOUND)
     assert "malformed JSON" in await err("POST", "api/generate", 400, content=b'{"model": "tiny",')
+    # HEAD answers where Ollama's does (clients probe a server so); a wrong method names the right one
+    for path in ("api/version", "api/tags"):
+        r = await http.head(path)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
+    said = await err("POST", "api/delete", 405, json={"model": "x"})
+    assert said.endswith("/llama/api/delete: use DELETE"), said
     assert "JSON object, got an array" in await err("POST", "api/generate", 400, content=b"[1, 2]")
     assert "JSON object, got null" in await err("POST", "api/generate", 400, content=b"null")
     for path, body in (("api/generate", b'{"model": "tiny", "prompt": "\\ud800 x", "stream": false}'),
@@ -283,6 +289,12 @@ async def test_blobs_create_copy_delete(http, make_model, ext):
     assert r.json()["status"] == "success"
     names = {m["name"] for m in (await http.get("api/tags")).json()["models"]}
     assert {"made:latest", "made2:latest"} <= names
+
+    # a copy onto the model's own name (in any case) would change nothing but its parent: a 400
+    for dst in ("made", "MADE:latest"):
+        r = await http.post("api/copy", json={"source": "made", "destination": dst})
+        assert r.status_code == 400 and "are the same model, made:latest (names ignore case)" in r.json()["error"]
+    assert {"made:latest", "made2:latest"} <= {m["name"] for m in (await http.get("api/tags")).json()["models"]}
 
     # copy, load the copy, delete it: it is unloaded first; the original keeps its blob
     assert (await http.post("api/copy", json={"source": "made", "destination": "made3"})).status_code == 200

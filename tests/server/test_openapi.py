@@ -149,7 +149,9 @@ async def test_what_the_fuzz_found_is_answered_as_described(http):
     for path in ("v1/models", "v1/models/tiny"):
         r = await http.post(path, json={"model": "tiny"})
         assert r.status_code == 405, r.text
-        assert r.json()["error"]["message"] == "Method Not Allowed"
+        said = r.json()["error"]["message"]  # (the path as sent, under the server's base URL)
+        assert said.startswith("POST is not a method of /") and said.endswith(f"/llama/{path}: use GET"), r.text
+        assert r.headers["Allow"] == "GET"
     assert "post" not in spec["paths"]["/v1/models"]
 
 
