@@ -256,6 +256,13 @@ PLACEMENT_FIELDS = ("fit_target_mib", "rpc")
 FREED_FRESH_S = 1.0
 
 
+def within_training(num_ctx: int | None, ref: "ModelRef | None") -> int | None:
+    """``num_ctx`` brought down to the model's training context, as Ollama does (None, and
+    a model that does not say its training context, stay as they are)."""
+    trained = ref.info.context_length if ref is not None else 0
+    return trained if num_ctx and trained and num_ctx > trained else num_ctx
+
+
 @dataclass
 class Loaded:
     """A model with a runner (loading, ready or unloading), as ``ps`` shows it."""
@@ -308,6 +315,8 @@ class Loaded:
             want = getattr(requested, f.name)
             if want is None:
                 continue
+            if f.name == "num_ctx":  # (what a load of it would have: see Scheduler.effective_options)
+                want = within_training(want, self.ref)
             if f.name == "embedding" and not want and self.options.embedding:
                 # A child started with --embeddings also completes (b11434 turns embeddings on
                 # per batch), so generate after embed needs no reload: no ping-pong between them.
@@ -807,10 +816,16 @@ class Scheduler:
     # -------------------------------------------------------------- internals: loading
 
     def effective_options(self, options: LoadOptions, ref: ModelRef | None = None) -> LoadOptions:
-        """The options a load would really use: the configured default slots filled in, and the
-        model's registered projector (``--mmproj``) unless the request names one."""
+        """The options a load would really use: the configured default slots filled in, the
+        model's registered projector (``--mmproj``) unless the request names one, and a
+        ``num_ctx`` above the model's training context brought down to it, as Ollama does
+        (llama-server would cap each slot there anyway, with the KV cache of the larger
+        context allocated and the prompt's truncation aiming past what a slot takes)."""
         if options.num_parallel is None and self.settings.num_parallel:
             options = options.replace(num_parallel=self.settings.num_parallel)
+        capped = within_training(options.num_ctx, ref)
+        if capped != options.num_ctx:
+            options = options.replace(num_ctx=capped)
         if ref is not None and ref.mmproj and options.mmproj is None:
             options = options.replace(mmproj=ref.mmproj)
         if ref is not None and options.embedding and options.num_ubatch is None:

@@ -150,6 +150,20 @@ async def test_empty_prompt_loads_and_keep_alive_0_unloads(http, ext):
     assert (await http.get("api/ps")).json()["models"] == []
 
 
+async def test_a_context_above_the_models_training_context_is_brought_down_to_it(http):
+    """As Ollama does: tiny was trained on 4096 tokens, so num_ctx 8192 loads 4096 (ps says
+    so), and a prompt longer than that is cut to it rather than refused by llama-server."""
+    opts = dict(OPTS, num_ctx=8192, num_predict=2)
+    r = await http.post("api/generate", json=gen(prompt="Once upon a time " * 1500, stream=False, options=opts))
+    assert r.status_code == 200, r.text
+    assert 3000 < r.json()["prompt_eval_count"] <= 4096, r.json()
+    assert [m["context_length"] for m in (await http.get("api/ps")).json()["models"]] == [4096]
+    # asked for again the same way, it is the same load (no reload for a context it cannot have)
+    r = await http.post("api/generate", json=gen(stream=False, options=opts))
+    assert r.status_code == 200 and r.json()["load_duration"] == 0, r.json()
+    await http.post("api/generate", json={"model": "tiny", "keep_alive": 0})
+
+
 async def test_chat_stream_and_not(http):
     body = {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."},
                                           {"role": "user", "content": "Hello"}],
