@@ -145,9 +145,21 @@ def _checked(kind: str, value, wrong: "Callable[[str], BadRequest]"):
     return float(value)
 
 
+# The least a whole-number option may be, where llama-server refuses less (its own message
+# names its field, not ours): -1 means "the whole context" for the two windows (see
+# Runner._windows), "keep the whole prompt" for num_keep. Every whole number is a 32-bit one.
+_INT_FLOOR = {"num_keep": -1, "repeat_last_n": -1, "dry_penalty_last_n": -1, "dry_allowed_length": 0}
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_INT_CEILING = {"seed": (1 << 32) - 1}  # (an unsigned 32-bit number to llama.cpp; -1 is a random one)
+
+
 def _option_value(name: str, kind: str, value):
     """A request's option, checked (:func:`_checked`) and as the child takes it."""
     v = _checked(kind, value, lambda expected: BadRequest(f"option {name} must be {expected}, got {shown(value)}"))
+    if kind == "int" and name in SAMPLING_OPTIONS:  # (a load option's bounds are LoadOptions' to say)
+        low, high = _INT_FLOOR.get(name, _INT32[0]), _INT_CEILING.get(name, _INT32[1])
+        if not low <= v <= high:
+            raise BadRequest(f"option {name} must be a whole number from {low} to {high}, got {shown(value)}")
     if name == "num_predict" and v < -1:  # Ollama's -2 (fill the context): llama-server's -1
         return -1
     if kind == "flash_attn" and isinstance(v, bool):

@@ -39,6 +39,7 @@ import asyncio
 import collections
 import errno
 import json
+import re
 import socket
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -61,6 +62,11 @@ class BadResponse(ValueError):
     """The answer is not the HTTP/1.1 this reader expects."""
 
 
+# The JSON library's tag on its messages (``[json.exception.type_error.302] type must be
+# number, but is string``): the words after it are the message a person reads.
+_JSON_TAG = re.compile(r"\[json\.exception\.[a-z_]+\.\d+\] ")
+
+
 def error_text(body: str, status: int) -> str:
     """The message in a llama-server error body (its JSON ``error.message``, else the text)."""
     try:
@@ -69,8 +75,8 @@ def error_text(body: str, status: int) -> str:
         return body.strip()[:500] or f"HTTP {status}"
     err = data.get("error", data) if isinstance(data, dict) else data
     if isinstance(err, dict):
-        return str(err.get("message") or err)
-    return str(err)
+        err = err.get("message") or err
+    return _JSON_TAG.sub("", str(err))
 
 
 # What llama-server (b11434) throws as a plain runtime error, hence a 500 "server_error", while

@@ -455,7 +455,7 @@ class Runner:
         RequestError; a broken connection says whether the child is gone."""
         self._check_ready()
         try:
-            return await self._watched(http1.request_json(self.port, path, payload, self._headers()))
+            return await self._watched(http1.request_json(self.port, path, self._windows(payload), self._headers()))
         except _TRANSPORT_ERRORS as e:
             raise await self._after_transport_error(e) from None
         except ValueError as e:  # not the JSON llama-server answers with
@@ -473,7 +473,16 @@ class Runner:
         more CPU than the rest of the relay together (bench/api_overhead.py; the CPU it takes
         is taken from the child, which uses every core).
         """
-        return self._guarded(sse_events(self.port, path, payload, self.api_key))
+        return self._guarded(sse_events(self.port, path, self._windows(payload), self.api_key))
+
+    def _windows(self, payload: dict | None) -> dict | None:
+        """``payload`` with a penalty window of -1 (Ollama's "the whole context", for
+        ``repeat_last_n``; llama.cpp's, for ``dry_penalty_last_n``) made this child's context
+        per request, which llama-server takes where it refuses -1."""
+        if payload is None or (payload.get("repeat_last_n") != -1 and payload.get("dry_penalty_last_n") != -1):
+            return payload
+        n_ctx = self._request_ctx() or 0
+        return {**payload, **{k: n_ctx for k in ("repeat_last_n", "dry_penalty_last_n") if payload.get(k) == -1}}
 
     async def _guarded(self, events: AsyncIterator) -> AsyncIterator:
         self._check_ready()
@@ -513,8 +522,8 @@ class Runner:
         progressing.native = getattr(on_data, "native", None)
 
         try:
-            await self._watched(http1.relay_sse(self.port, path, payload, self.api_key, progressing, named,
-                                                ahead=self._take_ahead()), last)
+            await self._watched(http1.relay_sse(self.port, path, self._windows(payload), self.api_key, progressing,
+                                                named, ahead=self._take_ahead()), last)
         except _TRANSPORT_ERRORS as e:
             raise await self._after_transport_error(e) from None
         self._open_next()

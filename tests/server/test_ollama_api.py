@@ -164,6 +164,21 @@ async def test_a_context_above_the_models_training_context_is_brought_down_to_it
     await http.post("api/generate", json={"model": "tiny", "keep_alive": 0})
 
 
+async def test_a_penalty_window_of_minus_one_is_the_whole_context(http):
+    """Ollama's repeat_last_n -1 (and llama.cpp's dry_penalty_last_n -1): the child's context,
+    which llama-server takes where it refuses -1 ("Field 'repeat_last_n': Value must be
+    between 0 ..."), as the ollama client sends it."""
+    for opt in ("repeat_last_n", "dry_penalty_last_n"):
+        r = await http.post("api/generate", json=gen(stream=False, options=dict(OPTS, num_predict=3, **{opt: -1})))
+        assert r.status_code == 200 and r.json()["eval_count"] == 3, r.text
+    # the OpenAI routes pass the body to the child, whose JSON library's tag is left out of its message
+    r = await http.post("v1/chat/completions", json={"model": "tiny", "max_tokens": "3",
+                                                     "messages": [{"role": "user", "content": "Hi"}]})
+    said = r.json()["error"]["message"]
+    assert r.status_code == 400 and "max_tokens" in said and "type must be number, but is string" in said, said
+    assert "json.exception" not in said
+
+
 async def test_chat_stream_and_not(http):
     body = {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."},
                                           {"role": "user", "content": "Hello"}],
@@ -255,6 +270,13 @@ async def test_error_statuses(http):
     await http.post("api/generate", json={"model": "tiny", "keep_alive": 0})  # the checks below load nothing
     assert "num_ctx" in await err("POST", "api/generate", 400, json=gen(options={"num_ctx": "big"}))
     assert "keep_alive" in await err("POST", "api/generate", 400, json=gen(keep_alive="forever-ish"))
+    # whole numbers llama-server would wrap round, or refuse in its own field names
+    for opt, value, said in (("num_predict", 3_000_000_000, "from -2147483648 to 2147483647, got 3000000000"),
+                             ("num_predict", 1e30, "from -2147483648 to 2147483647, got 1e+30"),
+                             ("num_keep", -100, "from -1 to 2147483647, got -100"),
+                             ("dry_allowed_length", -1, "from 0 to 2147483647, got -1")):
+        assert f"option {opt} must be a whole number {said}" in await err(
+            "POST", "api/generate", 400, json=gen(options=dict(OPTS, **{opt: value})))
     assert "keep_alive" in await err("POST", "api/chat", 400, json={"model": "tiny", "messages": [], "keep_alive": True})
     assert "role" in await err("POST", "api/chat", 400, json={"model": "tiny", "messages": [{"content": "x"}]})
     for bad in ("sha256:xyz", "md5:" + "0" * 32, "sha256:" + "0" * 63, "..%2F..%2Fetc"):
