@@ -13,7 +13,7 @@ import time
 from typing import Iterator
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from traitlets import Float, Unicode, observe
 
 from .commands import EXIT_USAGE, CommandError, Frontend, RunResult, _HelpShown, build_parser, execute
@@ -159,6 +159,7 @@ class LlamaMagics(Magics):
             self._client = LlamaClient(self.url or None, self.token or None)
         return self._client
 
+    @no_var_expand  # {name} is ours to fill, after the line is split (see commands.fill_placeholders)
     @line_cell_magic
     def llama(self, line: str = "", cell: str | None = None):
         """Run a jupyter-llama command; `%llama help` lists them, `%llama help run` explains one."""

@@ -78,6 +78,15 @@ def test_cell_form_takes_the_body_as_the_prompt_and_fills_names(shell, registere
     assert ev is None  # printed, not returned
 
 
+def test_a_line_fills_names_after_splitting_so_their_quotes_stay(shell, registered):
+    """IPython fills {name} in a magic's line before the magic splits it, so a value's quote
+    ended the prompt's quoting ("cannot split the line: No closing quotation") or was lost;
+    the line is now split first and filled by the same rule as a cell's body."""
+    shell.user_ns["said"] = 'He said "hi" and it\'s fine'
+    r = shell.run_line_magic("llama", f"run {registered} 'Summarise {{said}} now' --num-predict 2")
+    assert r.tokens == 2
+
+
 def test_chat_remembers_the_previous_turn(shell, registered):
     magics = shell.magics_manager.registry["LlamaMagics"]
     first = shell.run_cell_magic("llama", f"chat {registered} --conversation c1 --num-predict 4", "Hi, I am Ada.")
