@@ -90,7 +90,7 @@ class RunResult:
 class Frontend:
     """What a command needs from the place it runs in. The CLI and the magic implement it."""
 
-    namespace: dict | None = None  # for {name} substitution in prompts (the notebook's)
+    namespace: dict | None = None  # for {name} substitution (the notebook's variables)
     conversations: dict[str, list[dict]]
 
     def client(self):  # -> LlamaClient
@@ -422,8 +422,9 @@ def fill_placeholders(text: str, namespace: dict | None) -> str:
 
 
 def _prompt(args, fe: Frontend, body: str | None) -> str:
-    text = body.strip() if body is not None else " ".join(args.prompt)
-    return fill_placeholders(text, fe.namespace)
+    """The prompt: a cell's body, its {name}s filled, or the line's words (the magic has
+    filled a line's {name}s word by word, once it was split)."""
+    return fill_placeholders(body.strip(), fe.namespace) if body is not None else " ".join(args.prompt)
 
 
 def _not_found(fe: Frontend, model: str, message: str) -> CommandError:

@@ -16,7 +16,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from traitlets import Float, Unicode, observe
 
-from .commands import EXIT_USAGE, CommandError, Frontend, RunResult, _HelpShown, build_parser, execute
+from .commands import (EXIT_USAGE, CommandError, Frontend, RunResult, _HelpShown, build_parser, execute,
+                       fill_placeholders)
 
 
 
@@ -172,7 +173,8 @@ class LlamaMagics(Magics):
                                  "prompt (or set a default: `%config LlamaMagics.default_model = 'MODEL'`)")
             words = f"{words} {self.default_model}"
         try:
-            args = build_parser("%llama").parse_args(_split(words))
+            namespace = self.shell.user_ns if self.shell is not None else None
+            args = build_parser("%llama").parse_args([fill_placeholders(w, namespace) for w in _split(words)])
         except CommandError as e:
             raise UsageError(str(e)) from None
         except _HelpShown:

@@ -85,6 +85,9 @@ def test_a_line_fills_names_after_splitting_so_their_quotes_stay(shell, register
     shell.user_ns["said"] = 'He said "hi" and it\'s fine'
     r = shell.run_line_magic("llama", f"run {registered} 'Summarise {{said}} now' --num-predict 2")
     assert r.tokens == 2
+    shell.user_ns.update(which=registered, n=3)  # any word: a model's name, an option's value
+    r = shell.run_line_magic("llama", "run {which} Hello --num-predict {n}")
+    assert r.model == registered and r.tokens == 3
 
 
 def test_chat_remembers_the_previous_turn(shell, registered):
