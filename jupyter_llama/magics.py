@@ -16,8 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from traitlets import Float, Unicode, observe
 
-from .commands import (EXIT_USAGE, CommandError, Frontend, RunResult, _HelpShown, build_parser, execute,
-                       fill_placeholders)
+from .commands import EXIT_USAGE, CommandError, Frontend, RunResult, _HelpShown, build_parser, execute
 
 
 
@@ -160,7 +159,21 @@ class LlamaMagics(Magics):
             self._client = LlamaClient(self.url or None, self.token or None)
         return self._client
 
-    @no_var_expand  # {name} is ours to fill, after the line is split (see commands.fill_placeholders)
+    def _expand(self, word: str) -> str:
+        """A word of the line with IPython's expansion of a magic's line ({expression}, $name,
+        from the notebook's variables; a word it cannot expand stays as it is). IPython
+        expands a line before the magic splits it, so that a value's quotes ended or broke
+        the line's quoting: here each word is expanded once the line is split."""
+        from IPython.utils.text import DollarFormatter
+
+        if self.shell is None or ("{" not in word and "$" not in word):
+            return word
+        try:
+            return DollarFormatter().vformat(word, args=[], kwargs=self.shell.user_ns)
+        except Exception:  # noqa: BLE001 - as IPython's var_expand: what does not expand stays
+            return word
+
+    @no_var_expand  # (IPython's expansion, done word by word once the line is split: see _expand)
     @line_cell_magic
     def llama(self, line: str = "", cell: str | None = None):
         """Run a jupyter-llama command; `%llama help` lists them, `%llama help run` explains one."""
@@ -173,8 +186,7 @@ class LlamaMagics(Magics):
                                  "prompt (or set a default: `%config LlamaMagics.default_model = 'MODEL'`)")
             words = f"{words} {self.default_model}"
         try:
-            namespace = self.shell.user_ns if self.shell is not None else None
-            args = build_parser("%llama").parse_args([fill_placeholders(w, namespace) for w in _split(words)])
+            args = build_parser("%llama").parse_args([self._expand(w) for w in _split(words)])
         except CommandError as e:
             raise UsageError(str(e)) from None
         except _HelpShown:

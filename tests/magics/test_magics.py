@@ -85,8 +85,8 @@ def test_a_line_fills_names_after_splitting_so_their_quotes_stay(shell, register
     shell.user_ns["said"] = 'He said "hi" and it\'s fine'
     r = shell.run_line_magic("llama", f"run {registered} 'Summarise {{said}} now' --num-predict 2")
     assert r.tokens == 2
-    shell.user_ns.update(which=registered, n=3)  # any word: a model's name, an option's value
-    r = shell.run_line_magic("llama", "run {which} Hello --num-predict {n}")
+    shell.user_ns.update(which=registered, n=1)  # any word (a model's name, an option's value), as IPython expands
+    r = shell.run_line_magic("llama", "run $which Hello --num-predict {n+2}")
     assert r.model == registered and r.tokens == 3
 
 
@@ -244,14 +244,14 @@ def test_terminal_ipython_streams_the_answer_once_and_names_what_it_cannot_show(
     script.write_text("%load_ext jupyter_llama\n"
                       "%config LlamaMagics.update_interval = 0\n"
                       f"r = %llama run {registered} 'Once upon a time' --num-predict 40\n"
-                      "print('RESULT', repr(r.text))\n"
+                      "print('\\x02' + r.text + '\\x03')\n"
                       f"%llama plot {registered}\n"
                       "%llama panel\n")
     done = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--colors=nocolor", "--simple-prompt",
                            str(script)], env=manager["env"], capture_output=True, text=True, timeout=300)
     out = done.stdout
-    text = eval(out.split("RESULT ", 1)[1].splitlines()[0])  # (the repr printed above)
-    assert text and out.count(text.strip()) == 2, out  # streamed once, then the print of the result
+    text = out.split("\x02", 1)[1].split("\x03", 1)[0]  # (the result's text, printed between the markers)
+    assert text.strip() and out.count(text.strip()) == 2, out  # streamed once, then the print of the result
     assert "plot written to " in out and ".png" in out and "<Figure" not in out, out
     assert "`%llama panel` shows a widget, which needs a notebook" in out + done.stderr, out + done.stderr
     assert "RunningPanel(" not in out
