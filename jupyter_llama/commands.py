@@ -10,7 +10,6 @@ an exit status and a one-line message, the magic into a ``UsageError``.
 from __future__ import annotations
 
 import argparse
-import difflib
 import functools
 import json
 import re
@@ -428,14 +427,13 @@ def _prompt(args, fe: Frontend, body: str | None) -> str:
 
 
 def _not_found(fe: Frontend, model: str, message: str) -> CommandError:
-    try:
-        names = [m["name"] for m in fe.client().tags().get("models", [])]
-    except Exception:  # noqa: BLE001 - suggestions are a courtesy
-        names = []
-    close = difflib.get_close_matches(model, names, n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return CommandError(f"{message}{hint} (`pull SOURCE --name {model}` downloads one, "
-                        f"`synth {model}` makes a synthetic one, `list` shows what exists)")
+    """The manager's "not found" (with its own suggestions of close names), and what to do."""
+    if model.startswith(("/", ".", "~")) or model.lower().endswith(".gguf"):  # meant as a file
+        return CommandError(f"{message}. No model has that name, and the manager finds no GGUF file at {model}: "
+                            "give the file's path as the manager's machine sees it, or register it with "
+                            f"`create NAME --from {model}`")
+    return CommandError(f"{message}. `pull SOURCE --name {model}` downloads one, `synth {model}` makes a synthetic "
+                        "one, `list` shows what exists")
 
 
 def _call(fe: Frontend, func: Callable, *a, model: str | None = None, **kw):

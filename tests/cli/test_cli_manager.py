@@ -78,6 +78,11 @@ def test_errors_and_exit_codes(manager, tmp_path):
     assert missing.returncode == 1
     assert 'model "nosuchmodel" not found' in missing.stderr and "pull" in missing.stderr
     assert "Traceback" not in missing.stderr
+    for path in ("./nofile.gguf", str(tmp_path / "nofile.gguf")):  # meant as a file: said as one
+        missing = cli(env, "run", path, "hi")
+        assert missing.returncode == 1 and f"the manager finds no GGUF file at {path}" in missing.stderr, \
+            missing.stderr
+        assert "synth" not in missing.stderr
     bad = cli(env, "run", "tiny2", "hi", "--keep-alive", "soon")
     assert bad.returncode in (1, 2) and "keep_alive" in bad.stderr
     idle = cli(env, "log", "nosuchmodel")
