@@ -18,8 +18,43 @@ class TerminalFrontend(Frontend):
     def __init__(self, url: str | None = None, token: str | None = None):
         self.url, self.token = url, token
         self.namespace = None
-        self.conversations = {}
+        self._conversations: dict | None = None
         self._client = None
+
+    # A shell's conversations outlive each command (`chat --conversation NAME`), in a file of
+    # this user's beside the background manager's state (a notebook's live in its kernel).
+    @staticmethod
+    def _conversations_file():
+        from .background import state_dir
+
+        return state_dir() / "jupyter-llama-conversations.json"
+
+    @property
+    def conversations(self) -> dict:
+        if self._conversations is None:
+            import json
+
+            try:
+                data = json.loads(self._conversations_file().read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                data = {}
+            self._conversations = data if isinstance(data, dict) else {}
+        return self._conversations
+
+    def save_conversations(self) -> None:
+        """Write the conversations back, when a command has read them (atomically, for this user only)."""
+        if self._conversations is None:
+            return
+        import json
+        import os
+
+        path = self._conversations_file()
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(self._conversations, fh)
+        os.replace(tmp, path)
 
     def client(self):
         if self._client is None:
@@ -64,6 +99,10 @@ def run(argv: Sequence[str]) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
+        try:
+            fe.save_conversations()
+        except OSError as e:
+            print(f"warning: the conversation could not be kept for the next command: {e}", file=sys.stderr)
         if fe._client is not None:
             fe._client.close()
 

@@ -242,7 +242,8 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="*", help="the prompt (in a %%llama cell: the cell body)")
     _model_options(p)
 
-    p = add("chat", cmd_chat, "one turn of a conversation the manager remembers by name")
+    p = add("chat", cmd_chat, "one turn of a conversation, remembered by name (by a notebook's kernel; from a "
+                              "shell, between commands)")
     p.add_argument("model")
     p.add_argument("prompt", nargs="*")
     p.add_argument("--conversation", default="default", help="which conversation (default: default)")

@@ -118,3 +118,23 @@ def test_prune_drops_partial_downloads(manager):
     again = json.loads(cli(env, "prune", "--json").stdout)
     assert again == {"removed": [], "freed": 0}
     assert "no partial downloads to drop" in cli(env, "prune").stdout
+
+
+def test_a_shells_conversation_lasts_from_one_command_to_the_next(manager, tmp_path):
+    """`chat --conversation NAME` from a shell: each command is a process of its own, so the
+    turns are kept in a file of the user's (they were forgotten at each exit, though the help
+    said the conversation was remembered)."""
+    env = dict(manager["env"], JUPYTER_LLAMA_MANAGER_DIR=str(tmp_path / "state"))
+    saved = tmp_path / "state" / "jupyter-llama-conversations.json"
+    assert cli(env, "synth", "chatty", "--layers", "1", "--embd", "64").returncode == 0
+    for text in ("Hello, I am Ada.", "Who am I?"):
+        r = cli(env, "chat", "chatty", text, "--conversation", "c1", "--num-predict", "3", "--num-ctx", "256")
+        assert r.returncode == 0, r.stderr
+    turns = json.loads(saved.read_text())["c1"]
+    assert [t["role"] for t in turns] == ["user", "assistant", "user", "assistant"]
+    assert [t["content"] for t in turns[::2]] == ["Hello, I am Ada.", "Who am I?"]
+    assert oct(saved.stat().st_mode & 0o777) == "0o600"
+    r = cli(env, "chat", "chatty", "--conversation", "c1", "--reset")
+    assert r.returncode == 0 and "conversation 'c1' forgotten" in r.stderr, r.stderr
+    assert json.loads(saved.read_text())["c1"] == []
+    assert cli(env, "rm", "chatty").returncode == 0
