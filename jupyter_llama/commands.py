@@ -551,8 +551,16 @@ def cmd_load(args, fe: Frontend):
 
 
 def cmd_stop(args, fe: Frontend):
-    _call(fe, fe.client().unload, args.model, model=args.model)
-    fe.note(f"{args.model} unloaded")
+    from .client import ModelNotFoundError
+
+    client = fe.client()
+    loaded = any(same_model(m.get("name"), args.model) or same_model(m.get("model"), args.model)
+                 for m in client.ps().get("models", []))
+    try:
+        client.unload(args.model)  # (a model known but not loaded: nothing happens, as with Ollama's)
+    except ModelNotFoundError as e:
+        raise CommandError(f"{e.message}. `list` shows the models there are, `ps` the loaded ones") from None
+    fe.note(f"{args.model} unloaded" if loaded else f"{args.model} was not loaded: nothing to stop (`ps` shows what is)")
     return EXIT_OK
 
 

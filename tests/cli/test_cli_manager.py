@@ -137,4 +137,11 @@ def test_a_shells_conversation_lasts_from_one_command_to_the_next(manager, tmp_p
     r = cli(env, "chat", "chatty", "--conversation", "c1", "--reset")
     assert r.returncode == 0 and "conversation 'c1' forgotten" in r.stderr, r.stderr
     assert json.loads(saved.read_text())["c1"] == []
+    r = cli(env, "stop", "chatty")  # loaded by the chat above
+    assert r.returncode == 0 and r.stderr.strip() == "chatty unloaded", r.stderr
+    r = cli(env, "stop", "chatty")
+    assert r.returncode == 0 and "chatty was not loaded: nothing to stop" in r.stderr, r.stderr
+    r = cli(env, "stop", "nosuchmodel")
+    assert r.returncode == 1 and 'model "nosuchmodel" not found' in r.stderr, r.stderr
+    assert "`list` shows the models there are" in r.stderr and "synth" not in r.stderr, r.stderr
     assert cli(env, "rm", "chatty").returncode == 0
