@@ -96,6 +96,8 @@ def run(argv: Sequence[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
+        if fe.mid_line:
+            print(flush=True)
         print("interrupted", file=sys.stderr)
         return 130
     finally:

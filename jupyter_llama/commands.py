@@ -90,6 +90,7 @@ class Frontend:
     """What a command needs from the place it runs in. The CLI and the magic implement it."""
 
     namespace: dict | None = None  # for {name} substitution (the notebook's variables)
+    mid_line = False  # streamed text is on the terminal's last line, which no line end has closed yet
     conversations: dict[str, list[dict]]
 
     def client(self):  # -> LlamaClient
@@ -117,7 +118,9 @@ class Frontend:
             parts.append(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()
+            self.mid_line = True  # (an interruption now ends the line before it says so)
         sys.stdout.write("\n")
+        self.mid_line = False
         return "".join(parts)
 
     def progress(self, statuses: Iterator[dict]) -> dict:
@@ -634,7 +637,7 @@ def cmd_log(args, fe: Frontend):
         try:
             return fe.client().log(args.model, args.lines, args.match)
         except ModelNotFoundError as e:  # not loaded: the server's sentence says what to do
-            raise CommandError(str(e)) from None
+            raise CommandError(e.message) from None
 
     data = _call(fe, fetch)
     if args.json:

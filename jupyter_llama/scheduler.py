@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from . import config
-from .config import ConfigError, format_duration, parse_duration
+from .config import ConfigError, format_duration, parse_duration, shown
 from .errors import BadRequest, DoesNotFit, LoadFailed, ModelNotFound, PinnedInTheWay, SchedulerError, ServerBusy
 from .load_options import LoadOptions
 from .engine.runner import EngineError, LoadError, Runner
@@ -843,8 +843,11 @@ class Scheduler:
         elif lo.unload_when_idle and not changed:
             reason, rule = f"it was being unloaded ({lo.unload_when_idle})", "reload"
         elif changed:
+            def spelled(v) -> str:  # (None: the option left to llama.cpp's or the scheduler's choice)
+                return "automatic" if v is None else shown(v)
+
             reason = "load options changed: " + ", ".join(
-                f"{n} {getattr(lo.options, n)!r} -> {getattr(options, n)!r}" for n in changed)
+                f"{n} {spelled(getattr(lo.options, n))} -> {spelled(getattr(options, n))}" for n in changed)
             rule = "reload"
         else:
             reason, rule = "health check failed", "reload"

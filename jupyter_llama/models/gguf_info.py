@@ -349,7 +349,9 @@ def _check_magic(path: str, size: int) -> int:
         raise GGUFError(path, "empty file (0 bytes)")
     magic = head[:4]
     if magic != GGUF_MAGIC[: len(magic)]:
-        raise GGUFError(path, f"not a GGUF file (magic {magic!r})")
+        shown = (f'"{magic.decode()}"' if magic.isascii() and magic.decode().isprintable()
+                 else " ".join(f"{b:02x}" for b in magic))
+        raise GGUFError(path, f'not a GGUF file (it begins {shown}, where a GGUF file begins "GGUF")')
     if len(head) < 24:
         raise GGUFError(path, f"truncated: GGUF header needs 24 bytes, file has {size}")
     (version,) = struct.unpack("<I", head[4:8])

@@ -254,10 +254,10 @@ def assert_gguf_error(path, *needles):
 def test_error_not_a_gguf(tmp_path):
     p = tmp_path / "notes.gguf"
     p.write_text("hello, this is text\n")
-    assert_gguf_error(p, "not a GGUF file", "b'hell'")
+    assert_gguf_error(p, 'not a GGUF file (it begins "hell", where a GGUF file begins "GGUF")')
     z = tmp_path / "archive.gguf"
     z.write_bytes(b"PK\x03\x04" + b"\0" * 100)
-    assert_gguf_error(z, "not a GGUF file (magic b'PK\\x03\\x04')")
+    assert_gguf_error(z, 'not a GGUF file (it begins 50 4b 03 04, where a GGUF file begins "GGUF")')
 
 
 def test_error_truncated(tmp_path, synth):
