@@ -44,6 +44,30 @@ class Manager(NamedTuple):
     token: str
     pid: int
     source: str  # in words, for `jupyter-llama status`
+    unlike: str | None = None  # how its settings differ from this process's (see settings_unlike)
+
+
+# Settings that say how to find or run the manager, not what it does once running.
+_NOT_ITS_SETTINGS = ("JUPYTER_LLAMA_URL", "JUPYTER_LLAMA_TOKEN", "JUPYTER_LLAMA_MANAGER_DIR")
+
+
+def _settings() -> dict[str, str]:
+    """This process's JUPYTER_LLAMA_* settings that a manager started now would take on."""
+    return {k: v for k, v in os.environ.items() if k.startswith("JUPYTER_LLAMA_") and k not in _NOT_ITS_SETTINGS}
+
+
+def settings_unlike(theirs: dict[str, str]) -> str | None:
+    """How the settings a running manager was started with (``theirs``) differ from this
+    process's, in words (None when they agree): it keeps its own until it is stopped."""
+    ours = _settings()
+    names = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+    if not names:
+        return None
+    said = [f"{k} is {ours[k]!r} here" if k in ours else f"{k} is not set here" for k in names[:4]]
+    those = ", ".join(f"{k}={theirs[k]!r}" if k in theirs else f"{k} unset" for k in names[:4])
+    more = f" (and {len(names) - 4} more)" if len(names) > 4 else ""
+    return (f"{'; '.join(said)}{more}, but the background manager runs with {those}: it keeps the settings it was "
+            "started with. `jupyter-llama status --stop` stops it; the next command starts one with these")
 
 
 class ManagerStartFailed(RuntimeError):
@@ -102,7 +126,9 @@ def find() -> Manager | None:
     st = _read_state()
     if st is None or not _alive(st["pid"]) or not answers(st["url"], st.get("token")):
         return None
-    return Manager(st["url"], st.get("token"), st["pid"], f"{SOURCE} (pid {st['pid']}, state in {_state_path()})")
+    theirs = st.get("settings")
+    return Manager(st["url"], st.get("token"), st["pid"], f"{SOURCE} (pid {st['pid']}, state in {_state_path()})",
+                   settings_unlike(theirs) if isinstance(theirs, dict) else None)
 
 
 def ensure(timeout: float = START_TIMEOUT) -> Manager:
@@ -182,7 +208,8 @@ def _start(d: Path, timeout: float) -> Manager:
     log_path = d / "jupyter-llama-manager.log"
     proc = start_serve(port, token, log_path, what="background jupyter-llama manager", tied=False,
                        extra_argv=("--exit-when-idle", str(idle)), timeout=timeout)
-    state = {"url": url, "token": token, "pid": proc.pid, "started": time.time(), "log": str(log_path)}
+    state = {"url": url, "token": token, "pid": proc.pid, "started": time.time(), "log": str(log_path),
+             "settings": _settings()}
     tmp = d / (STATE_NAME + f".{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the token
     with os.fdopen(fd, "w") as fh:

@@ -63,6 +63,8 @@ class TerminalFrontend(Frontend):
             # JUPYTER_LLAMA_URL, a running Jupyter server of this user, else the background
             # manager (started now if need be; it stays, so the next command finds it warm)
             self._client = LlamaClient(self.url, self.token)
+            if self._client.server.warning:
+                self.note(f"note: {self._client.server.warning}")
         return self._client
 
     def out(self, text: str) -> None:

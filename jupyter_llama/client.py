@@ -123,6 +123,7 @@ class ServerInfo:
     token: str | None
     source: str  # how it was found
     pid: int | None = None  # the server's process, when it was found by its runtime or state file
+    warning: str | None = None  # what a person should know of it (a background manager's other settings)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"token {self.token}"} if self.token else {}
@@ -226,7 +227,7 @@ def find_server(url: str | None = None, token: str | None = None,
         except background.ManagerStartFailed as e:
             raise ServerNotFound(str(e)) from None
     if bg is not None:
-        return ServerInfo(bg.url, bg.token, bg.source, bg.pid)
+        return ServerInfo(bg.url, bg.token, bg.source, bg.pid, bg.unlike)
     raise ServerNotFound(f"no jupyter-llama server found ({URL_ENV} is not set, no Jupyter server of yours serves "
                          f"the extension, no background manager runs): {HOW_TO_START}")
 

@@ -157,6 +157,8 @@ class LlamaMagics(Magics):
 
             # the kernel's server, a running one of this user, else the background manager
             self._client = LlamaClient(self.url or None, self.token or None)
+            if self._client.server.warning:
+                print(f"note: {self._client.server.warning}")
         return self._client
 
     def _expand(self, word: str) -> str:

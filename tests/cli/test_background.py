@@ -149,3 +149,16 @@ def test_a_manager_that_cannot_start_is_a_sentence_at_once(alone):
     r = cli(env, "--url", "localhost:9", "ps")  # no scheme: read as http://, and the refusal is a sentence
     assert r.returncode == 1 and "cannot reach the jupyter-llama server at http://localhost:9/llama/" in r.stderr, \
         r.stderr
+
+
+def test_a_setting_the_running_manager_does_not_have_is_pointed_out(alone):
+    """A background manager keeps the settings it was started with: a command run with
+    another (here a memory budget, as the README's RPC example exports one) says so and how
+    to start afresh, rather than showing the manager's own as if the setting were ignored."""
+    assert cli(alone, "ps").returncode == 0  # starts it, without a budget
+    r = cli(dict(alone, JUPYTER_LLAMA_MEMORY_LIMIT="8GiB"), "ps")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith("note: JUPYTER_LLAMA_MEMORY_LIMIT is '8GiB' here, but the background manager runs "
+                               "with JUPYTER_LLAMA_MEMORY_LIMIT unset"), r.stderr
+    assert "`jupyter-llama status --stop` stops it" in r.stderr
+    assert "note:" not in cli(alone, "ps").stderr  # the same settings: nothing to say
