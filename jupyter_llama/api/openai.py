@@ -9,8 +9,10 @@ the error body OpenAI clients understand, Server-Sent Events framing, and the mo
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
+import struct
 from dataclasses import dataclass, field
 
 from ..config import json_kind, shown
@@ -218,7 +220,22 @@ def embedding_inputs(body: dict) -> list[str]:
     return inputs
 
 
-def embeddings_body(model: str, vectors: list[list[float]], tokens: int) -> dict:
+def encoding_format(body: dict) -> str:
+    """A ``/v1/embeddings`` request's ``encoding_format``: ``float`` (the default) or ``base64``."""
+    fmt = body.get("encoding_format")
+    if fmt is None:
+        return "float"
+    if fmt not in ("float", "base64"):
+        raise BadRequest(f"encoding_format must be \"float\" or \"base64\", got {shown(fmt)}")
+    return fmt
+
+
+def embeddings_body(model: str, vectors: list[list[float]], tokens: int, fmt: str = "float") -> dict:
+    """OpenAI's list of embeddings; with ``fmt`` base64, each vector's little-endian float32
+    bytes in base64, as OpenAI sends them (and its Python client asks for by default)."""
+    def spelled(v: list[float]):
+        return base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode("ascii") if fmt == "base64" else v
+
     return {"object": "list", "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+            "data": [{"object": "embedding", "index": i, "embedding": spelled(v)} for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -1037,10 +1037,10 @@ class OpenAIHandler(LlamaHandler):
 
 async def _openai_embeddings(lease, req: oai.OpenAIRequest) -> dict:
     """OpenAI embeddings for a model that does not pool: the child's per-token vectors, pooled here."""
-    inputs = oai.embedding_inputs(req.body)
+    inputs, fmt = oai.embedding_inputs(req.body), oai.encoding_format(req.body)
     raw, tokens = await lease.runner.embed(inputs)
     vectors = await asyncio.to_thread(oa.unit_vectors, raw)
-    return oai.embeddings_body(req.model, vectors, tokens)
+    return oai.embeddings_body(req.model, vectors, tokens, fmt)
 
 
 class AnthropicHandler(OpenAIHandler):

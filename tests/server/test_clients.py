@@ -7,7 +7,9 @@ their calls runs in a worker thread (``asyncio.to_thread``).
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
+import struct
 
 import pytest
 from srvutil import OPTS, TINY, FileHost
@@ -230,6 +232,13 @@ async def test_openai_client(llama_url, token):
 
     emb = await run(c.embeddings.create, model="tiny", input=["hello", "world"])
     assert len(emb.data) == 2 and len(emb.data[0].embedding) == 64
+    # asked for base64 (the client asks for it unless told otherwise, and decodes it): the same vectors
+    b64 = await run(c.embeddings.create, model="tiny", input=["hello", "world"], encoding_format="base64")
+    raw = base64.b64decode(b64.data[1].embedding)
+    assert struct.unpack("<64f", raw) == pytest.approx(emb.data[1].embedding, rel=1e-6)
+    with pytest.raises(openai.BadRequestError) as e:
+        await run(c.embeddings.create, model="tiny", input="hi", encoding_format="bogus")
+    assert 'encoding_format must be "float" or "base64", got "bogus"' in str(e.value)
 
     with pytest.raises(openai.NotFoundError) as e:
         await run(c.chat.completions.create, model="nope", messages=msgs)

@@ -308,6 +308,7 @@ def test_picker_estimate_load_run_unload(client):
         names = [v for _, v in picker.model_select.options]
         assert names == ["other:latest", "tiny:latest"]
         picker.model_select.value = "tiny:latest"
+        picker.ctx_input.value = 1024  # (its own, trained, context of 32768 is what the next step shows not fitting)
         s = picker.last_summary
         assert s["model"] == "tiny:latest" and s["fits"] is True
         assert "fits" in picker.estimate_html.value and "budget 32.0 MiB" in picker.estimate_html.value
