@@ -2,7 +2,17 @@
 
 from ._version import __version__
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "LlamaClient", "AsyncLlamaClient"]
+
+
+def __getattr__(name: str):
+    """``from jupyter_llama import LlamaClient``: the client, imported when first asked for
+    (importing the package stays cheap: Jupyter imports it to find the extension)."""
+    if name in ("LlamaClient", "AsyncLlamaClient"):
+        from . import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'jupyter_llama' has no attribute {name!r}")
 
 
 def _jupyter_server_extension_points():

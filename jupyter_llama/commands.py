@@ -168,24 +168,30 @@ SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "seed", "num_predict")
 DEFAULT_NUM_PREDICT = 256
 
 
-def _model_options(p: argparse.ArgumentParser, sampling: bool = True) -> None:
+def _model_options(p: argparse.ArgumentParser, sampling: bool = True, keep_alive: bool = True) -> None:
+    """The load options (and, with ``sampling``, a request's); ``keep_alive`` for the commands
+    that load the model (not estimate or plot, which load nothing of their own)."""
     g = p.add_argument_group("load options (changing one reloads the model)")
     g.add_argument("--num-ctx", type=int, help="context per request, in tokens")
     g.add_argument("--num-gpu", type=int, help="layers on the GPU (0 = CPU only; default: llama.cpp decides)")
     g.add_argument("--num-parallel", type=int, help="parallel request slots")
     g.add_argument("--num-batch", type=int, help="logical batch size")
     g.add_argument("--num-thread", type=int, help="CPU threads")
-    g.add_argument("--cache-type-k", choices=("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"))
-    g.add_argument("--cache-type-v", choices=("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"))
-    g.add_argument("--flash-attn", choices=("on", "off", "auto"))
-    g.add_argument("--keep-alive", help="how long it stays loaded when idle: 300, 10m, 1h30m, -1 (forever), 0")
+    kv_types = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+    g.add_argument("--cache-type-k", choices=kv_types, help="the KV cache's type for keys (default f16)")
+    g.add_argument("--cache-type-v", choices=kv_types,
+                   help="for values (default f16; a quantised one needs flash attention)")
+    g.add_argument("--flash-attn", choices=("on", "off", "auto"), help="flash attention (default: llama.cpp decides)")
+    if keep_alive:
+        p.add_argument("--keep-alive", help="how long it stays loaded when idle: 300, 10m, 1h30m, -1 (forever), 0 "
+                                            "(changing it never reloads)")
     if sampling:
         s = p.add_argument_group("sampling (never reloads)")
         s.add_argument("--system", help="system prompt")
-        s.add_argument("--temperature", type=float)
-        s.add_argument("--top-k", type=int)
-        s.add_argument("--top-p", type=float)
-        s.add_argument("--seed", type=int)
+        s.add_argument("--temperature", type=float, help="randomness (0: always the likeliest token)")
+        s.add_argument("--top-k", type=int, help="choose among the k likeliest tokens")
+        s.add_argument("--top-p", type=float, help="choose among the likeliest tokens that make up this probability")
+        s.add_argument("--seed", type=int, help="the random seed (the same seed, prompt and options: the same text)")
         s.add_argument("--num-predict", type=int,
                        help=f"most tokens to generate (default {DEFAULT_NUM_PREDICT}, or the model's Modelfile "
                             "num_predict; -1: until the model stops or the context is full)")
@@ -193,6 +199,17 @@ def _model_options(p: argparse.ArgumentParser, sampling: bool = True) -> None:
         s.add_argument("--format", choices=("json",), help="constrain the answer to JSON")
         s.add_argument("--raw", action="store_true", help="plain text, no Markdown rendering (and no chat template)")
         s.add_argument("--stats", action="store_true", help="print tokens, tokens/s, load time and placement")
+
+
+def _at_least_one(text: str) -> int:
+    """An argument that counts something: a whole number of 1 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return n
 
 
 def _options(args) -> dict:
@@ -293,7 +310,7 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
                    help="an Ollama Modelfile (FROM, PARAMETER, SYSTEM, TEMPLATE, MESSAGE, LICENSE); "
                         "default: ./Modelfile when neither is given")
 
-    p = add("synth", cmd_synth, "make a synthetic llama GGUF: register it as NAME, or write it to --output")
+    p = add("synth", cmd_synth, "make a synthetic llama GGUF: register it as NAME, write it to --output, or both")
     p.add_argument("name", nargs="?")
     p.add_argument("--output", "-o", help="write the file here instead of registering it")
     p.add_argument("--projector", action="store_true",
@@ -317,12 +334,12 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
 
     p = add("estimate", cmd_estimate, "predict memory for a model (or GGUF file) under load options")
     p.add_argument("model")
-    _model_options(p, sampling=False)
+    _model_options(p, sampling=False, keep_alive=False)
     p.add_argument("--json", action="store_true")
 
     p = add("explain", cmd_explain, "the manager's recent decisions (about MODEL), in words and numbers")
     p.add_argument("model", nargs="?")
-    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--limit", type=_at_least_one, default=20, help="how many of the latest decisions (default 20)")
     p.add_argument("--json", action="store_true")
 
     p = add("devices", cmd_devices, "GPUs, host memory and the budgets in force")
@@ -367,7 +384,7 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
 
     p = add("plot", cmd_plot, "plot predicted against actual memory for a model")
     p.add_argument("model")
-    _model_options(p, sampling=False)
+    _model_options(p, sampling=False, keep_alive=False)
 
     add("picker", lambda a, fe: fe.widget("picker"), "a widget to pick, estimate, load and run models")
     add("panel", lambda a, fe: fe.widget("panel"), "a live widget of loaded models, memory and decisions")

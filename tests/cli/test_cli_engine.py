@@ -124,3 +124,22 @@ def test_engine_status_with_a_broken_setting(tmp_path):
     assert "signal 4" in r.stderr and "illegal instruction" in r.stderr
     missing = cli("engine", "status", env=dict(os.environ, JUPYTER_LLAMA_SERVER=str(tmp_path / "nope")))
     assert missing.returncode == 1 and "does not exist" in missing.stderr
+
+
+def test_arguments_a_command_has_no_use_for_are_refused():
+    """`estimate` and `plot` load nothing of their own: --keep-alive was accepted and ignored
+    there; a count of decisions below 1 showed all but the first few."""
+    r = cli("estimate", "tiny", "--keep-alive", "banana")
+    assert r.returncode == 2 and "unrecognized arguments: --keep-alive banana" in r.stderr, r.stderr
+    r = cli("explain", "--limit", "-3")
+    assert r.returncode == 2 and "argument --limit: '-3' is not a whole number of 1 or more" in r.stderr, r.stderr
+
+
+def test_the_client_is_the_packages_to_import():
+    import jupyter_llama
+    from jupyter_llama import AsyncLlamaClient, LlamaClient
+    from jupyter_llama.client import AsyncLlamaClient as A, LlamaClient as L
+
+    assert (LlamaClient, AsyncLlamaClient) == (L, A)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        jupyter_llama.Nope
