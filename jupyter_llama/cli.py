@@ -41,20 +41,31 @@ class TerminalFrontend(Frontend):
             self._conversations = data if isinstance(data, dict) else {}
         return self._conversations
 
-    def save_conversations(self) -> None:
-        """Write the conversations back, when a command has read them (atomically, for this user only)."""
-        if self._conversations is None:
+    def save_conversations(self, touched: str | None) -> None:
+        """Write conversation ``touched`` back, when a command has changed it: into the file
+        as it is now (another shell may have written another meanwhile), under a lock,
+        atomically, readable by this user only."""
+        if self._conversations is None or touched is None or touched not in self._conversations:
             return
         import json
         import os
 
+        from filelock import FileLock
+
         path = self._conversations_file()
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(self._conversations, fh)
-        os.replace(tmp, path)
+        with FileLock(str(path) + ".lock", timeout=30):
+            try:
+                now = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                now = {}
+            now = now if isinstance(now, dict) else {}
+            now[touched] = self._conversations[touched]
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(now, fh)
+            os.replace(tmp, path)
 
     def client(self):
         if self._client is None:
@@ -104,8 +115,8 @@ def run(argv: Sequence[str]) -> int:
         return 130
     finally:
         try:
-            fe.save_conversations()
-        except OSError as e:
+            fe.save_conversations(args.conversation if args.command == "chat" else None)
+        except (OSError, TimeoutError) as e:
             print(f"warning: the conversation could not be kept for the next command: {e}", file=sys.stderr)
         if fe._client is not None:
             fe._client.close()

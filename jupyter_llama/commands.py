@@ -89,7 +89,7 @@ class RunResult:
 class Frontend:
     """What a command needs from the place it runs in. The CLI and the magic implement it."""
 
-    namespace: dict | None = None  # for {name} substitution (the notebook's variables)
+    namespace: dict | None = None  # for {name} in a cell's body (the notebook's variables; see fill_placeholders)
     mid_line = False  # streamed text is on the terminal's last line, which no line end has closed yet
     conversations: dict[str, list[dict]]
 
@@ -418,15 +418,16 @@ def execute(args: argparse.Namespace, fe: Frontend, body: str | None = None):
     """Run the parsed command (``body``: a cell's text, the prompt of ``run`` and ``chat``);
     an error of the client's that the command did not put in its own words (finding or
     starting the server, mostly) becomes a CommandError with the client's sentence."""
-    from .client import LlamaError
-
     func = getattr(args, "func", None)
     if func is None:
         return _usage(build_parser())
     try:
         return func(args, fe) if body is None else func(args, fe, body=body)
-    except LlamaError as e:
-        raise _command_error(e) from None
+    except Exception as e:
+        client = sys.modules.get("jupyter_llama.client")  # (only a command that used it can have its error)
+        if client is not None and isinstance(e, client.LlamaError):
+            raise _command_error(e) from None
+        raise
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -476,19 +477,27 @@ def _command_error(e) -> CommandError:
     return CommandError(e.message, EXIT_USAGE if e.status == 400 else EXIT_FAIL)
 
 
+def _loaded(ps: dict, model: str) -> dict | None:
+    """The entry of ``ps`` (an /api/ps answer) that ``model`` names: by the name it was loaded
+    under, or one of the others of the same file it has answered to."""
+    return next((m for m in ps.get("models", [])
+                 if any(same_model(n, model) for n in (m.get("name"), m.get("model"), *(m.get("also_as") or [])))),
+                None)
+
+
 def _placement(fe: Frontend, model: str) -> str:
     try:
-        for m in fe.client().ps().get("models", []):
-            if same_model(m.get("name"), model) or same_model(m.get("model"), model):
-                size, vram = m.get("size") or 0, m.get("size_vram") or 0
-                if not size or not vram:
-                    return "CPU"
-                if vram >= size:
-                    return "GPU"
-                return f"{vram / size:.0%} GPU / {1 - vram / size:.0%} CPU"
-    except Exception:  # noqa: BLE001
-        pass
-    return ""
+        m = _loaded(fe.client().ps(), model)
+    except Exception:  # noqa: BLE001 - the placement is a courtesy
+        m = None
+    if m is None:
+        return ""
+    size, vram = m.get("size") or 0, m.get("size_vram") or 0
+    if not size or not vram:
+        return "CPU"
+    if vram >= size:
+        return "GPU"
+    return f"{vram / size:.0%} GPU / {1 - vram / size:.0%} CPU"
 
 
 def _generate(args, fe: Frontend, chunks_of: Callable[[], Iterator[dict]], pick: Callable[[dict], str]) -> RunResult:
@@ -574,8 +583,7 @@ def cmd_stop(args, fe: Frontend):
     from .client import ModelNotFoundError
 
     client = fe.client()
-    loaded = any(same_model(m.get("name"), args.model) or same_model(m.get("model"), args.model)
-                 for m in client.ps().get("models", []))
+    loaded = _loaded(client.ps(), args.model) is not None
     try:
         client.unload(args.model)  # (a model known but not loaded: nothing happens, as with Ollama's)
     except ModelNotFoundError as e:

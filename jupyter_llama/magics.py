@@ -200,8 +200,14 @@ class LlamaMagics(Magics):
         if args.url or args.token:  # `%llama --url U --token T ps`: this call only
             from .client import LlamaClient
 
-            one_off = LlamaClient(args.url or self.url or None, args.token or self.token or None)
-            fe.client = lambda: one_off  # type: ignore[method-assign]
+            made: list = []  # (made by the command, so that a failure to find it is its sentence)
+
+            def one_off():
+                if not made:
+                    made.append(LlamaClient(args.url or self.url or None, args.token or self.token or None))
+                return made[0]
+
+            fe.client = one_off  # type: ignore[method-assign]
         try:
             result = execute(args, fe, body=cell if args.command in ("run", "chat") else None)
         except CommandError as e:

@@ -39,7 +39,8 @@ from .engine.runner import EngineError, LoadError, Runner
 from .memory import devices as devmod
 from .memory import peers as peermod
 from .memory import rpc
-from .memory.estimate import estimate_coarse, estimate_detailed, estimate_layer_counts, fit_layers
+from .memory.estimate import (capped_ctx, estimate_coarse, estimate_detailed, estimate_layer_counts, fit_layers,
+                               within_training)
 from .memory.report import (ACTUAL, COARSE, COMPUTE, DETAILED, HOST, KV, OTHER, WEIGHTS, MemoryReport, MiB,
                             format_bytes, format_pct, is_gpu)
 from .models.gguf_info import GGUFError, read_gguf_info
@@ -256,13 +257,6 @@ PLACEMENT_FIELDS = ("fit_target_mib", "rpc")
 FREED_FRESH_S = 1.0
 
 
-def within_training(num_ctx: int | None, ref: "ModelRef | None") -> int | None:
-    """``num_ctx`` brought down to the model's training context, as Ollama does (None, and
-    a model that does not say its training context, stay as they are)."""
-    trained = ref.info.context_length if ref is not None else 0
-    return trained if num_ctx and trained and num_ctx > trained else num_ctx
-
-
 @dataclass
 class Loaded:
     """A model with a runner (loading, ready or unloading), as ``ps`` shows it."""
@@ -316,7 +310,7 @@ class Loaded:
             if want is None:
                 continue
             if f.name == "num_ctx":  # (what a load of it would have: see Scheduler.effective_options)
-                want = within_training(want, self.ref)
+                want = capped_ctx(want, self.ref.info)
             if f.name == "embedding" and not want and self.options.embedding:
                 # A child started with --embeddings also completes (b11434 turns embeddings on
                 # per batch), so generate after embed needs no reload: no ping-pong between them.
@@ -823,9 +817,8 @@ class Scheduler:
         context allocated and the prompt's truncation aiming past what a slot takes)."""
         if options.num_parallel is None and self.settings.num_parallel:
             options = options.replace(num_parallel=self.settings.num_parallel)
-        capped = within_training(options.num_ctx, ref)
-        if capped != options.num_ctx:
-            options = options.replace(num_ctx=capped)
+        if ref is not None:
+            options = within_training(options, ref.info)
         if ref is not None and ref.mmproj and options.mmproj is None:
             options = options.replace(mmproj=ref.mmproj)
         if ref is not None and options.embedding and options.num_ubatch is None:
@@ -846,8 +839,9 @@ class Scheduler:
             def spelled(v) -> str:  # (None: the option left to llama.cpp's or the scheduler's choice)
                 return "automatic" if v is None else shown(v)
 
+            asked = within_training(options, lo.ref.info)  # (what the reload will have)
             reason = "load options changed: " + ", ".join(
-                f"{n} {spelled(getattr(lo.options, n))} -> {spelled(getattr(options, n))}" for n in changed)
+                f"{n} {spelled(getattr(lo.options, n))} -> {spelled(getattr(asked, n))}" for n in changed)
             rule = "reload"
         else:
             reason, rule = "health check failed", "reload"

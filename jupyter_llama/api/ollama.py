@@ -113,10 +113,13 @@ def parse_body(raw: bytes | str | None) -> dict:
     return data
 
 
-# A \uD800-\uDFFF escape: half of a UTF-16 pair. json.loads joins a whole pair into one
-# character and leaves a lone half in the string, which no UTF-8 encoder (ours, the
-# child's) takes. Only a body with such an escape is looked through for one.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# Half of a UTF-16 pair without its other half: a high escape (\uD800-\uDBFF) not followed
+# by a low one, a low one (\uDC00-\uDFFF) not after a high one, or such a half written as
+# UTF-8 bytes (ED A0-BF ..), which json.loads also lets through. It leaves a lone half in a
+# string, which no UTF-8 encoder (ours, the child's) takes. Only a body with one is looked
+# through (a whole pair, an emoji from a client that escapes non-ASCII, is not).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+                               rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]|\xed[\xa0-\xbf]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 

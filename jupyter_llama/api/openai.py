@@ -120,6 +120,7 @@ def parse_request(route: str, body: dict) -> OpenAIRequest:
     else:
         if "input" not in body:
             raise BadRequest("input is required")
+        encoding_format(body)  # (checked here, in our words, whichever side then pools the vectors)
         stream = False
     out, ka = without_ours(body)
     options = LoadOptions(embedding=True) if route == "embeddings" else LoadOptions()

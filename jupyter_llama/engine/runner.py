@@ -478,11 +478,15 @@ class Runner:
     def _windows(self, payload: dict | None) -> dict | None:
         """``payload`` with a penalty window of -1 (Ollama's "the whole context", for
         ``repeat_last_n``; llama.cpp's, for ``dry_penalty_last_n``) made this child's context
-        per request, which llama-server takes where it refuses -1."""
+        per request, which llama-server takes where it refuses -1 (while that is not known,
+        left to llama-server's default: 0 would turn the penalty off)."""
         if payload is None or (payload.get("repeat_last_n") != -1 and payload.get("dry_penalty_last_n") != -1):
             return payload
-        n_ctx = self._request_ctx() or 0
-        return {**payload, **{k: n_ctx for k in ("repeat_last_n", "dry_penalty_last_n") if payload.get(k) == -1}}
+        n_ctx = self._request_ctx()
+        windows = ("repeat_last_n", "dry_penalty_last_n")
+        if not n_ctx:
+            return {k: v for k, v in payload.items() if not (k in windows and v == -1)}
+        return {**payload, **{k: n_ctx for k in windows if payload.get(k) == -1}}
 
     async def _guarded(self, events: AsyncIterator) -> AsyncIterator:
         self._check_ready()

@@ -38,9 +38,22 @@ def _scalar(v) -> int:
     return int(v)
 
 
+def capped_ctx(num_ctx: int | None, info: GGUFInfo) -> int | None:
+    """``num_ctx`` brought down to the model's training context, as Ollama does before it
+    loads (None, and a model that does not say its training context, stay as they are)."""
+    trained = info.context_length or 0
+    return trained if num_ctx and trained and num_ctx > trained else num_ctx
+
+
+def within_training(options: LoadOptions, info: GGUFInfo) -> LoadOptions:
+    """``options`` with their ``num_ctx`` capped (:func:`capped_ctx`): what a load uses."""
+    capped = capped_ctx(options.num_ctx, info)
+    return options if capped == options.num_ctx else options.replace(num_ctx=capped)
+
+
 def coarse_context(info: GGUFInfo, options: LoadOptions) -> int:
     """Cells the coarse estimate assumes: min(num_ctx, training context) x slots."""
-    per_request = info.context_length if options.num_ctx is None else min(options.num_ctx, info.context_length)
+    per_request = capped_ctx(options.num_ctx, info) or info.context_length
     return per_request * (options.num_parallel or 1)
 
 
@@ -652,7 +665,7 @@ def estimate_all(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None = 
     """``{"coarse": ..., "detailed": ..., "llama.cpp": ...}``; llama.cpp's own projection (from
     ``llama-fit-params``) only when ``engine`` has it and it answers. Blocks while it runs;
     see :func:`estimate_all_async` for an event loop."""
-    gpus = list(gpus or [])
+    gpus, options = list(gpus or []), within_training(options, info)
     out = {COARSE: estimate_coarse(info, options, gpus), DETAILED: estimate_detailed(info, options, gpus)}
     fit = getattr(engine, "fit_params", None) if engine is not None else None
     if fit:
@@ -668,7 +681,7 @@ async def estimate_all_async(info: GGUFInfo, options: LoadOptions, gpus: list[st
                              engine=None, model_path: str | os.PathLike | None = None,
                              timeout: float = 60.0) -> dict[str, MemoryReport]:
     """:func:`estimate_all` without blocking the event loop."""
-    gpus = list(gpus or [])
+    gpus, options = list(gpus or []), within_training(options, info)
     out = {COARSE: estimate_coarse(info, options, gpus), DETAILED: estimate_detailed(info, options, gpus)}
     return await with_projection_async(out, engine, model_path or info.path, options, timeout=timeout)
 

@@ -134,9 +134,11 @@ def test_a_shells_conversation_lasts_from_one_command_to_the_next(manager, tmp_p
     assert [t["role"] for t in turns] == ["user", "assistant", "user", "assistant"]
     assert [t["content"] for t in turns[::2]] == ["Hello, I am Ada.", "Who am I?"]
     assert oct(saved.stat().st_mode & 0o777) == "0o600"
+    other = [{"role": "user", "content": "from another shell"}]  # written meanwhile: kept, not overwritten
+    saved.write_text(json.dumps(dict(json.loads(saved.read_text()), c2=other)))
     r = cli(env, "chat", "chatty", "--conversation", "c1", "--reset")
     assert r.returncode == 0 and "conversation 'c1' forgotten" in r.stderr, r.stderr
-    assert json.loads(saved.read_text())["c1"] == []
+    assert json.loads(saved.read_text()) == {"c1": [], "c2": other}
     r = cli(env, "stop", "chatty")  # loaded by the chat above
     assert r.returncode == 0 and r.stderr.strip() == "chatty unloaded", r.stderr
     r = cli(env, "stop", "chatty")

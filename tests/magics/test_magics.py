@@ -81,7 +81,7 @@ def test_cell_form_takes_the_body_as_the_prompt_and_fills_names(shell, registere
 def test_a_line_fills_names_after_splitting_so_their_quotes_stay(shell, registered):
     """IPython fills {name} in a magic's line before the magic splits it, so a value's quote
     ended the prompt's quoting ("cannot split the line: No closing quotation") or was lost;
-    the line is now split first and filled by the same rule as a cell's body."""
+    the line is now split first, then each word expanded as IPython would."""
     shell.user_ns["said"] = 'He said "hi" and it\'s fine'
     r = shell.run_line_magic("llama", f"run {registered} 'Summarise {{said}} now' --num-predict 2")
     assert r.tokens == 2
@@ -127,6 +127,8 @@ def test_user_mistakes_are_usage_errors_with_advice(shell, registered):
         shell.run_cell_magic("llama", "run", "Hello")
     with pytest.raises(UsageError, match=r"%%llama ps takes no cell"):
         shell.run_cell_magic("llama", "ps", "Hello")
+    with pytest.raises(UsageError, match=r"ftp://h:1 is not a jupyter-llama server's address"):
+        shell.run_line_magic("llama", "--url ftp://h:1 ps")
 
 
 def test_listing_commands(shell, registered, capsys):

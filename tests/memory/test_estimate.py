@@ -360,3 +360,15 @@ def test_quantized_cache_needs_head_size_divisible_by_block():
     assert any("divisible by 32" in w for w in rep.warnings)
     ok = estimate_detailed(info, LoadOptions(num_ctx=512, cache_type_k="q8_0", flash_attn="off"), [])
     assert not any("divisible" in w for w in ok.warnings)
+
+
+def test_a_context_beyond_the_training_one_is_estimated_as_the_load_will_have_it():
+    """A load of num_ctx above the training context gets the training context (Ollama's rule,
+    Scheduler.effective_options): every estimate of those options says what that load takes."""
+    info = make_info(ctx=4096)
+    assert est.capped_ctx(65536, info) == 4096 and est.capped_ctx(2048, info) == 2048
+    assert est.capped_ctx(None, info) is None
+    assert est.capped_ctx(65536, make_info(ctx=0)) == 65536  # (a model that does not say: as asked)
+    over, at = (est.estimate_all(info, LoadOptions(num_ctx=n, num_parallel=1)) for n in (65536, 4096))
+    assert {k: r.total() for k, r in over.items()} == {k: r.total() for k, r in at.items()}
+    assert est.coarse_context(info, LoadOptions(num_ctx=65536, num_parallel=2)) == 8192

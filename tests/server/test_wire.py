@@ -298,7 +298,8 @@ def test_bodies_with_half_a_surrogate_pair_are_400():
     for raw, where in ((b'{"prompt": "\\ud800 x"}', "the text of prompt holds \\ud800"),
                        ('{"messages": [{"content": "ok \\uDC00"}]}', "the text of messages[0].content holds \\udc00"),
                        (b'{"options": {"stop": ["a", "\\udfff"]}}', "the text of options.stop[1]"),
-                       (b'{"o": {"a\\ud800": 1}}', "a name in o holds \\ud800")):
+                       (b'{"o": {"a\\ud800": 1}}', "a name in o holds \\ud800"),
+                       (b'{"prompt": "\xed\xa0\x80"}', "the text of prompt holds \\ud800")):  # (as UTF-8 bytes)
         with pytest.raises(BadRequest) as e:
             parse_body(raw)
         assert str(e.value).startswith(where) and "send valid Unicode" in str(e.value), e.value
