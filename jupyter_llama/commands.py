@@ -91,6 +91,7 @@ class Frontend:
 
     namespace: dict | None = None  # for {name} in a cell's body (the notebook's variables; see fill_placeholders)
     mid_line = False  # streamed text is on the terminal's last line, which no line end has closed yet
+    foreground = True  # a command may hold it until stopped (a shell may; a kernel must stay free: False)
     conversations: dict[str, list[dict]]
 
     def client(self):  # -> LlamaClient
@@ -1040,6 +1041,11 @@ def cmd_engine_status(args, fe: Frontend):
 def cmd_worker(args, fe: Frontend):
     from .engine.binary import EngineBroken, EngineNotFound, find_engine
     from .engine.worker import WorkerError, run_worker
+
+    if not fe.foreground:
+        raise CommandError("worker runs in the foreground until it is stopped, which would hold this kernel: start "
+                           "it from a shell with `jupyter-llama worker` (the same options), then set "
+                           "JUPYTER_LLAMA_RPC_WORKERS for the manager", EXIT_USAGE)
 
     try:
         engine = find_engine()

@@ -37,6 +37,8 @@ def _hard_breaks(text: str) -> str:
 class NotebookFrontend(Frontend):
     """Shows results in the running cell: streamed Markdown, tables as text, widgets, figures."""
 
+    foreground = False  # (a command that runs until stopped would hold the kernel)
+
     def __init__(self, magics: "LlamaMagics"):
         self.magics = magics
         self.conversations = magics.conversations

@@ -776,7 +776,8 @@ class Puller:
         except PullError:
             raise
         except (OSError, http.client.HTTPException) as e:
-            raise PullError(f"cannot reach {self.src.endpoint} for {what}: {e}") from None
+            raise RegistryUnreachable(f"cannot reach {self.src.endpoint} for {what}: {e}; check the network, or "
+                                      "set HF_ENDPOINT to a Hugging Face mirror") from None
         try:
             body = r.read(64 << 20)
         except (OSError, http.client.HTTPException) as e:

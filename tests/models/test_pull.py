@@ -19,6 +19,7 @@ from jupyter_llama.models.pull import (
     HashMismatch,
     NotAModel,
     PullError,
+    RegistryUnreachable,
     choose_files,
     derive_name,
     parse_source,
@@ -430,6 +431,18 @@ def test_bad_urls(hf, tmp_path, route, exc, msg):
     store = ModelStore(tmp_path / "store")
     with pytest.raises(exc, match=msg):
         pull_mod.pull(hf.url + route, name="bad", store=store)
+    _assert_clean(store)
+
+
+def test_a_hugging_face_that_cannot_be_reached_is_a_502_with_advice(monkeypatch, tmp_path):
+    """No network (a closed port here): not the client's mistake (it was a 400, so the CLI
+    exited as misuse), and the way round it is said."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    store = ModelStore(tmp_path / "store")
+    with pytest.raises(RegistryUnreachable) as ei:
+        pull_mod.pull("hf.co/o/r", store=store)
+    assert ei.value.status == 502 and "cannot reach http://127.0.0.1:9" in str(ei.value)
+    assert "check the network, or set HF_ENDPOINT to a Hugging Face mirror" in str(ei.value)
     _assert_clean(store)
 
 
