@@ -51,8 +51,9 @@ URL_ENV = "JUPYTER_LLAMA_URL"
 TOKEN_ENV = "JUPYTER_LLAMA_TOKEN"
 
 HOW_TO_START = ("start one with `jupyter-llama serve` (then set JUPYTER_LLAMA_URL and JUPYTER_LLAMA_TOKEN, "
-                "or give them as --url and --token, url= and token= in Python), or run inside JupyterLab / Jupyter Server with the jupyter_llama "
-                "extension enabled, which exports JUPYTER_LLAMA_URL to its kernels")
+                "or give them as --url and --token, url= and token= in Python), or run inside JupyterLab / "
+                "Jupyter Server with the jupyter_llama extension enabled, which exports JUPYTER_LLAMA_URL to its "
+                "kernels")
 
 
 # ----------------------------------------------------------------------------- errors

@@ -427,7 +427,9 @@ def execute(args: argparse.Namespace, fe: Frontend, body: str | None = None):
     except Exception as e:
         client = sys.modules.get("jupyter_llama.client")  # (only a command that used it can have its error)
         if client is not None and isinstance(e, client.LlamaError):
-            raise _command_error(e) from None
+            # the server's sentence is what a person reads (as `ollama` prints it); the HTTP
+            # status only picks the exit code
+            raise CommandError(e.message, EXIT_USAGE if e.status == 400 else EXIT_FAIL) from None
         raise
 
 
@@ -460,22 +462,14 @@ def _not_found(fe: Frontend, model: str, message: str) -> CommandError:
 
 
 def _call(fe: Frontend, func: Callable, *a, model: str | None = None, **kw):
-    """Call the client; turn its errors into CommandErrors that say what to do."""
-    from .client import LlamaError, ModelNotFoundError
+    """Call the client; a model it does not find is said with what to do about it (its other
+    errors are the command's sentence: see :func:`execute`)."""
+    from .client import ModelNotFoundError
 
-    # The server's sentence is what a person reads (as `ollama` prints it); the HTTP status
-    # only picks the exit code.
     try:
         return func(*a, **kw)
     except ModelNotFoundError as e:
         raise _not_found(fe, model or "", e.message) from None
-    except LlamaError as e:
-        raise _command_error(e) from None
-
-
-def _command_error(e) -> CommandError:
-    """A client's error (LlamaError) as the command's: its sentence; a 400 exits as misuse."""
-    return CommandError(e.message, EXIT_USAGE if e.status == 400 else EXIT_FAIL)
 
 
 def _loaded(ps: dict, model: str) -> dict | None:

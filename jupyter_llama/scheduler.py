@@ -39,8 +39,7 @@ from .engine.runner import EngineError, LoadError, Runner
 from .memory import devices as devmod
 from .memory import peers as peermod
 from .memory import rpc
-from .memory.estimate import (capped_ctx, estimate_coarse, estimate_detailed, estimate_layer_counts, fit_layers,
-                               within_training)
+from .memory.estimate import estimate_coarse, estimate_detailed, estimate_layer_counts, fit_layers, within_training
 from .memory.report import (ACTUAL, COARSE, COMPUTE, DETAILED, HOST, KV, OTHER, WEIGHTS, MemoryReport, MiB,
                             format_bytes, format_pct, is_gpu)
 from .models.gguf_info import GGUFError, read_gguf_info
@@ -309,8 +308,6 @@ class Loaded:
             want = getattr(requested, f.name)
             if want is None:
                 continue
-            if f.name == "num_ctx":  # (what a load of it would have: see Scheduler.effective_options)
-                want = capped_ctx(want, self.ref.info)
             if f.name == "embedding" and not want and self.options.embedding:
                 # A child started with --embeddings also completes (b11434 turns embeddings on
                 # per batch), so generate after embed needs no reload: no ping-pong between them.
@@ -532,8 +529,8 @@ class Scheduler:
         if self._closed:
             raise SchedulerError("the scheduler is shutting down")
         ka = None if keep_alive is None else parse_duration(keep_alive)
-        options = options or LoadOptions()
         ref = await self.resolver(name)
+        options = within_training(options or LoadOptions(), ref.info)  # (what a load of it would have)
         lo = self.loaded.get(ref.key)
         if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.matches(options) \
                 and lo.runner is not None and lo.runner.serving:
@@ -839,9 +836,8 @@ class Scheduler:
             def spelled(v) -> str:  # (None: the option left to llama.cpp's or the scheduler's choice)
                 return "automatic" if v is None else shown(v)
 
-            asked = within_training(options, lo.ref.info)  # (what the reload will have)
             reason = "load options changed: " + ", ".join(
-                f"{n} {spelled(getattr(lo.options, n))} -> {spelled(getattr(asked, n))}" for n in changed)
+                f"{n} {spelled(getattr(lo.options, n))} -> {spelled(getattr(options, n))}" for n in changed)
             rule = "reload"
         else:
             reason, rule = "health check failed", "reload"

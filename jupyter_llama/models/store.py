@@ -1023,9 +1023,12 @@ class ModelStore:
             return None
         return self._load_entry(path, tuple(path.relative_to(self.manifests_dir).parts))
 
-    def _referenced(self) -> set[str]:
+    def _referenced(self, skip: Path | None = None) -> set[str]:
+        """The blobs some manifest uses (but ``skip``, a manifest's path)."""
         refs: set[str] = set()
         for p, parts in self._iter_manifest_paths():
+            if skip is not None and p == skip:
+                continue
             e = self._load_entry(p, parts)
             if e is None:
                 # an unreadable manifest may still reference blobs: be conservative
@@ -1396,11 +1399,11 @@ class ModelStore:
     def names(self) -> list[str]:
         return [e.display for e in self.list()]
 
-    def sharing_weights(self, name: str | ModelName) -> list[str]:
-        """The other models whose weights are ``name``'s file (a copy, a model made FROM it):
-        removing ``name`` leaves that file, and what is loaded from it, to them."""
+    def weights_stay(self, name: str | ModelName) -> bool:
+        """Whether removing ``name`` leaves its weights file (another model uses it: a copy, a
+        model made FROM it), by the rule :meth:`prune` deletes blobs by."""
         e = self.entry(name)
-        return [o.display for o in self.list() if o.model_digest == e.model_digest and o.display != e.display]
+        return normalize_digest(e.model_digest) in self._referenced(skip=e.manifest_path)
 
     def entry(self, name: str | ModelName) -> ModelEntry:
         """The manifest behind ``name``; ModelNotFound (with suggestions) if there is none."""

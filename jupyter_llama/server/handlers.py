@@ -763,7 +763,7 @@ class DeleteHandler(LlamaHandler):
             # Its file goes with it: what is loaded from that file goes first. A file another
             # model also names stays, and so does that model's runner; one loaded under this
             # name alone is retired by name_changed, below.
-            if sched is not None and not await asyncio.to_thread(self.ext.store.sharing_weights, name):
+            if sched is not None and not await asyncio.to_thread(self.ext.store.weights_stay, name):
                 await sched.unload_file(ref.path, reason=f"model {name} deleted")
 
         with self.ext.work():
