@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from .models.names import same_model
+from .models.names import plainly_a_path, same_model
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -453,10 +453,9 @@ def _prompt(args, fe: Frontend, body: str | None) -> str:
 
 def _not_found(fe: Frontend, model: str, message: str) -> CommandError:
     """The manager's "not found" (with its own suggestions of close names), and what to do."""
-    if model.startswith(("/", ".", "~")) or model.lower().endswith(".gguf"):  # meant as a file
-        return CommandError(f"{message}. No model has that name, and the manager finds no GGUF file at {model}: "
-                            "give the file's path as the manager's machine sees it, or register it with "
-                            f"`create NAME --from {model}`")
+    if plainly_a_path(model):  # meant as a file (the manager's message says where it looked)
+        return CommandError(f"{message}. Give the file's path as the manager's machine sees it, or register it "
+                            f"with `create NAME --from {model}`")
     return CommandError(f"{message}. `pull SOURCE --name {model}` downloads one, `synth {model}` makes a synthetic "
                         "one, `list` shows what exists")
 
@@ -721,7 +720,8 @@ def cmd_show(args, fe: Frontend):
         lines.append(f"{'digest:':<26}{data['digest']}")
     for f in data.get("files") or []:
         state = "" if f.get("present", True) else "  MISSING"
-        lines.append(f"{'file:':<26}{f.get('role', '')} {f.get('digest', '')[:19]} {_mib(f.get('size'))}{state}")
+        which = f.get("digest", "")[:19] or f.get("path", "")  # (a file named by its path has no digest)
+        lines.append(f"{'file:':<26}{f.get('role', '')} {which} {_mib(f.get('size'))}{state}")
     if "verified" in data:
         lines.append(f"{'verified:':<26}{data['verified']}")
     lines += _preset_lines(data.get("preset") or {}, data.get("parameters") or "")

@@ -16,8 +16,12 @@ class SchedulerError(RuntimeError):
 class ModelNotFound(SchedulerError):
     status = 404
 
-    def __init__(self, name: str, hint: str = ""):
+    def __init__(self, name: str, hint: str = "", *, missing_file: str | None = None):
         self.name = name
+        self.missing_file = missing_file
+        if missing_file is not None:  # (a path: pulling is no answer; "not found" stays, for Ollama's clients)
+            super().__init__(f'model "{name}" not found: no such file {missing_file}')
+            return
         super().__init__(f'model "{name}" not found, try pulling it first' + (f" ({hint})" if hint else ""))
 
 

@@ -89,7 +89,7 @@ class FileResolver:
         try:
             st = os.stat(path)
         except OSError:
-            raise ModelNotFound(name) from None
+            raise ModelNotFound(name, missing_file=path) from None
         stamp = (st.st_size, st.st_mtime_ns)
         hit = self._cache.get(path)
         if hit and hit[0] == stamp:

@@ -163,6 +163,19 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat()
 
 
+def _details(info: dict, parent: str = "", projector: str | None = None) -> dict:
+    """Ollama's ``details`` object of a model whose GGUF summary is ``info``."""
+    arch = info.get("architecture") or "unknown"
+    return {
+        "parent_model": parent,
+        "format": "gguf",
+        "family": arch,
+        "families": [arch] + ([projector] if projector else []),
+        "parameter_size": parameter_size(int(info.get("parameter_count") or 0)),
+        "quantization_level": info.get("quantization") or info.get("file_type") or "unknown",
+    }
+
+
 def parameter_size(n: int) -> str:
     """Ollama-style parameter count: ``8.0B``, ``135M``, ``260K``."""
     for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
@@ -522,20 +535,10 @@ class ModelEntry:
     @property
     def details(self) -> dict:
         """Ollama's ``details`` object."""
-        info = self.info
-        arch = info.get("architecture") or "unknown"
-        families = [arch]
+        projector = None
         if self.projector_layer:
-            pinfo = self.manifest.get("projector_info") or {}
-            families.append(pinfo.get("architecture") or "clip")
-        return {
-            "parent_model": self.source.get("from_model", ""),
-            "format": "gguf",
-            "family": arch,
-            "families": families,
-            "parameter_size": parameter_size(int(info.get("parameter_count") or 0)),
-            "quantization_level": info.get("quantization") or info.get("file_type") or "unknown",
-        }
+            projector = (self.manifest.get("projector_info") or {}).get("architecture") or "clip"
+        return _details(self.info, self.source.get("from_model", ""), projector)
 
     def repair_hint(self) -> str:
         """The command that puts this model's bytes back."""
@@ -1423,8 +1426,18 @@ class ModelStore:
         """Everything about a model: metadata, parameters, quantisation, files, sizes, digests.
 
         With ``verify`` every blob is rehashed and ``verify`` reports ``{"ok", "problems"}``.
+        A path to a GGUF file (where paths are allowed) shows that file, as ``run`` loads it.
         """
-        e = self.entry(name)
+        try:
+            e = self.entry(name)
+        except (InvalidName, ModelNotFound):
+            ref = self._resolve_path(str(name).strip())
+            if ref is None:
+                missing = self._missing_file(str(name).strip())
+                if missing is not None:
+                    raise ModelNotFound(str(name).strip(), missing_file=missing) from None
+                raise
+            return self._show_file(ref, verify)
         info = e.info
         files = []
         problems = []
@@ -1472,6 +1485,31 @@ class ModelStore:
                              "repair": e.repair_hint() if problems else None}
         return out
 
+    def _show_file(self, ref: ModelRef, verify: bool) -> dict:
+        """:meth:`show` of a GGUF file named by its path: what the file says of itself. It has
+        no digest, preset or source in the store, so ``verify`` has nothing to hash it
+        against: reading its header and tensor table (done to name it) is its check."""
+        st = os.stat(ref.path)
+        when = _dt.datetime.fromtimestamp(st.st_mtime, _dt.timezone.utc).isoformat()
+        info = self._summary(ref.info)
+        out = {
+            "name": ref.name, "model": ref.path, "digest": "", "size": st.st_size,
+            "created_at": when, "modified_at": when, "details": _details(info),
+            "architecture": info.get("architecture"), "parameters": info.get("parameter_count"),
+            "parameter_size": parameter_size(int(info.get("parameter_count") or 0)),
+            "quantization": info.get("quantization"), "context_length": info.get("context_length"),
+            "files": [{"role": "model", "media_type": MODEL_MEDIA_TYPE, "digest": "", "size": st.st_size,
+                       "path": ref.path, "present": True}],
+            "source": {"type": "file", "path": ref.path}, "info": info,
+            "model_info": dict(info.get("metadata") or {}),
+            "template": (info.get("metadata") or {}).get("tokenizer.chat_template", ""),
+            "projector_info": None, "preset": Preset().to_dict(),
+        }
+        if verify:
+            out["verify"] = {"ok": True, "problems": [], "repair": None,
+                             "note": "a file named by its path has no digest to check its bytes against"}
+        return out
+
     # -- public: remove, prune ----------------------------------------------------------
 
     def prune(self, candidates: Iterable[str] | None = None) -> list[str]:
@@ -1514,7 +1552,18 @@ class ModelStore:
 
     # -- public: resolve -----------------------------------------------------------------
 
+    def _missing_file(self, text: str) -> str | None:
+        """The absolute path ``text`` names when it can only be a file, is one this caller may
+        name, and is not there (its not-found speaks of the file, not of pulling)."""
+        if not self.allow_paths or not plainly_a_path(text):
+            return None
+        path = os.path.abspath(os.path.expanduser(text))
+        return path if self.may_read_path(path) and not os.path.isfile(path) else None
+
     def _not_found(self, text: str, mname: ModelName | None = None) -> ModelNotFound:
+        missing = self._missing_file(text)
+        if missing is not None:
+            return ModelNotFound(text, missing_file=missing)
         try:
             entries = self.list()
         except OSError:
@@ -1615,9 +1664,9 @@ class ModelStore:
             ref = self._resolve_path(text)
             if ref is not None:
                 return ref
-            if self.allow_paths and text.startswith(("/", "./", "../", "~")) and self.may_read_path(
-                    os.path.abspath(os.path.expanduser(text))):
-                raise ModelNotFound(text, f"no such file: {os.path.abspath(os.path.expanduser(text))}") from None
+            missing = self._missing_file(text)
+            if missing is not None:
+                raise ModelNotFound(text, missing_file=missing) from None
             raise
         e = self._lookup(mname)
         if e is None:

@@ -30,6 +30,10 @@ def test_lifecycle_through_the_cli(manager, tmp_path):
     shown = cli(env, "show", "tiny")
     assert shown.returncode == 0 and "llama" in shown.stdout and "block_count" in shown.stdout
     assert json.loads(cli(env, "show", "tiny", "--json").stdout)["details"]["family"] == "llama"
+    file = tmp_path / "tiny-file.gguf"  # a file is shown by its path, as run loads it
+    assert cli(env, "synth", "-o", str(file), "--layers", "2", "--embd", "64").returncode == 0
+    shown = cli(env, "show", str(file))
+    assert shown.returncode == 0 and f"file:                     model {file} " in shown.stdout, shown.stderr
 
     run = cli(env, "run", "tiny", "Once upon a time", "--num-predict", "8", "--stats")
     assert run.returncode == 0, run.stderr
@@ -80,9 +84,9 @@ def test_errors_and_exit_codes(manager, tmp_path):
     assert "Traceback" not in missing.stderr
     for path in ("./nofile.gguf", str(tmp_path / "nofile.gguf")):  # meant as a file: said as one
         missing = cli(env, "run", path, "hi")
-        assert missing.returncode == 1 and f"the manager finds no GGUF file at {path}" in missing.stderr, \
-            missing.stderr
-        assert "synth" not in missing.stderr
+        assert missing.returncode == 1 and f'model "{path}" not found: no such file /' in missing.stderr, missing.stderr
+        assert "nofile.gguf. Give the file's path as the manager's machine sees it" in missing.stderr
+        assert "synth" not in missing.stderr and "pulling" not in missing.stderr
     bad = cli(env, "run", "tiny2", "hi", "--keep-alive", "soon")
     assert bad.returncode in (1, 2) and "keep_alive" in bad.stderr
     idle = cli(env, "log", "nosuchmodel")

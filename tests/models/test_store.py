@@ -372,8 +372,10 @@ async def test_resolve_accepts_gguf_paths(store, ggufs, tmp_path, monkeypatch):
     monkeypatch.chdir(Path(ggufs["a"]).parent)
     ref = await store.resolve("./a.gguf")
     assert ref.path == str(ggufs["a"])
-    with pytest.raises(ModelNotFound, match="no such file"):
-        await store.resolve("./nope.gguf")
+    with pytest.raises(ModelNotFound, match=r'^model "./nope.gguf" not found: no such file /\S+/nope.gguf$'):
+        await store.resolve("./nope.gguf")  # (a path: no advice to pull it)
+    with pytest.raises(ModelNotFound, match=r'^model "gone/nope.gguf" not found: no such file /\S+/gone/nope.gguf$'):
+        await store.resolve("gone/nope.gguf")  # (a valid name too, but a .gguf one is a file)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"<html>")
     with pytest.raises(BadRequest, match="not a GGUF"):

@@ -36,9 +36,9 @@ async def test_http_clients_cannot_probe_or_load_server_files(http, make_model):
     for route, body in (("api/embed", {"model": "/etc/passwd", "input": "x"}),
                         ("api/create", {"model": "stolen", "from": "/etc/passwd"}),
                         ("v1/chat/completions", {"model": "/etc/passwd", "messages": [{"role": "user", "content": "x"}]}),
-                        ("api/show", {"model": "/etc/passwd"})):  # show takes names only: "invalid model name"
+                        ("api/show", {"model": "/etc/passwd"})):
         r = await http.post(route, json=body)
-        assert r.status_code == 400 and ("file path" in r.text or route == "api/show"), (route, r.status_code, r.text)
+        assert r.status_code == 400 and "file path" in r.text, (route, r.status_code, r.text)
         assert "magic" not in r.text and "GGUF file (" not in r.text
     # a name that merely has a slash in it is not taken for a path: it is just not in the store
     r = await http.post("api/show", json={"model": "someone/model"})
@@ -63,6 +63,12 @@ async def test_the_users_own_client_proves_itself_and_names_its_files(http, llam
         streamed = await asyncio.to_thread(lambda: list(c.generate(model, "Once", options=dict(OPTS, num_predict=2))))
         assert streamed[-1]["done"]
         assert LOCAL_KEY_HEADER in c._http.headers
+        # what run loads by its path, show shows by its path (it used to say "invalid model name")
+        shown = await asyncio.to_thread(c.show, model)
+        assert shown["details"]["family"] == "llama" and shown["model_info"]["llama.block_count"] == TINY["layers"]
+        assert shown["files"] == [{"role": "model", "media_type": "application/vnd.ollama.image.model", "digest": "",
+                                   "size": os.path.getsize(model), "path": model, "present": True}]
+        assert "FROM " + model in shown["modelfile"] and shown["name"] == model
     finally:
         c.close()
     async with AsyncLlamaClient(llama_url, token) as ac:
@@ -83,6 +89,11 @@ async def test_an_allowed_folder_opens_paths_inside_it_only(http, make_model, ex
     r = await http.post("api/generate", json={"model": str(inside), "prompt": "Once", "stream": False,
                                               "options": dict(OPTS, num_predict=2)})
     assert r.status_code == 200 and r.json()["eval_count"] == 2
+    r = await http.post("api/show", json={"model": str(inside)})
+    assert r.status_code == 200 and r.json()["files"][0]["path"] == str(inside)
+    gone = inside.parent / "gone.gguf"  # a file that is not there is said as such, with no advice to pull it
+    r = await http.post("api/show", json={"model": str(gone)})
+    assert r.status_code == 404 and r.json()["error"] == f'model "{gone}" not found: no such file {gone}'
     outside = tmp_path / "elsewhere.gguf"
     outside.write_bytes(inside.read_bytes())
     r = await http.post("api/generate", json={"model": str(outside), "stream": False})
