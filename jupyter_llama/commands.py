@@ -889,7 +889,7 @@ def cmd_estimate(args, fe: Frontend):
     if _is_file(args.model) and args.url is None and not _manager_configured():
         # A file needs no manager: predict here, without starting one.
         from .engine.binary import EngineBroken, EngineNotFound, find_engine
-        from .load_options import LoadOptions
+        from .load_options import LoadOptions, LoadOptionsError
         from .memory.devices import inventory
         from .memory.estimate import estimate_all
         from .models.gguf_info import GGUFError, read_gguf_info
@@ -902,7 +902,11 @@ def cmd_estimate(args, fe: Frontend):
             engine = find_engine()
         except (EngineNotFound, EngineBroken):
             engine = None
-        reports = estimate_all(info, LoadOptions(**opts), [g.id for g in inventory().gpus], engine=engine,
+        try:
+            options = LoadOptions(**opts)
+        except LoadOptionsError as e:  # (as the manager words it)
+            raise CommandError(f"bad option: {e}", EXIT_USAGE) from None
+        reports = estimate_all(info, options, [g.id for g in inventory().gpus], engine=engine,
                                model_path=args.model)
         data = {"model": args.model, "options": opts, "estimates": {k: v.to_dict() for k, v in reports.items()},
                 "actual": None}

@@ -20,6 +20,7 @@ from .config import shown
 AUTO_SLOTS = 4  # what llama-server's automatic -np gives
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 FLASH_ATTN = ("auto", "on", "off")
+QUANTIZED_KV = frozenset(KV_CACHE_TYPES) - {"f32", "f16", "bf16"}  # (a V cache of these needs flash attention)
 
 
 class LoadOptionsError(ValueError):
@@ -83,6 +84,9 @@ class LoadOptions:
             if fa not in FLASH_ATTN:
                 raise LoadOptionsError(f"flash_attn must be one of on, off, auto, got {shown(self.flash_attn)}")
             object.__setattr__(self, "flash_attn", fa)
+        if self.flash_attn == "off" and self.cache_type_v in QUANTIZED_KV:  # (llama.cpp refuses the context)
+            raise LoadOptionsError(f"cache_type_v {self.cache_type_v} needs flash attention, and flash_attn is off: "
+                                   "set flash_attn on (or auto), or use cache_type_v f16")
         if self.num_ctx is not None and self.num_ctx < 16:
             raise LoadOptionsError(f"num_ctx {self.num_ctx} is too small; use at least 16 tokens")
         for name, most, why in (("num_ctx", 1 << 27, "128M tokens, far beyond any model's training context"),

@@ -21,7 +21,7 @@ import platform
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..load_options import LoadOptions
+from ..load_options import QUANTIZED_KV, LoadOptions
 from ..models.gguf_info import GGUFInfo
 from .computegraph import CPU_ALIGNMENT, GPU_ALIGNMENT, GraphPlan, LayerShape, compute_buffer_bytes
 from .report import (ACTUAL, format_pct, COARSE, COMPONENTS, COMPUTE, DETAILED, HOST, KV, LLAMA_CPP, OTHER, OUTPUT,
@@ -113,7 +113,6 @@ KV_TYPE_BLOCKS = {
     "q5_0": (22, 32),
     "q5_1": (24, 32),
 }
-_QUANTIZED_KV = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
 
 # Architectures whose graph is llama's up to in-place operations (biases, scales, q/k norms).
 # The compute-buffer model was verified against real children for "llama" only.
@@ -496,8 +495,8 @@ def graph_plan(info: GGUFInfo, plan: ContextPlan) -> GraphPlan:
         n_kv=plan.n_ctx_seq, n_kv_swa=plan.swa_cells, n_stream=plan.n_stream,
         flash_attn=plan.flash_attn,
         k_cast=plan.flash_attn and plan.type_k == "f32", v_cast=plan.flash_attn and plan.type_v == "f32",
-        rot_k=_rotation(info.head_dim_k(0), plan.type_k in _QUANTIZED_KV, grow=True),
-        rot_v=_rotation(info.head_dim_v(0), plan.type_v in _QUANTIZED_KV, grow=False),
+        rot_k=_rotation(info.head_dim_k(0), plan.type_k in QUANTIZED_KV, grow=True),
+        rot_v=_rotation(info.head_dim_v(0), plan.type_v in QUANTIZED_KV, grow=False),
         embeddings=plan.embedding)
 
 
@@ -642,8 +641,6 @@ def _estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str],
     if info.architecture not in VERIFIED_ARCHS:
         rep.warnings.append(f"compute buffer for {info.architecture!r} assumes llama's graph "
                             "(verified against llama only)")
-    if plan.type_v in _QUANTIZED_KV and not plan.flash_attn:
-        rep.warnings.append("a quantized V cache needs flash attention; llama.cpp will refuse -fa off")
     if plan.flash_attn:
         for kind, ctype, dim in (("K", plan.type_k, info.head_dim_k), ("V", plan.type_v, info.head_dim_v)):
             block = KV_TYPE_BLOCKS[ctype][1]

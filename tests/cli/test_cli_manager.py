@@ -106,6 +106,11 @@ def test_estimate_of_a_file_needs_no_manager(tiny_model):
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert {"coarse", "detailed"} <= set(data["estimates"])
+    # options llama.cpp would refuse are a sentence here too (they were a traceback)
+    for bad, said in ((["--num-ctx", "8"], "num_ctx 8 is too small"),
+                      (["--cache-type-v", "q8_0", "--flash-attn", "off"], "cache_type_v q8_0 needs flash attention")):
+        r = cli(env, "estimate", str(tiny_model), *bad)
+        assert r.returncode == 2 and r.stderr.startswith(f"error: bad option: {said}"), r.stderr
 
 
 def test_prune_drops_partial_downloads(manager):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_llama.load_options import LoadOptions
+from jupyter_llama.load_options import LoadOptions, LoadOptionsError
 from jupyter_llama.memory import estimate as est
 from jupyter_llama.memory.computegraph import GraphPlan, LayerShape, Tensor, _Allocator, compute_buffer_bytes, simulate
 from jupyter_llama.memory.estimate import (estimate_coarse, estimate_detailed, format_estimates,
@@ -241,9 +241,15 @@ def test_malformed_info_never_raises():
     assert rep.source == DETAILED and rep.warnings
 
 
-def test_quantized_v_without_flash_attention_warns():
-    rep = estimate_detailed(make_info(), LoadOptions(num_ctx=512, cache_type_v="q8_0", flash_attn="off"), [])
-    assert any("flash attention" in w for w in rep.warnings)
+def test_quantized_v_without_flash_attention_is_refused_before_any_estimate():
+    # llama.cpp refuses the context (notebook 03 showed its words): every estimate, the
+    # scheduler and the CLI are told so by the options themselves, not told it "fits"
+    with pytest.raises(LoadOptionsError, match="^cache_type_v q8_0 needs flash attention, and flash_attn is off: "
+                                               "set flash_attn on"):
+        LoadOptions(num_ctx=512, cache_type_v="q8_0", flash_attn="off")
+    for fine in (dict(cache_type_v="q8_0", flash_attn="auto"), dict(cache_type_v="f16", flash_attn="off"),
+                 dict(cache_type_k="q8_0", flash_attn="off")):
+        assert not any("flash attention" in w for w in estimate_detailed(make_info(), LoadOptions(**fine), []).warnings)
 
 
 # ----------------------------------------------------------------------------- coarse

@@ -238,7 +238,7 @@ def test_03_where_the_memory_goes(run_notebook):
     assert c["kv_vs_weights"] > 1
     # the two rules the text states, shown: cells rounded up to 256, a q8_0 V cache refused without flash attention
     assert c["rounded_to_256"] and c["kv_1000"] == c["kv_1024_by_hand"] == 2 * 8 * 2 * 64 * 1024 * 2
-    assert c["q8_v_refusal"] and "quantized V cache requires flash_attn" in c["q8_v_refusal"]
+    assert c["q8_v_refusal"] and "cache_type_v q8_0 needs flash attention, and flash_attn is off" in c["q8_v_refusal"]
 
 
 @notebook_test
