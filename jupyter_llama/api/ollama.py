@@ -207,6 +207,7 @@ class GenerateRequest:
     # Ollama's (deprecated) context: a previous answer's token ids, which come before this prompt
     # (the preset's messages are left out then); None when not given, and for a raw request
     context: list[int] | None = None
+    logprobs: int | None = None  # logprobs asked: how many of the likeliest tokens each carries (see _logprobs)
 
     @property
     def is_load_only(self) -> bool:
@@ -259,6 +260,7 @@ class ChatRequest:
     template: GoTemplate | None = None  # the preset's template, when it is to render the prompt
     think: bool | str | None = None  # Ollama's think: true, false, or a level (low, medium, high); None: unset
     truncate: bool = True  # a chat longer than the context drops its oldest messages (Ollama's default)
+    logprobs: int | None = None  # as GenerateRequest's
 
     @property
     def is_load_only(self) -> bool:
@@ -328,11 +330,26 @@ class CreateRequest:
     notes: list[str] = field(default_factory=list)  # status lines to add (a template we cannot run ...)
 
 
-def _sampling_from(body: dict, split) -> dict:
+MAX_TOP_LOGPROBS = 20  # (Ollama's and OpenAI's limit)
+
+
+def _logprobs(body: dict) -> int | None:
+    """Ollama's ``logprobs`` (each generated token's log probability) and ``top_logprobs``
+    (how many of the likeliest tokens at each position come with it, 0 to 20): None when
+    ``logprobs`` is not asked for (then ``top_logprobs`` alone returns nothing, as in Ollama)."""
+    top = body.get("top_logprobs")
+    if top is not None and (type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise BadRequest(f"top_logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS}, got {shown(top)}")
+    return (top or 0) if _bool(body, "logprobs", False) else None
+
+
+def _sampling_from(body: dict, split, logprobs: int | None = None) -> dict:
     sampling = dict(split.sampling)
     schema = format_to_schema(body.get("format"))
     if schema is not None:
         sampling["json_schema"] = schema
+    if logprobs is not None:  # (llama-server gives the chosen token's with at least one of the likeliest)
+        sampling["n_probs"] = max(1, logprobs)
     return sampling
 
 
@@ -457,6 +474,7 @@ def parse_generate(body: dict, preset: Preset | None = None) -> GenerateRequest:
     if template is None and not raw:
         template = _preset_template(preset.template)
     split = split_options(_options_with(preset, body.get("options"), body.get("default_options")))
+    logprobs = _logprobs(body)
     return GenerateRequest(
         model=model,
         prompt=_str(body, "prompt"),
@@ -465,7 +483,7 @@ def parse_generate(body: dict, preset: Preset | None = None) -> GenerateRequest:
         stream=_bool(body, "stream", True),
         keep_alive=parse_keep_alive(body.get("keep_alive")),
         options=split.load_options(),
-        sampling=_sampling_from(body, split),
+        sampling=_sampling_from(body, split, logprobs),
         truncate=_bool(body, "truncate", True),
         default_system="" if raw else preset.system,
         history=[] if raw or context is not None else [dict(m) for m in preset.messages],
@@ -473,6 +491,7 @@ def parse_generate(body: dict, preset: Preset | None = None) -> GenerateRequest:
         suffix=_str(body, "suffix"),
         think=None if raw else _think(body),
         context=context,
+        logprobs=logprobs,
     )
 
 
@@ -552,6 +571,7 @@ def parse_chat(body: dict, preset: Preset | None = None) -> ChatRequest:
     preset = preset or Preset()
     split = split_options(_options_with(preset, body.get("options"), body.get("default_options")))
     msgs = [_chat_message(i, m) for i, m in enumerate(messages)]
+    logprobs = _logprobs(body)
     # Ollama: the preset's messages go first; its system message before them, unless the
     # request opens with a system message of its own
     prefix = [{"role": m["role"], "content": m["content"]} for m in preset.messages]
@@ -563,12 +583,13 @@ def parse_chat(body: dict, preset: Preset | None = None) -> ChatRequest:
         stream=_bool(body, "stream", True),
         keep_alive=parse_keep_alive(body.get("keep_alive")),
         options=split.load_options(),
-        sampling=_sampling_from(body, split),
+        sampling=_sampling_from(body, split, logprobs),
         tools=tools,
         prefix=prefix if msgs else [],
         template=_preset_template(preset.template),
         think=_think(body),
         truncate=_bool(body, "truncate", True),
+        logprobs=logprobs,
     )
 
 
@@ -785,12 +806,38 @@ _CHAT_TEXT = _text_event(b'{"choices":[{"finish_reason":null,"index":0,"delta":{
 _COMPLETION_DONE = b'{"index":' + _DIGITS + b',"content":"","tokens":[],"id_slot":' + _DIGITS + b',"stop":true,'
 
 
+def _token_logprobs(entries, top: int) -> list[dict]:
+    """llama-server's probabilities of the tokens of one event (a ``/completion`` event's
+    ``completion_probabilities``, a chat event's ``logprobs.content``) in Ollama's shape: each
+    token's text, log probability and bytes, with the ``top`` likeliest tokens at its
+    position as ``top_logprobs`` (left out for 0: the chosen token's alone)."""
+    def one(e: dict) -> dict:
+        d = {"token": e.get("token", ""), "logprob": e.get("logprob", 0.0)}
+        if e.get("bytes") is not None:
+            d["bytes"] = e["bytes"]
+        return d
+
+    out = []
+    for e in entries or []:
+        d = one(e)
+        if top:
+            d["top_logprobs"] = [one(t) for t in (e.get("top_logprobs") or [])[:top]]
+        out.append(d)
+    return out
+
+
 class _Lines:
     """What both translators share: ``lines(data)``, the NDJSON bytes for one child event as
     the child wrote it, for streaming. A text-only event's line is written from a template
     (no parse, no dict, no re-encoding: the relay's cost per token); every other event goes
     through ``feed``, so the two can only differ in how the same JSON is spelled. Streamed
-    text is not kept (``combined`` is for answers that are not streamed)."""
+    text is not kept (``combined`` is for answers that are not streamed).
+
+    With log probabilities asked for (``top``, see :func:`_logprobs`), every event goes
+    through ``feed``: a text event then carries them after its text, which the template
+    would leave out. Each chunk has its tokens' ``logprobs``; ``combined`` all of them."""
+
+    top: int | None = None  # logprobs asked: how many of the likeliest tokens come with each; None: not asked
 
     _text_event: tuple[re.Pattern, bytes]  # a text-only event (see _text_event), its text's JSON string in group 1
     _text_key: bytes  # our line between the time stamp and that string
@@ -806,11 +853,21 @@ class _Lines:
     def _text(self, m: re.Match) -> None:
         """A text-only event as its line is written (for a translator that keeps something of it)."""
 
+    def _want_logprobs(self, top: int | None) -> None:
+        self.top = top
+        self.logprobs: list[dict] = []  # every token's, for the answer that is not streamed
+
+    def _with_logprobs(self, chunk: dict, entries) -> dict:
+        if self.top is not None:
+            chunk["logprobs"] = lp = _token_logprobs(entries, self.top)
+            self.logprobs += lp
+        return chunk
+
     def native_template(self) -> tuple[bytes, bytes, bytes, bytes] | None:
         """What the relay below Python needs to write this translator's text-only lines as
         :meth:`lines` does (the event's pattern, the line's head, key and tail), or None when
-        a text line keeps something of its event (``_text``)."""
-        if type(self)._text is not _Lines._text:
+        a text line keeps something of its event (``_text``, log probabilities)."""
+        if type(self)._text is not _Lines._text or self.top is not None:
             return None
         return self._text_event[1], self._head, self._text_key, self._text_tail
 
@@ -827,7 +884,7 @@ class _Lines:
                 int(self.started * 1e9))
 
     def lines(self, data: bytes) -> bytes:
-        m = self._text_event[0].match(data)
+        m = self._text_event[0].match(data) if self.top is None else None
         if m is not None and m.group(1) != b'""':
             self._text(m)
             return self._head + rfc3339().encode() + self._text_key + m.group(1) + self._text_tail
@@ -843,12 +900,13 @@ class GenerateTranslator(_Lines):
     _text_tail = b',"done":false}\n'
     _done_key = b'","response":"","done":true,"done_reason":"'
 
-    def __init__(self, model: str, started: float, load_s: float):
+    def __init__(self, model: str, started: float, load_s: float, *, logprobs: int | None = None):
         self.model = model
         self.started = started
         self.load_s = load_s
         self.parts: list[str] = []
         self.final: dict | None = None
+        self._want_logprobs(logprobs)
         self._template()
 
     def chunk(self, text: str) -> dict:
@@ -860,7 +918,7 @@ class GenerateTranslator(_Lines):
         text = event.get("content") or ""
         if text:
             self.parts.append(text)
-            out.append(self.chunk(text))
+            out.append(self._with_logprobs(self.chunk(text), event.get("completion_probabilities")))
         if event.get("stop"):
             reason = "length" if event.get("stop_type") == "limit" else "stop"
             self.final = {"model": self.model, "created_at": rfc3339(), "response": "", "done": True,
@@ -873,6 +931,8 @@ class GenerateTranslator(_Lines):
         """The single object of ``stream: false``."""
         d = dict(self.final or {"model": self.model, "created_at": rfc3339(), "done": True, "done_reason": "stop"})
         d["response"] = "".join(self.parts)
+        if self.top is not None:
+            d["logprobs"] = self.logprobs
         return d
 
 
@@ -886,8 +946,8 @@ class ContextGenerateTranslator(GenerateTranslator):
 
     hold_final = True
 
-    def __init__(self, model: str, started: float, load_s: float):
-        super().__init__(model, started, load_s)
+    def __init__(self, model: str, started: float, load_s: float, *, logprobs: int | None = None):
+        super().__init__(model, started, load_s, logprobs=logprobs)
         self._seen: list = []  # per event, in order: a text event's match, or the event
         self.stop_type: str | None = None
 
@@ -956,9 +1016,10 @@ class ThinkingGenerateTranslator(_Lines):
     _text_key = b'","response":'
     _text_tail = b',"done":false}\n'
 
-    def __init__(self, model: str, started: float, load_s: float):
+    def __init__(self, model: str, started: float, load_s: float, *, logprobs: int | None = None):
         self.model = model
-        self.chat = ChatTranslator(model, started, load_s)
+        self.chat = ChatTranslator(model, started, load_s, logprobs=logprobs)
+        self.top = logprobs
         self._template()
 
     @staticmethod
@@ -988,7 +1049,7 @@ class ChatTranslator(_Lines):
     _text_key = b'","message":{"role":"assistant","content":'
     _text_tail = b'},"done":false}\n'
 
-    def __init__(self, model: str, started: float, load_s: float):
+    def __init__(self, model: str, started: float, load_s: float, *, logprobs: int | None = None):
         self.model = model
         self.started = started
         self.load_s = load_s
@@ -996,6 +1057,7 @@ class ChatTranslator(_Lines):
         self.thinking: list[str] = []
         self.tool_calls: dict[int, dict] = {}
         self.final: dict | None = None
+        self._want_logprobs(logprobs)
         self._template()
 
     def chunk(self, text: str, thinking: str = "") -> dict:
@@ -1042,7 +1104,7 @@ class ChatTranslator(_Lines):
         if text or think:
             self.parts.append(text)
             self.thinking.append(think)
-            out.append(self.chunk(text, think))
+            out.append(self._with_logprobs(self.chunk(text, think), (ch.get("logprobs") or {}).get("content")))
         finish = ch.get("finish_reason")
         if finish:
             msg: dict[str, Any] = {"role": "assistant", "content": ""}
@@ -1066,6 +1128,8 @@ class ChatTranslator(_Lines):
         if any(self.thinking):
             msg["thinking"] = "".join(self.thinking)
         d["message"] = msg
+        if self.top is not None:
+            d["logprobs"] = self.logprobs
         return d
 
 

@@ -511,8 +511,8 @@ class GenerateHandler(LlamaHandler):
             runner = lease.runner
             runner.connect_ahead()  # the stream's connection, made while its prompt is written
             thinking = req.thinks and lease.loaded.ref.has_chat_template  # the child's chat route separates the reasoning
-            tr = (oa.ThinkingGenerateTranslator if thinking else oa.GenerateTranslator)(req.model, started,
-                                                                                        lease.load_duration)
+            tr = (oa.ThinkingGenerateTranslator if thinking else oa.GenerateTranslator)(
+                req.model, started, lease.load_duration, logprobs=req.logprobs)
             if thinking:
                 start = functools.partial(runner.relay_chat, req.prompt_messages(), truncate=req.truncate,
                                           **req.chat_params)
@@ -545,7 +545,7 @@ class GenerateHandler(LlamaHandler):
             oa.check_context(req.model, req.context, lease.loaded.ref.info)
         prompt = await runner.fit_to_context(text, reserve=reserve_for(req.sampling), truncate=req.truncate,
                                              context=req.context)
-        tr = oa.ContextGenerateTranslator(req.model, started, lease.load_duration)
+        tr = oa.ContextGenerateTranslator(req.model, started, lease.load_duration, logprobs=req.logprobs)
         counted = asyncio.ensure_future(runner.prompt_tokens(prompt))
 
         async def complete(final: dict) -> None:
@@ -605,10 +605,10 @@ class ChatHandler(LlamaHandler):
             if req.templated is not None:  # the model's preset template makes the prompt
                 text = req.templated.render(req.all_messages, think=bool(req.think))
                 prompt = await runner.fit_to_context(text, reserve=reserve_for(req.sampling), truncate=req.truncate)
-                tr = oa.TemplatedChatTranslator(req.model, started, lease.load_duration)
+                tr = oa.TemplatedChatTranslator(req.model, started, lease.load_duration, logprobs=req.logprobs)
                 start = functools.partial(runner.relay_completion, prompt, **req.sampling)
             else:
-                tr = oa.ChatTranslator(req.model, started, lease.load_duration)
+                tr = oa.ChatTranslator(req.model, started, lease.load_duration, logprobs=req.logprobs)
                 start = functools.partial(runner.relay_chat, req.all_messages, truncate=req.truncate, **req.chat_params)
             await self.relay(start, tr, req.stream)
         finally:

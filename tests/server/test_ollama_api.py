@@ -193,6 +193,50 @@ async def test_chat_stream_and_not(http):
     assert one["done"] and one["message"]["role"] == "assistant" and one["message"]["content"]
 
 
+async def test_logprobs_on_generate_and_chat(http):
+    """Ollama's logprobs and top_logprobs: each chunk carries its tokens' log probabilities
+    (with the likeliest tokens at each position when asked), the answer not streamed all of
+    them; without logprobs there are none."""
+    def check(entries, top):
+        for e in entries:
+            assert set(e) == {"token", "logprob", "bytes"} | ({"top_logprobs"} if top else set()), e
+            assert e["logprob"] <= 0 and bytes(e["bytes"]).decode("utf-8", "replace")
+            if top:
+                alts = [t["logprob"] for t in e["top_logprobs"]]
+                assert len(alts) == top and alts == sorted(alts, reverse=True) and e["logprob"] <= alts[0] + 1e-6
+
+    greedy = dict(OPTS, num_predict=4, temperature=0)
+    for raw in (True, False):  # (the raw path, and the templated one whose last chunk carries context)
+        one = (await http.post("api/generate", json=gen(raw=raw, stream=False, logprobs=True, top_logprobs=3,
+                                                            options=greedy))).json()
+        assert one["done_reason"] == "length" and len(one["logprobs"]) == one["eval_count"] == 4
+        check(one["logprobs"], 3)
+        assert b"".join(bytes(e["bytes"]) for e in one["logprobs"]).decode() == one["response"]
+        # greedy: the chosen token is the likeliest
+        assert all(e["token"] == e["top_logprobs"][0]["token"] for e in one["logprobs"])
+        r = await http.post("api/generate", json=gen(raw=raw, logprobs=True, options=greedy))
+        *parts, last = lines(r.content)
+        assert "logprobs" not in last and all(p["logprobs"] for p in parts)
+        for p in parts:
+            check(p["logprobs"], 0)
+            assert b"".join(bytes(e["bytes"]) for e in p["logprobs"]).decode() == p["response"]
+        assert [e["logprob"] for p in parts for e in p["logprobs"]] == pytest.approx(
+            [e["logprob"] for e in one["logprobs"]], abs=1e-4)  # (the same greedy answer, streamed)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "options": greedy,
+            "logprobs": True, "top_logprobs": 2}
+    one = (await http.post("api/chat", json=dict(chat, stream=False))).json()
+    assert len(one["logprobs"]) == one["eval_count"] == 4
+    check(one["logprobs"], 2)
+    *parts, last = lines((await http.post("api/chat", json=chat)).content)
+    assert all(len(p["logprobs"]) >= 1 for p in parts) and "logprobs" not in last
+    # not asked (top_logprobs alone asks nothing, as in Ollama): no logprobs anywhere
+    plain = (await http.post("api/generate", json=gen(stream=False, top_logprobs=2))).json()
+    assert "logprobs" not in plain and plain["eval_count"] == 4
+    for bad in (21, -1, "3", 1.5, True):
+        r = await http.post("api/generate", json=gen(logprobs=True, top_logprobs=bad))
+        assert r.status_code == 400 and r.json()["error"].startswith("top_logprobs must be a whole number from 0 to 20")
+
+
 async def test_embed(http):
     r = (await http.post("api/embed", json={"model": "tiny", "input": ["hello", "world peace"],
                                             "options": OPTS})).json()
