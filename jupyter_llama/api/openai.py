@@ -117,15 +117,36 @@ def parse_request(route: str, body: dict) -> OpenAIRequest:
     elif route == "completions":
         if "prompt" not in body:
             raise BadRequest("prompt is required")
+        unanswered(body)
     else:
         if "input" not in body:
             raise BadRequest("input is required")
         encoding_format(body)  # (checked here, in our words, whichever side then pools the vectors)
         stream = False
+    if route in ("chat/completions", "completions"):
+        stop = body.get("stop")
+        if stop is not None and not isinstance(stop, str) and not (
+                isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
+            raise BadRequest(f"stop must be a string or a list of strings, got {shown(stop)}")
     out, ka = without_ours(body)
     options = LoadOptions(embedding=True) if route == "embeddings" else LoadOptions()
     return OpenAIRequest(endpoint=ENDPOINTS[route], model=model, body=out, stream=stream,
                          keep_alive=ka, options=options, named=route == "responses", needs=needs)
+
+
+def unanswered(body: dict) -> None:
+    """A 400 for what a ``/v1/completions`` request may ask that llama-server's route would
+    silently leave out of its answer (the client would take the answer for what it asked)."""
+    if body.get("echo"):
+        raise BadRequest("echo is not supported: the answer is the completion alone; put the prompt before it "
+                         "yourself")
+    best_of = body.get("best_of")
+    if best_of not in (None, 1):
+        raise BadRequest(f"best_of is not supported (got {shown(best_of)}): use n for several completions and "
+                         "choose among them")
+    if body.get("suffix"):
+        raise BadRequest("suffix (fill in the middle) is not supported on v1/completions: send it to api/generate "
+                         "with prompt and suffix")
 
 
 def with_preset(req: OpenAIRequest, preset) -> OpenAIRequest:

@@ -224,6 +224,16 @@ async def test_openai_client(llama_url, token):
 
     r = await run(c.completions.create, model="tiny", prompt="Once upon", max_tokens=3)
     assert r.choices[0].text
+    # what llama-server's routes would leave out of their answer without a word is a 400 that says so
+    for call, kw, said in ((c.completions.create, dict(prompt="Once", echo=True), "echo is not supported"),
+                           (c.completions.create, dict(prompt="Once", best_of=3), "best_of is not supported"),
+                           (c.completions.create, dict(prompt="Once", suffix="end."), "suffix (fill in the middle)"),
+                           (c.chat.completions.create, dict(messages=msgs, stop=5), "stop must be a string or a list")):
+        with pytest.raises(openai.BadRequestError) as e:
+            await run(call, model="tiny", max_tokens=3, **kw)
+        assert said in e.value.body["message"], e.value.body
+    r = await run(c.chat.completions.create, model="tiny", messages=msgs, max_tokens=3, stop=["\n\n", "."])
+    assert r.choices[0].finish_reason in ("length", "stop")
 
     models = await run(c.models.list)
     ids = [m.id for m in models.data]
