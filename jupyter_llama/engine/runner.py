@@ -788,10 +788,15 @@ class Runner:
         messages = list(body.get("messages") or [])
         params = {k: v for k, v in body.items() if k != "messages"}
         n = next((params[k] for k in ("n_predict", "max_completion_tokens", "max_tokens") if k in params), None)
-        kept = await self.fit_chat(messages, reserve_for({"n_predict": n}), **params)
+        reserve = reserve_for({"n_predict": n})
+        kept = await self.fit_chat(messages, reserve, **params)
         if len(kept) == len(messages):
-            raise BadRequest(f"what a cut chat keeps, its last message and the system messages, is longer than the "
-                             f"context of {self.name}: shorten them, or load the model with a larger num_ctx")
+            n_ctx, most = self._prompt_room(reserve)
+            prompt = (await self.post("/apply-template", {"messages": kept, **_template_params(params)})).get("prompt", "")
+            raise BadRequest(f"the chat's last message and its system messages, which a cut chat keeps, come to "
+                             f"{len(await self.tokenize(prompt)):,} tokens, and the context of {self.name} has room "
+                             f"for {most:,} ({n_ctx:,} less {n_ctx - most:,} kept to answer in): shorten them, or "
+                             "load the model with a larger num_ctx")
         return {**body, "messages": kept}
 
     async def fit_chat(self, messages: list[dict], reserve: int, **params) -> list[dict]:
@@ -802,7 +807,7 @@ class Runner:
         the model's template applied by the child (``/apply-template``, with the request's
         tools and template options), counted as :meth:`fit_to_context` counts."""
         _n_ctx, most = self._prompt_room(reserve)
-        template = {k: params[k] for k in ("tools", "chat_template_kwargs", "tool_choice") if k in params}
+        template = _template_params(params)
         starts = sorted({_turn_start(messages, i) for i in range(len(messages))})
 
         def kept(start: int) -> list[dict]:
@@ -900,6 +905,11 @@ def reserve_for(params: dict) -> int:
     when it sets one, else :data:`DEFAULT_RESERVE`."""
     n = params.get("n_predict")
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else DEFAULT_RESERVE
+
+
+def _template_params(params: dict) -> dict:
+    """What of a chat request's fields the model's template reads besides the messages."""
+    return {k: params[k] for k in ("tools", "chat_template_kwargs", "tool_choice") if k in params}
 
 
 def _turn_start(messages: list[dict], i: int) -> int:
