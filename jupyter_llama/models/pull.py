@@ -706,15 +706,20 @@ class Puller:
         if self._cancel.is_set():
             raise PullCancelled("pull cancelled; the partial download is kept: pull again to resume")
 
-    def _try_again(self, e: BaseException, tries: int, give_up) -> int:
+    def _try_again(self, e: BaseException, tries: int, give_up, say: str | None = None) -> int:
         """After try number ``tries`` failed with ``e`` (called in its ``except``): raise it if
         the pull was cancelled or no retry can mend it, raise ``give_up(tries)`` once the
-        retries are spent, else wait the backoff; returns the tries so far."""
+        retries are spent, else wait the backoff; returns the tries so far. ``say``: what
+        failed, for a status that tells the client of the retry (where the stream has begun:
+        a timeout is a minute of silence otherwise)."""
         self._check_cancel()
         if not _retryable(e):
             raise e
         if tries > self.retries:
             raise give_up(tries) from None
+        if say is not None:
+            why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            self.emit({"status": f"{say}: {why}; trying again (try {tries + 1} of {self.retries + 1})"})
         self._sleep(self.backoff * (2 ** (tries - 1)))
         return tries
 
@@ -1292,7 +1297,7 @@ class Puller:
                         + (f"The partial download is kept in {partial}: run the same pull again to resume."
                            if kept else "Nothing was kept."))
 
-                attempts = self._try_again(e, attempts + 1, give_up)
+                attempts = self._try_again(e, attempts + 1, give_up, say=f"download of {rf.path}")
             finally:
                 self._active = None
         tick(offset, force=True)

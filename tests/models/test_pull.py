@@ -556,6 +556,24 @@ def test_connection_refused(tmp_path):
     _assert_clean(store)
 
 
+def test_a_host_that_never_answers_is_said_to_be_retried(tmp_path):
+    """A host that takes the connection and says nothing: each timeout is a status (the
+    client would otherwise wait out every try in silence), then the error."""
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    store = ModelStore(tmp_path / "store")
+    said: list[str] = []
+    try:
+        with pytest.raises(PullError, match=r"failed after 0 bytes: timed out \(tried 2 times\)"):
+            pull_mod.pull(f"http://127.0.0.1:{silent.getsockname()[1]}/m.gguf", None, lambda d: said.append(d["status"]),
+                          retries=1, backoff=0.01, timeout=0.3, store=store)
+    finally:
+        silent.close()
+    assert said == ["pulling manifest", "download of m.gguf: timed out; trying again (try 2 of 2)"]
+    _assert_clean(store)
+
+
 def test_bad_name_is_refused_before_any_request(repo, tmp_path):
     with pytest.raises(InvalidName):
         pull_mod.pull(f"hf.co/{REPO}", name="no/such/thing/here", store=ModelStore(tmp_path / "store"))
