@@ -702,6 +702,7 @@ class Scheduler:
             opts, planned = await asyncio.to_thread(self.plan, ref, opts, inv, used, peermod.usage(peers))
             estimates = await est.with_projection_async(planned, engine, ref.path, opts)
             actual = None
+        estimates = est.with_cap_note(estimates, (options or LoadOptions()).num_ctx, ref.info)
         return {"ref": ref, "options": opts, "estimates": estimates, "actual": actual, "loaded": lo,
                 "same_options": same, "fit": self.fit(ref, opts, estimates, inv, used, peers)}
 

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import platform
@@ -662,8 +663,8 @@ def estimate_all(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None = 
     """``{"coarse": ..., "detailed": ..., "llama.cpp": ...}``; llama.cpp's own projection (from
     ``llama-fit-params``) only when ``engine`` has it and it answers. Blocks while it runs;
     see :func:`estimate_all_async` for an event loop."""
-    gpus, options = list(gpus or []), within_training(options, info)
-    out = {COARSE: estimate_coarse(info, options, gpus), DETAILED: estimate_detailed(info, options, gpus)}
+    asked, (gpus, options) = options, (list(gpus or []), within_training(options, info))
+    out = _ours(info, options, gpus, asked)
     fit = getattr(engine, "fit_params", None) if engine is not None else None
     if fit:
         from .fitparams import project
@@ -674,12 +675,31 @@ def estimate_all(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None = 
     return out
 
 
+def _ours(info: GGUFInfo, options: LoadOptions, gpus: list[str], asked: LoadOptions) -> dict[str, MemoryReport]:
+    """The coarse and detailed estimates for ``options`` (``asked`` as the training context
+    caps them), each noting the cap when there was one."""
+    return with_cap_note({COARSE: estimate_coarse(info, options, gpus), DETAILED: estimate_detailed(info, options, gpus)},
+                         asked.num_ctx, info)
+
+
+def with_cap_note(reports: dict[str, MemoryReport], asked: int | None, info: GGUFInfo) -> dict[str, MemoryReport]:
+    """``reports`` (copies), each with a note that ``asked``, the context the user asked for,
+    was brought down to the training context (:func:`capped_ctx`), when it was: the figures
+    are for the context a load really gets, not the one asked for."""
+    capped = capped_ctx(asked, info)
+    if capped == asked:
+        return reports
+    note = (f"num_ctx {asked} is more than the model's training context: it is loaded with {capped}, as Ollama "
+            "does, and estimated so")
+    return {k: dataclasses.replace(r, warnings=[*r.warnings, note]) for k, r in reports.items()}
+
+
 async def estimate_all_async(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None = None, *,
                              engine=None, model_path: str | os.PathLike | None = None,
                              timeout: float = 60.0) -> dict[str, MemoryReport]:
     """:func:`estimate_all` without blocking the event loop."""
-    gpus, options = list(gpus or []), within_training(options, info)
-    out = {COARSE: estimate_coarse(info, options, gpus), DETAILED: estimate_detailed(info, options, gpus)}
+    asked, (gpus, options) = options, (list(gpus or []), within_training(options, info))
+    out = _ours(info, options, gpus, asked)
     return await with_projection_async(out, engine, model_path or info.path, options, timeout=timeout)
 
 
@@ -734,7 +754,9 @@ def format_estimates(reports: dict[str, MemoryReport], actual: MemoryReport | No
         rows.append([d, "total", *cells(lambda r, d=d: r.total(device=d))])
     rows.append(["all", "total", *cells(lambda r: r.total())])
     lines = [render_table(header, rows, title="memory estimates (MiB)")]
+    said: dict[str, list[str]] = {}  # a note several sources make is said once, naming them all
     for s, r in cols:
         for w in r.warnings:
-            lines.append(f"note ({s}): {w}")
+            said.setdefault(w, []).append(s)
+    lines += [f"note ({', '.join(sources)}): {w}" for w, sources in said.items()]
     return "\n".join(lines)

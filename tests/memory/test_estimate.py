@@ -378,3 +378,7 @@ def test_a_context_beyond_the_training_one_is_estimated_as_the_load_will_have_it
     over, at = (est.estimate_all(info, LoadOptions(num_ctx=n, num_parallel=1)) for n in (65536, 4096))
     assert {k: r.total() for k, r in over.items()} == {k: r.total() for k, r in at.items()}
     assert est.coarse_context(info, LoadOptions(num_ctx=65536, num_parallel=2)) == 8192
+    # and each says so (the picker, the CLI and the panel show an estimate's notes)
+    cap = "num_ctx 65536 is more than the model's training context: it is loaded with 4096, as Ollama does"
+    assert all(any(w.startswith(cap) for w in r.warnings) for r in over.values())
+    assert not any("training context" in w for r in at.values() for w in r.warnings)
