@@ -161,6 +161,11 @@ async def test_a_context_above_the_models_training_context_is_brought_down_to_it
     # asked for again the same way, it is the same load (no reload for a context it cannot have)
     r = await http.post("api/generate", json=gen(stream=False, options=opts))
     assert r.status_code == 200 and r.json()["load_duration"] == 0, r.json()
+    # the estimate of such a load is of what it gets, and says why
+    est = (await http.post("api/estimate", json={"model": "tiny", "options": opts})).json()
+    assert est["estimates"]["detailed"]["n_ctx"] == 4096 and ("num_ctx 8192 is more than the model's training "
+                                                              "context: it is loaded with 4096") in \
+        " ".join(est["estimates"]["detailed"]["warnings"]), est["estimates"]["detailed"]
     await http.post("api/generate", json={"model": "tiny", "keep_alive": 0})
 
 
