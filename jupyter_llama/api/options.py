@@ -160,7 +160,9 @@ def _option_value(name: str, kind: str, value):
         low, high = _INT_FLOOR.get(name, _INT32[0]), _INT_CEILING.get(name, _INT32[1])
         if not low <= v <= high:
             raise BadRequest(f"option {name} must be a whole number from {low} to {high}, got {shown(value)}")
-    if name == "num_predict" and v < -1:  # Ollama's -2 (fill the context): llama-server's -1
+    if name == "num_predict" and (v < -1 or v == 0):
+        # Ollama's -2 (fill the context), and 0 (its runner stops at a count above 0 only):
+        # no limit, llama-server's -1 (its 0 made one token)
         return -1
     if kind == "flash_attn" and isinstance(v, bool):
         return "on" if v else "off"

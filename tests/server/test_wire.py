@@ -26,6 +26,8 @@ def test_options_split_into_load_and_sampling():
     assert s.sampling == {"temperature": 0.2, "top_k": 5, "n_predict": -1, "stop": ["END"], "seed": 7}
     assert s.ignored == ["low_vram"]
     assert split_options(None).load_options() == LoadOptions()
+    # Ollama's runner limits a count above 0 only: 0 is no limit there, and here (llama-server's 0 made a token)
+    assert [split_options({"num_predict": n}).sampling["n_predict"] for n in (0, -1, -2, 1)] == [-1, -1, -1, 1]
 
 
 def test_unknown_options_are_ignored_as_ollama_ignores_them(caplog):
