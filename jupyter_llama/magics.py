@@ -13,7 +13,7 @@ import time
 from typing import Iterator
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
+from IPython.core.magic import Magics, line_cell_magic, magics_class, needs_local_scope, no_var_expand
 from traitlets import Float, Unicode, observe
 
 from .commands import EXIT_USAGE, CommandError, Frontend, RunResult, _HelpShown, build_parser, execute
@@ -39,10 +39,10 @@ class NotebookFrontend(Frontend):
 
     foreground = False  # (a command that runs until stopped would hold the kernel)
 
-    def __init__(self, magics: "LlamaMagics"):
+    def __init__(self, magics: "LlamaMagics", namespace: dict | None = None):
         self.magics = magics
         self.conversations = magics.conversations
-        self.namespace = magics.shell.user_ns if magics.shell is not None else None
+        self.namespace = namespace
 
     def client(self):
         return self.magics.client()
@@ -163,23 +163,34 @@ class LlamaMagics(Magics):
                 print(f"note: {self._client.server.warning}")
         return self._client
 
-    def _expand(self, word: str) -> str:
+    def _namespace(self, local_ns: dict | None) -> dict | None:
+        """What ``{name}`` and ``$name`` may name: the notebook's variables, and those of the
+        function the magic is called from (``local_ns``, which win), as IPython's expansion sees them."""
+        if self.shell is None:
+            return local_ns
+        if local_ns is None or local_ns is self.shell.user_ns:
+            return self.shell.user_ns
+        return {**self.shell.user_ns, **local_ns}
+
+    @staticmethod
+    def _expand(word: str, namespace: dict | None) -> str:
         """A word of the line with IPython's expansion of a magic's line ({expression}, $name,
-        from the notebook's variables; a word it cannot expand stays as it is). IPython
-        expands a line before the magic splits it, so that a value's quotes ended or broke
-        the line's quoting: here each word is expanded once the line is split."""
+        from ``namespace``; a word it cannot expand stays as it is). IPython expands a line
+        before the magic splits it, so that a value's quotes ended or broke the line's
+        quoting: here each word is expanded once the line is split."""
         from IPython.utils.text import DollarFormatter
 
-        if self.shell is None or ("{" not in word and "$" not in word):
+        if namespace is None or ("{" not in word and "$" not in word):
             return word
         try:
-            return DollarFormatter().vformat(word, args=[], kwargs=self.shell.user_ns)
+            return DollarFormatter().vformat(word, args=[], kwargs=namespace)
         except Exception:  # noqa: BLE001 - as IPython's var_expand: what does not expand stays
             return word
 
     @no_var_expand  # (IPython's expansion, done word by word once the line is split: see _expand)
+    @needs_local_scope
     @line_cell_magic
-    def llama(self, line: str = "", cell: str | None = None):
+    def llama(self, line: str = "", cell: str | None = None, local_ns: dict | None = None):
         """Run a jupyter-llama command; `%llama help` lists them, `%llama help run` explains one."""
         words = line.strip()
         if not words:
@@ -190,7 +201,8 @@ class LlamaMagics(Magics):
                                  "prompt (or set a default: `%config LlamaMagics.default_model = 'MODEL'`)")
             words = f"{words} {self.default_model}"
         try:
-            args = build_parser("%llama").parse_args([self._expand(w) for w in _split(words)])
+            namespace = self._namespace(local_ns)
+            args = build_parser("%llama").parse_args([self._expand(w, namespace) for w in _split(words)])
         except CommandError as e:
             raise UsageError(str(e)) from None
         except _HelpShown:
@@ -198,7 +210,7 @@ class LlamaMagics(Magics):
         if cell is not None and cell.strip() and args.command not in ("run", "chat"):
             raise UsageError(f"%%llama {args.command or 'help'} takes no cell: only `%%llama run MODEL` and "
                              "`%%llama chat MODEL` do (the cell is the prompt); use `%llama` on one line")
-        fe = NotebookFrontend(self)
+        fe = NotebookFrontend(self, namespace)
         if args.url or args.token:  # `%llama --url U --token T ps`: this call only
             from .client import LlamaClient
 

@@ -88,6 +88,12 @@ def test_a_line_fills_names_after_splitting_so_their_quotes_stay(shell, register
     shell.user_ns.update(which=registered, n=1)  # any word (a model's name, an option's value), as IPython expands
     r = shell.run_line_magic("llama", "run $which Hello --num-predict {n+2}")
     assert r.model == registered and r.tokens == 3
+    # called from a function, its own variables too, before the notebook's (as IPython's expansion)
+    shell.user_ns["k"] = 5
+    out = shell.run_cell(f"def ask(k, what):\n    r = %llama run {registered} $what --num-predict {{k}}\n    return r\n"
+                         "asked = ask(2, 'Hello')")
+    assert out.success, out.error_in_exec
+    assert shell.user_ns["asked"].tokens == 2 and shell.user_ns["asked"].model == registered
 
 
 def test_chat_remembers_the_previous_turn(shell, registered):
