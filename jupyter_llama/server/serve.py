@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import signal
 import sys
 from typing import Sequence
@@ -177,6 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         app = make_server(argv)
     except (ConfigError, SchedulerError) as e:  # (a setting the extension cannot read, mostly)
         print(f"jupyter-llama serve: {e}", file=sys.stderr)
+        return 1
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and not app.allow_root:
+        # (jupyter_server would say so only once started, after our lines saying where it serves)
+        print("jupyter-llama serve: this is the root user, and Jupyter servers refuse to run as root unless "
+              "told to: add --allow-root (or run as another user)", file=sys.stderr)
         return 1
     # Stop cleanly on Ctrl-C whether or not a terminal is attached (jupyter_server asks for
     # confirmation only on a tty; without one Python's default would skip the extension's

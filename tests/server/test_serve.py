@@ -191,3 +191,15 @@ def test_a_setting_the_extension_cannot_read_stops_serve_with_its_sentence(tmp_p
     assert ('jupyter-llama serve: LlamaExtension settings: LlamaExtension.keep_alive (JUPYTER_LLAMA_KEEP_ALIVE): '
             '"banana" is not a duration') in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr.split("jupyter-llama serve:")[1]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="what root is told (CI runs as root)")
+def test_root_without_allow_root_is_told_before_it_is_told_where_it_serves(tmp_path, engine):
+    """jupyter_server refuses root only once started, after serve had said where it served."""
+    done = subprocess.run([sys.executable, "-m", "jupyter_llama.server.serve", "--port", str(free_port()),
+                           "--no-browser"], env=_serve_env(tmp_path, engine), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.rstrip().endswith("jupyter-llama serve: this is the root user, and Jupyter servers refuse to "
+                                         "run as root unless told to: add --allow-root (or run as another user)")
+    assert "serving http" not in done.stderr
