@@ -10,7 +10,21 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["child_pids", "process_alive", "same_process", "start_time"]
+__all__ = ["child_pids", "exit_words", "process_alive", "same_process", "start_time"]
+
+
+def exit_words(code: int | None) -> str:
+    """How a child ended, in words: ``exit code 1``, or for a signal (a negative code, as
+    subprocess and asyncio give it) ``killed by SIGABRT (exit code -6)``."""
+    if code is None or code >= 0:
+        return f"exit code {code}"
+    import signal
+
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"killed by {name} (exit code {code})"
 
 
 def _stat(pid: int | str) -> list[str] | None:

@@ -33,6 +33,7 @@ from typing import Any, AsyncIterator, Awaitable
 from ..memory.report import MemoryReport
 from ..errors import BadRequest, EngineError, RequestError
 from ..load_options import LoadOptions
+from ..procs import exit_words
 from . import http1
 from .http1 import BadResponse, sse_events
 from .launch import build_argv
@@ -323,7 +324,7 @@ class Runner:
                     if mistake:  # the request's load options do not suit this model: the client's to change
                         raise BadRequest(mistake)
                     raise LoadError(
-                        f"llama-server exited while loading {self.name} (exit code {self.returncode})"
+                        f"llama-server exited while loading {self.name} ({exit_words(self.returncode)})"
                         + self._crash_hint(),
                         exit_code=self.returncode, log_lines=self.parser.last_error_lines(),
                         oom=self.parser.oom)
@@ -411,7 +412,7 @@ class Runner:
     def _crash_error(self) -> RunnerCrashed:
         code = self.returncode if self.returncode is not None else (self.proc.returncode if self.proc else None)
         tail = self.parser.last_error_lines(5)
-        detail = f" (exit code {code})" if code is not None else ""
+        detail = f" ({exit_words(code)})" if code is not None else ""
         if self._lost_workers:
             detail += f"; RPC worker {', '.join(self._lost_workers)} went away (connection refused)"
         if tail:

@@ -14,15 +14,18 @@ warning that says so.
 
 from __future__ import annotations
 
+import errno
 import functools
 import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import time
 from typing import Callable
 
 from ..memory import rpc
+from ..procs import exit_words
 from .binary import Engine
 from .runner import _SETPRIV, free_port, _pdeathsig_preexec
 
@@ -65,24 +68,79 @@ def worker_argv(engine: Engine, *, host: str, port: int, threads: int | None = N
     return argv
 
 
+def _port_taken(host: str, port: int) -> bool:
+    """Whether something already listens on ``host:port`` (the worker would print that it
+    cannot make its socket, and exit 0)."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the worker binds: a closing socket is no owner)
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
 def run_worker(engine: Engine, *, host: str = "127.0.0.1", port: int = rpc.DEFAULT_PORT, threads: int | None = None,
-               device: str | None = None, cache: bool = False, note: Callable[[str], None] = print) -> int:
-    """Run one worker in the foreground until it exits or is interrupted; its exit code."""
+               device: str | None = None, cache: bool = False, note: Callable[[str], None] = print,
+               ready_timeout: float = 30.0) -> int:
+    """Run one worker in the foreground until it exits or is stopped (Ctrl-C, SIGTERM,
+    SIGHUP: the worker is stopped with it, and dies with this process however it ends); 0
+    once stopped so, 1 when the worker ended by itself (said with why)."""
     argv = worker_argv(engine, host=host, port=port, threads=threads, device=device, cache=cache)
+    if _port_taken(host, port):
+        raise WorkerError(f"{host}:{port} is in use (another worker?): stop what listens there, or give this worker "
+                          "another --port", usage=True)
     if not _is_loopback(host):
         note(UNSAFE_BIND_WARNING.format(host=host, port=port))
-    note(f"RPC worker on {host}:{port}; on the manager set JUPYTER_LLAMA_RPC_WORKERS="
-         f"{'THIS-HOST' if host in ('0.0.0.0', '::') else host}:{port} (Ctrl-C stops it)")
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(_with_pdeathsig(argv), stdin=subprocess.DEVNULL, restore_signals=False,
+                            preexec_fn=None if _SETPRIV else _pdeathsig_preexec)
+    stopping: list[int] = []
+
+    def stop(signum, _frame) -> None:
+        stopping.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
+        local = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+        deadline = time.monotonic() + ready_timeout
+        while proc.poll() is None and not rpc.probe(f"{local}:{port}", timeout=1.0).reachable:
+            if time.monotonic() > deadline:
+                break  # (still running: said as started, its own output says the rest)
+            time.sleep(0.05)
+        if proc.poll() is None:
+            note(f"RPC worker on {host}:{port}; on the manager set JUPYTER_LLAMA_RPC_WORKERS="
+                 f"{'THIS-HOST' if host in ('0.0.0.0', '::') else host}:{port} (Ctrl-C stops it)")
         try:
-            return proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
+            code = proc.wait()
+        except KeyboardInterrupt:
+            stopping.append(signal.SIGINT)
+            proc.send_signal(signal.SIGINT)
+            code = _wait_or_kill(proc)
+        if stopping:
+            if code is None or proc.poll() is None:
+                code = _wait_or_kill(proc)
+            return 0
+        note(f"the RPC worker on {host}:{port} ended by itself ({exit_words(code)}); its own lines above say why")
+        return 1
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _wait_or_kill(proc: subprocess.Popen, timeout: float = 5.0) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def _with_pdeathsig(argv: list[str]) -> list[str]:
+    """``argv`` run so that it dies with this process, however this process ends."""
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else argv
 
 
 def _limited(address_space: int, then=None) -> None:  # pragma: no cover - runs in the forked child
@@ -105,24 +163,24 @@ class LocalWorker:
         self.port = port or free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.id = rpc.device_id(self.endpoint)
-        argv = worker_argv(engine, host="127.0.0.1", port=self.port, threads=threads)
-        preexec = None
-        if _SETPRIV:
-            argv = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]
-        else:  # pragma: no cover - Debian always has setpriv
-            preexec = _pdeathsig_preexec
+        argv = _with_pdeathsig(worker_argv(engine, host="127.0.0.1", port=self.port, threads=threads))
+        preexec = None if _SETPRIV else _pdeathsig_preexec
         if address_space is not None:
             # A worker whose allocations beyond ``address_space`` bytes fail, as a full GPU's would
             # (it reports the host's memory all the same): out-of-memory on a device, for tests.
             preexec = functools.partial(_limited, address_space, preexec)
         self._log = open(log_path or os.devnull, "ab")
+        # restore_signals False: the worker keeps SIGPIPE ignored, as this process has it. With
+        # it at its default, a client that gave up (a busy worker's probe times out) killed the
+        # worker once it got round to answering it.
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=preexec)
+                                     start_new_session=True, preexec_fn=preexec, restore_signals=False)
         deadline = time.monotonic() + ready_timeout
         while True:
             if self.proc.poll() is not None:
                 self._log.close()
-                raise WorkerError(f"ggml-rpc-server exited at once (code {self.proc.returncode}) on {self.endpoint}")
+                raise WorkerError(f"ggml-rpc-server exited at once ({exit_words(self.proc.returncode)}) on "
+                                  f"{self.endpoint}")
             st = rpc.probe(self.endpoint, timeout=1.0)
             if st.reachable:
                 self.status = st

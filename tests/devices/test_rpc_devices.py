@@ -395,3 +395,62 @@ def test_worker_command_refuses_bad_ports_and_warns_beyond_loopback(engine, tmp_
     r = subprocess.run([sys.executable, "-m", "jupyter_llama.cli", "worker", "--port", "0"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "--port 0 is not a port number" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_busy_workers_probe_does_not_kill_it(workers):
+    """A probe of a worker that serves another client gives up after its timeout; the worker
+    reads it once that client leaves, and answered a socket already closed: SIGPIPE, at its
+    default in the worker (subprocess restores it), killed the worker without a word."""
+    import socket
+    import time
+
+    (w,) = workers(1)
+    busy = socket.create_connection(("127.0.0.1", w.port))  # (the worker's one client)
+    time.sleep(0.1)
+    assert not rpc.probe(w.endpoint, timeout=0.3).reachable  # another manager's look, given up
+    busy.close()
+    deadline = time.monotonic() + 10
+    while not rpc.probe(w.endpoint, timeout=1.0).reachable:  # it reads the probe, answers it, and goes on
+        assert w.alive, f"the worker died ({w.proc.returncode})"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert w.alive
+
+
+def test_worker_command_says_a_port_in_use_and_goes_with_its_worker(engine, workers, tmp_path):
+    """`jupyter-llama worker` on a port that another worker has: a sentence and status 2 (the
+    worker printed that it could not make its socket, and exited 0). Stopped with SIGTERM, it
+    stops its worker (which went on serving as an orphan)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jupyter_llama.engine.runner import free_port
+    from jupyter_llama.procs import child_pids, process_alive
+
+    (w,) = workers(1)
+    r = subprocess.run([sys.executable, "-m", "jupyter_llama.cli", "worker", "--port", str(w.port)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"127.0.0.1:{w.port} is in use (another worker?)" in r.stderr, r.stderr
+    port = free_port()
+    cli = subprocess.Popen([sys.executable, "-m", "jupyter_llama.cli", "worker", "--port", str(port)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        said = cli.stderr.readline() + cli.stdout.readline()  # (the line once the worker answers)
+        assert f"RPC worker on 127.0.0.1:{port}" in said, said
+        assert rpc.probe(f"127.0.0.1:{port}", timeout=2.0).reachable
+        kids = child_pids(cli.pid)
+        assert kids
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(30) == 0
+        deadline = time.monotonic() + 10
+        while any(process_alive(k) for k in kids):
+            assert time.monotonic() < deadline, "the worker outlived its command"
+            time.sleep(0.05)
+        assert not rpc.probe(f"127.0.0.1:{port}", timeout=1.0).reachable
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
