@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve the jupyter-llama API (Ollama- and OpenAI-compatible) "
                                             "from a Jupyter server with only this extension.")
     p.add_argument("--ip", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default: jupyter_server's, 8888, or the next free)")
+    p.add_argument("--port", type=_port, default=None,
+                   help="port (default: jupyter_server's, 8888, or the next free; 0: any free one)")
     p.add_argument("--token", default=None,
                    help="the token clients must send (default: a random one, printed at start; '' disables auth "
                         "only if the server also allows it)")
@@ -40,10 +41,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not open a browser (the default: there is no page to show, only an API)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARN, ERROR or CRITICAL")
     p.add_argument("--allow-root", action="store_true", help="allow running as root (jupyter_server refuses by default)")
-    p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--exit-when-idle", type=_seconds, default=None, metavar="SECONDS",
                    help="exit once no model is loaded and no request has come for this long (the background "
                         "manager's way of going away by itself)")
     return p
+
+
+def _port(text: str) -> int:
+    """A ``--port``: 0 (any free port) to 65535 (Tornado took 70000 as 4464, and said 70000)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0-65535; 0 takes any free one)")
+    return port
+
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return v
 
 
 def server_argv(args: argparse.Namespace) -> list[str]:
@@ -178,6 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         app = make_server(argv)
     except (ConfigError, SchedulerError) as e:  # (a setting the extension cannot read, mostly)
         print(f"jupyter-llama serve: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # (the server binds its socket as it is made: an address this machine does not have)
+        args = build_parser().parse_args(list(argv) if argv is not None else None)
+        print(f"jupyter-llama serve: cannot listen on {args.ip}{f' port {args.port}' if args.port else ''}: "
+              f"{getattr(e, 'strerror', None) or e}; give --ip an address of this machine (127.0.0.1, the "
+              "default, for this machine alone; 0.0.0.0 for every interface)", file=sys.stderr)
         return 1
     if hasattr(os, "geteuid") and os.geteuid() == 0 and not app.allow_root:
         # (jupyter_server would say so only once started, after our lines saying where it serves)

@@ -203,3 +203,22 @@ def test_root_without_allow_root_is_told_before_it_is_told_where_it_serves(tmp_p
     assert done.stderr.rstrip().endswith("jupyter-llama serve: this is the root user, and Jupyter servers refuse to "
                                          "run as root unless told to: add --allow-root (or run as another user)")
     assert "serving http" not in done.stderr
+
+
+def test_an_address_or_port_serve_cannot_listen_on_is_a_sentence(tmp_path, engine):
+    """--port -1 and --ip 999.1.1.1 were tracebacks (socket.gaierror); --port 70000 listened on
+    4464 while every line, the runtime file and the kernels' variables said 70000."""
+    env = _serve_env(tmp_path, engine)
+
+    def serve(*args):
+        return subprocess.run([sys.executable, "-m", "jupyter_llama.server.serve", "--allow-root", "--no-browser",
+                               *args], env=env, capture_output=True, text=True, timeout=120)
+
+    for args, status, said in (
+            (["--port=-1"], 2, "argument --port: -1 is not a port number (0-65535; 0 takes any free one)"),
+            (["--port", "70000"], 2, "argument --port: 70000 is not a port number"),
+            (["--exit-when-idle", "-5"], 2, "argument --exit-when-idle: '-5' is not a number of seconds above 0"),
+            (["--ip", "999.1.1.1", "--port", str(free_port())], 1, "jupyter-llama serve: cannot listen on 999.1.1.1")):
+        done = serve(*args)
+        assert done.returncode == status and said in done.stderr, (args, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr, done.stderr[-2000:]
