@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import httpx
 
-from .config import env, parse_duration
+from .config import ConfigError, env, parse_duration
 
 __all__ = ["Manager", "ManagerStartFailed", "answers", "ensure", "find", "start_serve", "state_dir", "stop",
            "IDLE_DEFAULT"]
@@ -139,7 +139,13 @@ def ensure(timeout: float = START_TIMEOUT) -> Manager:
     if found is not None:
         return found
     d = state_dir()
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        where = "JUPYTER_LLAMA_MANAGER_DIR" if env("MANAGER_DIR") else "Jupyter's runtime folder (JUPYTER_RUNTIME_DIR)"
+        raise ConfigError(f"the background manager keeps its state in {where}, {d}, which cannot be made a folder: "
+                          f"{e.strerror or e}; point JUPYTER_LLAMA_MANAGER_DIR at a folder you can write") from None
+    parse_duration(env("MANAGER_IDLE") or IDLE_DEFAULT, "JUPYTER_LLAMA_MANAGER_IDLE")  # (a bad one said before the lock)
     try:
         with FileLock(str(d / (STATE_NAME + ".lock")), timeout=timeout + 30):
             found = find() or _wait_for_running(timeout)  # another process may have started it meanwhile

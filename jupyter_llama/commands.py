@@ -422,8 +422,12 @@ def execute(args: argparse.Namespace, fe: Frontend, body: str | None = None):
     func = getattr(args, "func", None)
     if func is None:
         return _usage(build_parser())
+    from .config import ConfigError
+
     try:
         return func(args, fe) if body is None else func(args, fe, body=body)
+    except ConfigError as e:  # (a setting of this shell's: the background manager's, mostly)
+        raise CommandError(str(e), EXIT_USAGE) from None
     except Exception as e:
         client = sys.modules.get("jupyter_llama.client")  # (only a command that used it can have its error)
         if client is not None and isinstance(e, client.LlamaError):

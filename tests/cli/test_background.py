@@ -149,6 +149,16 @@ def test_a_manager_that_cannot_start_is_a_sentence_at_once(alone):
     r = cli(env, "--url", "localhost:9", "ps")  # no scheme: read as http://, and the refusal is a sentence
     assert r.returncode == 1 and "cannot reach the jupyter-llama server at http://localhost:9/llama/" in r.stderr, \
         r.stderr
+    # the background manager's own settings, read by the command that starts it: sentences, not tracebacks
+    alone_dir = alone["JUPYTER_LLAMA_MANAGER_DIR"] + "-file"
+    open(alone_dir, "w").close()
+    for extra, said in (({"JUPYTER_LLAMA_MANAGER_IDLE": "never"}, 'error: JUPYTER_LLAMA_MANAGER_IDLE: "never" is '
+                                                                   "not a duration"),
+                        ({"JUPYTER_LLAMA_MANAGER_DIR": alone_dir}, "error: the background manager keeps its state in "
+                                                                   f"JUPYTER_LLAMA_MANAGER_DIR, {alone_dir}, which "
+                                                                   "cannot be made a folder: File exists")):
+        r = cli(dict(alone, **extra), "ps")
+        assert r.returncode == 2 and r.stderr.startswith(said) and "Traceback" not in r.stderr, r.stderr
 
 
 def test_a_setting_the_running_manager_does_not_have_is_pointed_out(alone):
