@@ -663,6 +663,20 @@ class ModelStore:
     def __repr__(self) -> str:
         return f"ModelStore({str(self.root)!r})"
 
+    def usable_root(self) -> str | None:
+        """Why this store's folder cannot hold models (None when it can): it is a file, or it
+        cannot be made, or this user cannot write in it. Made here when it is missing."""
+        root = self.root
+        if root.exists() and not root.is_dir():
+            return f"{root} is a file, not a folder"
+        try:
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as e:
+            return f"{root} cannot be made: {e.strerror or e}"
+        if not os.access(root, os.W_OK | os.X_OK):
+            return f"{root} is not writable by this user"
+        return None
+
     def ensure_dirs(self) -> None:
         """The store's folders; those made here are this user's only (0700), whatever the umask."""
         with self._space("making the store's folders"):

@@ -358,6 +358,10 @@ class LlamaExtension(ExtensionApp):
         from ..models.store import ModelStore
 
         self.store = ModelStore(self.models_dir or None, path_folders=path_folders(self.model_paths))
+        unusable = self.store.usable_root()
+        if unusable:  # (every request would fail, some of them as a 500 or as a full disk)
+            raise ConfigError(f"LlamaExtension.models_dir ({config.ENV_PREFIX}MODELS): {unusable}; point it at a "
+                              "folder this user can write (empty: <jupyter data dir>/llama/models)")
         self.resolver = CachedResolver(self.store)
         self._scheduler_lock = None
         self.scheduler = None

@@ -191,6 +191,14 @@ def test_a_setting_the_extension_cannot_read_stops_serve_with_its_sentence(tmp_p
     assert ('jupyter-llama serve: LlamaExtension settings: LlamaExtension.keep_alive (JUPYTER_LLAMA_KEEP_ALIVE): '
             '"banana" is not a duration') in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr.split("jupyter-llama serve:")[1]
+    # a models folder that cannot be one: said at start (serve started, then `list` said "no models yet",
+    # and a synth or create was a 500 "internal error")
+    (tmp_path / "afile").write_text("")
+    env = dict(_serve_env(tmp_path, engine), JUPYTER_LLAMA_MODELS=str(tmp_path / "afile"))
+    done = subprocess.run([sys.executable, "-m", "jupyter_llama.server.serve", "--port", str(free_port()),
+                           "--allow-root", "--no-browser"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and (f"jupyter-llama serve: LlamaExtension.models_dir (JUPYTER_LLAMA_MODELS): "
+                                     f"{tmp_path / 'afile'} is a file, not a folder") in done.stderr, done.stderr[-2000:]
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="what root is told (CI runs as root)")
