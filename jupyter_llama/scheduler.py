@@ -243,6 +243,13 @@ class SchedulerSettings:
         if self.max_loaded_models < 0:
             raise ConfigError(f"{label('max_loaded_models')} must be 0 (automatic) or more, "
                               f"got {self.max_loaded_models}")
+        # (each of these was taken, and every load or request then failed in words that blamed it)
+        if self.num_parallel is not None and not 0 < self.num_parallel <= 256:
+            raise ConfigError(f"{label('num_parallel')} must be 0 (automatic) or 1 to 256 request slots per model, "
+                              f"got {self.num_parallel}")
+        if not self.load_timeout > 0:
+            raise ConfigError(f"{label('load_timeout')} must be a duration above 0 (how long a loading model may "
+                              f"stay silent; -1 for never), got {self.load_timeout:g}s")
 
 
 # ----------------------------------------------------------------------------- loaded runners

@@ -250,7 +250,7 @@ class LlamaExtension(ExtensionApp):
     load_timeout = _FromEnv.text(
         "LOAD_TIMEOUT", "5m",
         help="How long a loading model may stay silent (no log output, no health answer) before the "
-             "load fails, as a duration.",
+             "load fails, as a duration ('5m'; -1 for never).",
     ).tag(config=True)
 
     memory_limit = _FromEnv.text(
@@ -358,6 +358,10 @@ class LlamaExtension(ExtensionApp):
         from ..models.store import ModelStore
 
         self.store = ModelStore(self.models_dir or None, path_folders=path_folders(self.model_paths))
+        for name in ("max_request_size", "max_upload_size"):  # (every request, or upload, would be too large)
+            if getattr(self, name) < 1:
+                raise ConfigError(f"LlamaExtension.{name} ({config.ENV_PREFIX}{name.upper()}) must be a size above "
+                                  f"0, got {getattr(self, name)}")
         unusable = self.store.usable_root()
         if unusable:  # (every request would fail, some of them as a 500 or as a full disk)
             raise ConfigError(f"LlamaExtension.models_dir ({config.ENV_PREFIX}MODELS): {unusable}; point it at a "

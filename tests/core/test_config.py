@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 
@@ -65,6 +66,13 @@ def test_one_parser_for_every_setting_whatever_its_source(monkeypatch):
     monkeypatch.delenv("JUPYTER_LLAMA_LOAD_TIMEOUT")
     ext = LlamaExtension(keep_alive="2m")  # configuration wins over the environment
     assert ext.keep_alive == "2m" and ext.scheduler_settings("/x").keep_alive == 120
+    # values every load or request would then fail on (in words blaming the request) are refused at start
+    for key, value, said in (("NUM_PARALLEL", "-2", "must be 0 (automatic) or 1 to 256 request slots per model, got -2"),
+                             ("LOAD_TIMEOUT", "0", "must be a duration above 0 (how long a loading model may stay "
+                                                   "silent; -1 for never), got 0s")):
+        with pytest.raises(ConfigError, match=re.escape(f"JUPYTER_LLAMA_{key} {said}")):
+            SchedulerSettings.from_env({f"JUPYTER_LLAMA_{key}": value}, binary="/x")
+    assert SchedulerSettings.from_env({"JUPYTER_LLAMA_LOAD_TIMEOUT": "-1"}, binary="/x").load_timeout == math.inf
 
 
 def test_a_keep_alive_past_a_century_is_forever():
