@@ -148,6 +148,16 @@ def env(name: str, default: str | None = None) -> str | None:
     return default if value is None or value == "" else value
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """A setting that names one of ``choices`` (the first is the default), any case; a
+    ConfigError for another word (it was taken as the default without a word)."""
+    value = (env(name) or choices[0]).strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{ENV_PREFIX}{name}: {value!r} is not one of {', '.join(choices)} "
+                          f"(unset: {choices[0]})")
+    return value
+
+
 def env_int(name: str, default: int) -> int:
     value = env(name)
     return default if value is None else parse_int(value, ENV_PREFIX + name)

@@ -126,9 +126,12 @@ def _path(cc: str) -> Path:
     return config.cache_dir() / "relay" / f"relay-{digest}.so"
 
 
+RELAYS = ("native", "python")  # JUPYTER_LLAMA_RELAY: a stream's tokens relayed below Python, or by Python
+
+
 def _build() -> None:
     global _lib, _why_not
-    if (config.env("RELAY") or "").lower() == "python":
+    if config.env_choice("RELAY", RELAYS) == "python":
         _why_not = "JUPYTER_LLAMA_RELAY=python"
         return
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

@@ -370,8 +370,9 @@ class LlamaExtension(ExtensionApp):
         self._scheduler_lock = None
         self.scheduler = None
         self._find_engine_and_build()
-        self.log.info("jupyter-llama %s: models in %s; engine %s", __version__, self.store.root,
-                      self.engine.path if self.engine else f"unavailable ({self.engine_error})")
+        (self.log.info if self.engine else self.log.warning)(
+            "jupyter-llama %s: models in %s; engine %s", __version__, self.store.root,
+            self.engine.path if self.engine else f"unavailable ({self.engine_error}): no model can load until it is")
 
     def _find_engine_and_build(self) -> None:
         from ..engine.binary import EngineBroken, EngineNotFound, find_engine

@@ -142,10 +142,10 @@ def use_front(app) -> str:
     a lean connection of our own (see that module), unless ``JUPYTER_LLAMA_FRONT=tornado``;
     returns which (logged at start). jupyter_server binds its server once the loop runs, so
     it can be swapped until then."""
-    from ..config import env
+    from ..config import env_choice
     from .front import front_for
 
-    if (env("FRONT") or "lean").lower() == "tornado" or getattr(app, "_http_server", None) is None:
+    if env_choice("FRONT", FRONTS) == "tornado" or getattr(app, "_http_server", None) is None:
         return "tornado"
     app._http_server = front_for(app)
     native.prepare()  # the relay below Python, which the lean connection lends its socket to
@@ -182,9 +182,9 @@ def use_fast_loop() -> str:
     """
     import asyncio
 
-    from ..config import env
+    from ..config import env_choice
 
-    if (env("EVENT_LOOP") or "uvloop").lower() == "asyncio":
+    if env_choice("EVENT_LOOP", EVENT_LOOPS) == "asyncio":
         return "asyncio"
     try:
         import uvloop
@@ -194,8 +194,20 @@ def use_fast_loop() -> str:
     return "uvloop"
 
 
+EVENT_LOOPS = ("uvloop", "asyncio")  # JUPYTER_LLAMA_EVENT_LOOP
+FRONTS = ("lean", "tornado")  # JUPYTER_LLAMA_FRONT: who reads the API's connections (see front.py)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until it is stopped; returns the exit status."""
+    from ..config import env_choice
+
+    try:  # (the settings of how it serves, each a word: one it does not know is said, not ignored)
+        for name, choices in (("EVENT_LOOP", EVENT_LOOPS), ("FRONT", FRONTS), ("RELAY", native.RELAYS)):
+            env_choice(name, choices)
+    except ConfigError as e:
+        print(f"jupyter-llama serve: {e}", file=sys.stderr)
+        return 2
     loop_name = use_fast_loop()
     try:
         app = make_server(argv)

@@ -230,3 +230,16 @@ def test_an_address_or_port_serve_cannot_listen_on_is_a_sentence(tmp_path, engin
         done = serve(*args)
         assert done.returncode == status and said in done.stderr, (args, done.stderr[-2000:])
         assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_word_serve_does_not_know_for_how_it_serves_is_said(tmp_path, engine):
+    """JUPYTER_LLAMA_EVENT_LOOP, _FRONT and _RELAY name one of a few ways; another word was taken
+    as the default without a word."""
+    for name, value, said in (("EVENT_LOOP", "turbo", "'turbo' is not one of uvloop, asyncio (unset: uvloop)"),
+                              ("FRONT", "fast", "'fast' is not one of lean, tornado (unset: lean)"),
+                              ("RELAY", "cuda", "'cuda' is not one of native, python (unset: native)")):
+        env = dict(_serve_env(tmp_path, engine), **{f"JUPYTER_LLAMA_{name}": value})
+        done = subprocess.run([sys.executable, "-m", "jupyter_llama.server.serve", "--allow-root", "--no-browser",
+                               "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.strip() == f"jupyter-llama serve: JUPYTER_LLAMA_{name}: {said}", \
+            done.stderr[-2000:]
