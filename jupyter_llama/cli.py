@@ -67,6 +67,16 @@ class TerminalFrontend(Frontend):
                 json.dump(now, fh)
             os.replace(tmp, path)
 
+    def running_client(self):
+        if self._client is None:
+            from .client import LlamaClient, ServerNotFound
+
+            try:
+                self._client = LlamaClient(self.url, self.token, start=False)
+            except ServerNotFound:
+                return None
+        return self._client
+
     def client(self):
         if self._client is None:
             from .client import LlamaClient

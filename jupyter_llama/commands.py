@@ -97,6 +97,10 @@ class Frontend:
     def client(self):  # -> LlamaClient
         raise NotImplementedError
 
+    def running_client(self):  # -> LlamaClient | None
+        """The client of a manager that runs now; None where none does (nothing is started)."""
+        return self.client()
+
     def has_manager(self, args=None) -> bool:
         """Whether a manager is known without starting one (starting the background one is not free)."""
         return bool(getattr(args, "url", None) or _manager_configured())
@@ -603,19 +607,34 @@ def cmd_status(args, fe: Frontend):
         pid = background.stop()
         fe.out(f"stopped the background manager (pid {pid})" if pid else "no background manager runs")
         return EXIT_OK
-    client = fe.client()
-    version = _call(fe, client.version)
-    loaded = _call(fe, client.ps).get("models", [])
-    info = client.server
-    others = [p for p in _other_managers() if p.pid != info.pid]
-    data = {"url": info.url, "source": info.source, "pid": info.pid, "version": version.get("version"),
-            "loaded": [m.get("name") for m in loaded],
-            "others": [{"pid": p.pid, "url": p.url, "models": p.models} for p in others]}
-    if args.json:
-        fe.json(data)
-        return EXIT_OK
-    fe.out(f"manager: {info.url}\nfound:   {info.source}\nversion: {data['version']}\n"
-           f"loaded:  {', '.join(data['loaded']) or 'nothing'}")
+    from .client import api_url
+
+    client = fe.running_client()  # (a look: it starts no manager)
+    if client is None:
+        others = _other_managers()
+        data = {"url": None, "source": None, "pid": None, "version": None, "loaded": [],
+                "others": [{"pid": p.pid, "url": p.url, "models": p.models} for p in others]}
+        if args.json:
+            fe.json(data)
+            return EXIT_OK
+        fe.out("manager: none runs (JUPYTER_LLAMA_URL is not set, no Jupyter server of yours serves the extension, "
+               "no background manager runs)\nA command that needs one (run, load, ps, ...) starts the background "
+               "manager; `jupyter-llama serve` runs one in the foreground.")
+    else:
+        version = _call(fe, client.version)
+        loaded = _call(fe, client.ps).get("models", [])
+        info = client.server
+        others = [p for p in _other_managers() if p.pid != info.pid and api_url(p.url) != info.url]
+        data = {"url": info.url, "source": info.source, "pid": info.pid, "version": version.get("jupyter_llama"),
+                "api_version": version.get("version"), "engine": version.get("engine"),
+                "loaded": [m.get("name") for m in loaded],
+                "others": [{"pid": p.pid, "url": p.url, "models": p.models} for p in others]}
+        if args.json:
+            fe.json(data)
+            return EXIT_OK
+        fe.out(f"manager: {info.url}\nfound:   {info.source}\nversion: jupyter-llama {data['version']} (Ollama's API "
+               f"{data['api_version']}), engine {data['engine'] or 'not found'}\n"
+               f"loaded:  {', '.join(data['loaded']) or 'nothing'}")
     for p in others:  # they share this machine's memory and this user's budgets with it
         fe.out(f"also:    another manager of yours, {p.describe()}")
     return EXIT_OK

@@ -95,15 +95,53 @@ def test_the_background_manager_exits_by_itself_when_idle(alone):
     assert not process_alive(pid), "the idle background manager is still running after 60 s"
 
 
+def _managers_for(env) -> set[int]:
+    """The serve processes started for ``env``'s state folder (read from each process's environment)."""
+    mine = f"JUPYTER_LLAMA_MANAGER_DIR={env['JUPYTER_LLAMA_MANAGER_DIR']}".encode()
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"jupyter_llama.server.serve" in cmd and mine in environ:
+            found.add(int(pid))
+    return found
+
+
 def test_two_first_uses_at_once_start_one_manager(alone):
-    procs = [subprocess.Popen([sys.executable, "-m", "jupyter_llama.cli", "status", "--json"], env=alone,
+    procs = [subprocess.Popen([sys.executable, "-m", "jupyter_llama.cli", "ps", "--json"], env=alone,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
-    pids = set()
     for p in procs:
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0, err
-        pids.add(json.loads(out)["pid"])
-    assert len(pids) == 1
+    assert _managers_for(alone) == {status(alone)["pid"]}
+
+
+def test_status_looks_without_starting_a_manager(alone):
+    """`status` says none runs (it started one, and said "started now"); once one runs it
+    names it, and the versions for what they are."""
+    r = cli(alone, "status")
+    assert r.returncode == 0 and r.stdout.startswith("manager: none runs") and not _managers_for(alone), r.stdout
+    assert json.loads(cli(alone, "status", "--json").stdout)["url"] is None
+    assert cli(alone, "ps").returncode == 0  # (a command that needs one starts it)
+    r = cli(alone, "status")
+    assert "found:   background manager (pid" in r.stdout and "version: jupyter-llama " in r.stdout, r.stdout
+    assert "(Ollama's API 0." in r.stdout and "also:" not in r.stdout
+    # found by its URL, it is not "another manager of yours" too (a manager with a model loaded publishes it)
+    assert cli(alone, "synth", "looked", "--layers", "2", "--embd", "64").returncode == 0
+    assert cli(alone, "run", "looked", "Hi", "--num-predict", "1").returncode == 0
+    st = status(alone)
+    r = cli(dict(alone, JUPYTER_LLAMA_URL=st["url"], JUPYTER_LLAMA_TOKEN=background_token(alone)), "status")
+    assert r.returncode == 0 and "also:" not in r.stdout, r.stdout
+
+
+def background_token(env) -> str:
+    with open(os.path.join(env["JUPYTER_LLAMA_MANAGER_DIR"], "jupyter-llama-manager.json")) as f:
+        return json.load(f)["token"]
 
 
 def test_a_client_outlives_its_background_manager(alone):
