@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 failure (the operation could not be done), 2 usage or b
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Sequence
 
@@ -123,6 +124,9 @@ def run(argv: Sequence[str]) -> int:
             print(flush=True)
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # (`... | head`: the reader has all it wanted; what was left to print goes nowhere)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     finally:
         try:
             fe.save_conversations(args.conversation if args.command == "chat" else None)

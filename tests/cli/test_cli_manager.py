@@ -100,6 +100,19 @@ def test_errors_and_exit_codes(manager, tmp_path):
     assert cli(env, "help", "run").returncode == 0
 
 
+def test_a_reader_that_stops_early_ends_the_command_quietly(manager):
+    """`jupyter-llama run ... | head`: the rest goes nowhere (it was a BrokenPipeError traceback)."""
+    import shlex
+
+    env = manager["env"]
+    assert cli(env, "synth", "pipe-tiny", "--layers", "2", "--embd", "64").returncode == 0
+    cmd = f"{shlex.quote(sys.executable)} -m jupyter_llama.cli run pipe-tiny Once --num-predict 400"
+    r = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd} | head -c 1 >/dev/null; echo status=$?"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert "status=0" in r.stdout and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, (r.stdout,
+                                                                                                      r.stderr)
+
+
 def test_estimate_of_a_file_needs_no_manager(tiny_model):
     env = {k: v for k, v in os.environ.items() if k not in ("JUPYTER_LLAMA_URL",)}
     r = cli(env, "estimate", str(tiny_model), "--num-ctx", "1024", "--json")
