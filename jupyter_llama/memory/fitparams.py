@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..load_options import LoadOptions, memory_args
 from .report import COMPUTE, HOST, KV, LLAMA_CPP, WEIGHTS, MemoryReport, MiB, device_of_backend
+from .rpc import device_id
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,15 @@ def fit_params_argv(binary: str | os.PathLike, model: str | os.PathLike, options
     return [str(binary), "--model", str(Path(model)), "--fit-print", "on", *memory_args(options)]
 
 
-def parse_fit_print(text: str) -> MemoryReport | None:
+_RPC_NAME_RE = re.compile(r"^RPC(\d+)$", re.IGNORECASE)
+
+
+def parse_fit_print(text: str, rpc: tuple[str, ...] | list[str] = ()) -> MemoryReport | None:
     """The per-device lines of ``--fit-print on`` output as a MemoryReport (source
-    ``llama.cpp``), or None when there are none. Log lines mixed in are ignored."""
+    ``llama.cpp``), or None when there are none. Log lines mixed in are ignored. The tool
+    names RPC devices by number alone (``RPC0``): with ``rpc``, the ``--rpc`` endpoints in
+    their order, the K-th is the worker at ``rpc[K]`` (a worker of one device each, as
+    ``jupyter-llama worker`` serves), as everything else names it."""
     rep = MemoryReport(LLAMA_CPP)
     found = False
     for line in text.splitlines():
@@ -59,7 +66,11 @@ def parse_fit_print(text: str) -> MemoryReport | None:
         if not m:
             continue
         name = m.group("dev")
-        dev = HOST if name.lower() == "host" else device_of_backend(name)
+        numbered = _RPC_NAME_RE.match(name)
+        if numbered and int(numbered.group(1)) < len(rpc):
+            dev = device_id(rpc[int(numbered.group(1))])
+        else:
+            dev = HOST if name.lower() == "host" else device_of_backend(name)
         found = True
         rep.set(dev, WEIGHTS, rep.get(dev, WEIGHTS) + int(m.group("model")) * MiB)
         rep.set(dev, KV, rep.get(dev, KV) + int(m.group("context")) * MiB)
@@ -86,13 +97,13 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
 
 
-def _finish(argv: list[str], rc: int | None, out: str, err: str) -> FitParamsResult:
+def _finish(argv: list[str], rc: int | None, out: str, err: str, rpc=()) -> FitParamsResult:
     tail = [ln for ln in err.splitlines() if ln.strip()][-10:]
     if rc != 0:
         why = next((ln for ln in reversed(tail) if "error" in ln.lower() or "failed" in ln.lower()), None)
         return FitParamsResult(None, argv, f"llama-fit-params exited with code {rc}" + (f": {why.strip()}" if why else ""),
                                rc, tail)
-    rep = parse_fit_print(out)
+    rep = parse_fit_print(out, rpc)
     if rep is None:
         return FitParamsResult(None, argv, "llama-fit-params printed no memory figures", rc, tail)
     return FitParamsResult(rep, argv, None, rc, tail)
@@ -121,7 +132,7 @@ def run_fit_params(binary: str | os.PathLike, model: str | os.PathLike, options:
             _kill_group(proc.pid)
         proc.communicate()
         raise
-    return _finish(argv, proc.returncode, out, err)
+    return _finish(argv, proc.returncode, out, err, options.rpc or ())
 
 
 async def run_fit_params_async(binary: str | os.PathLike, model: str | os.PathLike, options: LoadOptions,
@@ -148,7 +159,8 @@ async def run_fit_params_async(binary: str | os.PathLike, model: str | os.PathLi
         _kill(proc)
         await proc.wait()
         raise
-    return _finish(argv, proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+    return _finish(argv, proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
+                   options.rpc or ())
 
 
 def _kill(proc: asyncio.subprocess.Process) -> None:

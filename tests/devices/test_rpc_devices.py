@@ -17,6 +17,7 @@ from jupyter_llama.engine.runner import RunnerCrashed
 from jupyter_llama.procs import process_alive
 from jupyter_llama.engine.worker import LocalWorker
 from jupyter_llama.memory import devices as devmod
+from jupyter_llama.memory import fitparams as fp
 from jupyter_llama.memory import rpc
 from jupyter_llama.memory.report import DETAILED, HOST, MiB
 from jupyter_llama.scheduler import ModelState, Scheduler, SchedulerSettings
@@ -121,7 +122,7 @@ def test_budget_grammar_takes_rpc_devices():
 # ----------------------------------------------------------------------------- placement
 
 
-async def test_budgets_become_fit_targets_and_llama_cpp_splits_within_them(workers, make_scheduler, model):
+async def test_budgets_become_fit_targets_and_llama_cpp_splits_within_them(workers, make_scheduler, model, engine):
     a, b = workers(2)
     sched = make_scheduler([a, b], {a.id: 30 * MiB, b.id: 5 * MiB})
     lo = await sched.load(model, OPTS)
@@ -138,6 +139,11 @@ async def test_budgets_become_fit_targets_and_llama_cpp_splits_within_them(worke
         assert abs(pred.total(device=dev) - actual.total(device=dev)) <= 0.10 * actual.total(device=dev), dev
     ps = sched.ps()[0]
     assert ps["layers_offloaded"] == actual.layers_offloaded and ps["size_vram"] == used[a.id] + used[b.id]
+    # llama.cpp's own projection names the same devices (it said rpc0, rpc1)
+    await sched.unload(model, reason="test")
+    fit = await fp.run_fit_params_async(engine.fit_params, model, lo.options)
+    assert fit.report is not None, fit.error
+    assert set(fit.report.by_device()) <= {HOST, a.id, b.id} and a.id in fit.report.by_device(), fit.report.by_device()
 
 
 async def test_num_gpu_exact_and_zero(workers, make_scheduler, model):

@@ -52,6 +52,11 @@ def test_parse_fit_print():
     assert rep.warnings  # says the figures are rounded down
     assert fp.parse_fit_print("no figures here\n") is None
     assert fp.parse_fit_print("Host 3 1 4 \n").total() == 8 * MiB  # trailing space as the tool prints it
+    # RPC devices, numbered by the tool, are the workers of --rpc in their order (they were rows "rpc0", "rpc1"
+    # beside the workers' own, splitting each device in two in every table and plot)
+    rpc = fp.parse_fit_print("RPC0 20 1 3\nRPC1 30 2 4\nHost 10 0 5\n", ("127.0.0.1:50152", "10.0.0.2:50052"))
+    assert set(rpc.by_device()) == {"rpc:127.0.0.1:50152", "rpc:10.0.0.2:50052", "cpu"}
+    assert rpc.total(device="rpc:10.0.0.2:50052") == 36 * MiB
 
 
 def test_run_parses_a_fake_tool(tmp_path):
