@@ -165,8 +165,8 @@ class Frontend:
 
 # ----------------------------------------------------------------------------- grammar
 
-LOAD_OPTIONS = ("num_ctx", "num_gpu", "num_parallel", "num_batch", "num_thread", "cache_type_k", "cache_type_v",
-                "flash_attn")
+LOAD_OPTIONS = ("num_ctx", "num_gpu", "num_parallel", "num_batch", "num_ubatch", "num_thread", "cache_type_k",
+                "cache_type_v", "flash_attn")
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "seed", "num_predict")
 # An answer in a cell or a terminal ends here unless asked for more: a small model that never
 # says "stop" would otherwise write until its context is full.
@@ -178,18 +178,21 @@ def _model_options(p: argparse.ArgumentParser, sampling: bool = True, keep_alive
     that load the model (not estimate or plot, which load nothing of their own)."""
     g = p.add_argument_group("load options (changing one reloads the model)")
     g.add_argument("--num-ctx", type=int, help="context per request, in tokens")
-    g.add_argument("--num-gpu", type=int, help="layers on the GPU (0 = CPU only; default: llama.cpp decides)")
+    g.add_argument("--num-gpu", type=int,
+                   help="layers on the devices, GPUs or RPC workers (0 = CPU only; default: llama.cpp decides)")
     g.add_argument("--num-parallel", type=int, help="parallel request slots")
     g.add_argument("--num-batch", type=int, help="logical batch size")
+    g.add_argument("--num-ubatch", type=int, help="physical batch size (the compute buffer grows with it)")
     g.add_argument("--num-thread", type=int, help="CPU threads")
-    kv_types = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+    from .load_options import KV_CACHE_TYPES as kv_types
+
     g.add_argument("--cache-type-k", choices=kv_types, help="the KV cache's type for keys (default f16)")
     g.add_argument("--cache-type-v", choices=kv_types,
                    help="for values (default f16; a quantised one needs flash attention)")
     g.add_argument("--flash-attn", choices=("on", "off", "auto"), help="flash attention (default: llama.cpp decides)")
     if keep_alive:
-        p.add_argument("--keep-alive", help="how long it stays loaded when idle: 300, 10m, 1h30m, -1 (forever), 0 "
-                                            "(changing it never reloads)")
+        p.add_argument("--keep-alive", help="how long the model stays loaded when idle: 300 (seconds), 10m, 1h30m; "
+                                            "-1 for ever, 0 to unload it once answered (a new value never reloads it)")
     if sampling:
         s = p.add_argument_group("sampling (never reloads)")
         s.add_argument("--system", help="system prompt")

@@ -421,6 +421,8 @@ def _what_to_shrink(report: MemoryReport | None, device: str, estimator: str) ->
     if part == KV:
         return (f"{share} the K/V cache: load it with a smaller context (num_ctx), fewer parallel requests "
                 "(num_parallel) or a quantised cache (cache_type_k/cache_type_v q8_0)")
+    if device == HOST:
+        return f"{share} the weights: use a smaller quantisation of the model, or put more layers on devices (num_gpu)"
     return f"{share} the weights: use a smaller quantisation of the model, or put fewer layers here (num_gpu)"
 
 
@@ -1064,8 +1066,9 @@ class Scheduler:
             if not over:
                 return
             dev, excess = next(iter(over.items()))
-            words = (f"{new.name} was predicted at {format_bytes(new.predictions[new.fit_source].total(device=dev))} "
-                     f"on {dev} but llama.cpp allocated {format_bytes(new.charge.total(device=dev))}; "
+            words = (f"llama.cpp allocated {format_bytes(new.charge.total(device=dev))} for {new.name} on {dev} "
+                     f"({new.fit_source} predicted "
+                     f"{format_bytes(new.predictions[new.fit_source].total(device=dev))}), "
                      f"{format_bytes(excess)} over the budget there"
                      + (f" (your other jupyter-llama managers hold {format_bytes(held[dev])} of it)"
                         if held.get(dev) else ""))
@@ -1433,8 +1436,11 @@ def _fit_words(numbers: dict, source: str) -> str:
     parts = []
     for d, n in numbers.items():
         budget = f", budget {format_bytes(n['budget'])}" if n.get("budget") is not None else ""
+        left = ("; not checked: llama.cpp's --fit places layers within that room by its own projection, which can "
+                "be lower than this one (a budget is checked again once llama.cpp has allocated)"
+                if n.get("checked") is False and n["need"] > n["available"] else "")
         parts.append(f"{d} needs {format_bytes(n['need'])} ({source}), {format_bytes(n['available'])} available "
-                     f"({format_bytes(n['in_use'])} in use by loaded models{budget})")
+                     f"({format_bytes(n['in_use'])} in use by loaded models{budget}){left}")
     return "; ".join(parts)
 
 

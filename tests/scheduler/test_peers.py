@@ -199,3 +199,22 @@ async def test_a_load_larger_than_predicted_is_held_to_the_budget_with_the_other
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_the_advice_and_the_fit_words_say_which_way_to_go():
+    """Over budget on the host by its weights: more layers on devices (it said "fewer layers
+    here", which for the host means the opposite); a device the verdict leaves to llama.cpp's
+    --fit says so when it looks short (estimate said "fits" beside a need above what was there)."""
+    from jupyter_llama.memory.report import DETAILED, HOST, WEIGHTS, MemoryReport
+    from jupyter_llama.scheduler import _fit_words, _what_to_shrink
+
+    rep = MemoryReport(DETAILED)
+    rep.add(HOST, WEIGHTS, 900 << 20)
+    rep.add("rpc:127.0.0.1:50052", WEIGHTS, 900 << 20)
+    assert _what_to_shrink(rep, HOST, DETAILED).endswith("or put more layers on devices (num_gpu)")
+    assert _what_to_shrink(rep, "rpc:127.0.0.1:50052", DETAILED).endswith("or put fewer layers here (num_gpu)")
+    numbers = {"rpc:127.0.0.1:50052": {"need": 70 << 20, "available": 60 << 20, "in_use": 0, "budget": 60 << 20,
+                                       "checked": False, "fits": True}}
+    assert "not checked: llama.cpp's --fit places layers within that room" in _fit_words(numbers, "detailed+10%")
+    numbers["rpc:127.0.0.1:50052"]["need"] = 50 << 20
+    assert "not checked" not in _fit_words(numbers, "detailed+10%")
