@@ -807,7 +807,9 @@ def cmd_create(args, fe: Frontend):
     if proj:
         files[os.path.basename(proj)] = _call(fe, client.create_blob, proj)
     _call(fe, client.create, args.name, files=files)
-    fe.note(f"created {args.name} from {path} ({digest[:19]})" + (f" with the projector {proj}" if proj else ""))
+    described = getattr(args, "described", None)  # (a synthetic model's files are gone by now)
+    fe.note(f"created {args.name} {described or f'from {path}'} ({digest[:19]})"
+            + (f" with the projector {proj}" if proj and not described else ""))
     return EXIT_OK
 
 
@@ -858,7 +860,10 @@ def cmd_synth(args, fe: Frontend):
             return cmd_create(argparse.Namespace(name=args.name, from_file=path, projector=proj), fe)
         with tempfile.TemporaryDirectory(prefix="jupyter-llama-synth-") as tmp:
             path, proj = write(os.path.join(tmp, "synth.gguf"))
-            return cmd_create(argparse.Namespace(name=args.name, from_file=path, projector=proj), fe)
+            described = (f"as a synthetic {shape.type} llama of {shape.layers} layers, {shape.embd} wide, "
+                         f"{os.path.getsize(path) / 2**20:.1f} MiB")
+            return cmd_create(argparse.Namespace(name=args.name, from_file=path, projector=proj, described=described
+                                                 + (", with a projector" if proj else "")), fe)
     except ValueError as e:
         raise CommandError(f"synth: {e}", EXIT_USAGE) from None
     except OSError as e:

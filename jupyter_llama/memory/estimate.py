@@ -25,7 +25,7 @@ from typing import Sequence
 from ..load_options import QUANTIZED_KV, LoadOptions
 from ..models.gguf_info import GGUFInfo
 from .computegraph import CPU_ALIGNMENT, GPU_ALIGNMENT, GraphPlan, LayerShape, compute_buffer_bytes
-from .report import (ACTUAL, format_pct, COARSE, COMPONENTS, COMPUTE, DETAILED, HOST, KV, LLAMA_CPP, OTHER, OUTPUT,
+from .report import (ACTUAL, format_bytes, format_pct, COARSE, COMPONENTS, COMPUTE, DETAILED, HOST, KV, LLAMA_CPP, OTHER, OUTPUT,
                      SOURCES, WEIGHTS, GiB, MemoryReport, MiB, render_table)
 
 # llama.cpp's --fit never shrinks an automatic context below this (common/fit.cpp).
@@ -97,6 +97,9 @@ def estimate_coarse(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None
     surcharge = batch_surcharge(options)
     if surcharge:
         rep.add(device, OTHER, surcharge)
+        rep.warnings.append(f"'other' is Ollama's allowance of {format_bytes(surcharge)} for a batch of "
+                            f"{options.num_batch or LLAMA_SERVER_DEFAULT_BATCH} tokens (num_batch; llama-server's "
+                            "default is 2048): conservative, and on a small model most of what it predicts")
     return rep
 
 
