@@ -45,6 +45,7 @@ from .memory.report import (ACTUAL, COARSE, COMPUTE, DETAILED, HOST, KV, OTHER, 
 from .models.gguf_info import GGUFError, read_gguf_info
 from .models.names import same_model
 from .models.ref import ModelRef
+from .procs import exit_words
 
 Resolver = Callable[[str], Awaitable[ModelRef]]
 
@@ -1416,8 +1417,8 @@ class Scheduler:
         code = lo.runner.returncode if lo.runner else None
         lost = await lo.runner.lost_workers() if lo.runner else []
         cause = f" because RPC worker {', '.join(lost)} went away" if lost else ""
-        self.events.emit(EventKind.CRASH, lo.name, f"llama-server for {lo.name} stopped unexpectedly (exit code {code})"
-                         f"{cause}; the next request reloads it" + (" on the devices that are left" if lost else ""),
+        self.events.emit(EventKind.CRASH, lo.name, f"llama-server for {lo.name} stopped unexpectedly "
+                         f"({exit_words(code)}){cause}; the next request reloads it" + (" on the devices that are left" if lost else ""),
                          exit_code=code, lost_workers=lost,
                          last_lines=lo.runner.parser.last_error_lines(5) if lo.runner else [])
         await self._stop_runner(lo, "its runner crashed", rule="crash")

@@ -244,6 +244,9 @@ class Runner:
         self.argv += self.extra_args
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
         env["LLAMA_API_KEY"] = self.api_key  # never on the command line
+        # On an abort (a worker gone mid-graph, mostly) ggml attaches gdb to print a backtrace:
+        # seconds of a dying child, and gdb's lines where the crash's own last lines belong.
+        env.setdefault("GGML_NO_BACKTRACE", "1")
         argv, preexec = self.argv, None
         if _SETPRIV:
             argv = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]

@@ -300,6 +300,9 @@ async def test_a_worker_killed_mid_stream_ends_it_naming_the_worker(workers, mak
     crash = await _wait_kind(sched, "crash")
     assert b.endpoint in crash.message and crash.data["lost_workers"] == [b.endpoint]
     assert not lo.runner.alive
+    # how it ended, in words, and its own last lines rather than a debugger's
+    assert "(killed by SIG" in crash.message or "(exit code" in crash.message, crash.message
+    assert "Inferior" not in crash.message and "gdb" not in crash.message, crash.message
     lo2 = await sched.load(model, OPTS)  # the next request loads on what is left
     assert lo2.options.rpc == (a.endpoint,)
 
