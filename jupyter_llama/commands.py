@@ -255,6 +255,7 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
                             "ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY point at that server (unless you set them), so "
                             "ollama.chat(...), openai.OpenAI(), anthropic.Anthropic(), langchain's Ollama and OpenAI "
                             "classes and %%ai ollama:MODEL work as they are.")
+    parser.set_defaults(prog=prog)  # (`help COMMAND` prints the usage as this front end spells it)
     parser.add_argument("--url", help="the manager's API URL (default: JUPYTER_LLAMA_URL, else a running Jupyter "
                                       "server of yours with the extension, else your background manager)")
     parser.add_argument("--token", help="its token (default: JUPYTER_LLAMA_TOKEN or the server's runtime file)")
@@ -591,8 +592,10 @@ def cmd_stop(args, fe: Frontend):
     loaded = _loaded(client.ps(), args.model) is not None
     try:
         client.unload(args.model)  # (a model known but not loaded: nothing happens, as with Ollama's)
-    except ModelNotFoundError as e:
-        raise CommandError(f"{e.message}. `list` shows the models there are, `ps` the loaded ones") from None
+    except ModelNotFoundError as e:  # (no advice to pull a model in order to stop it)
+        close = e.message.split("try pulling it first", 1)[1] if "try pulling it first" in e.message else ""
+        raise CommandError(f'no model is named "{args.model}"{close}: nothing to stop. `ps` shows the loaded models, '
+                           "`list` the ones there are") from None
     fe.note(f"{args.model} unloaded" if loaded else f"{args.model} was not loaded: nothing to stop (`ps` shows what is)")
     return EXIT_OK
 
@@ -1108,7 +1111,7 @@ def _serve_elsewhere(args, fe: Frontend):
 
 
 def cmd_help(args, fe: Frontend):
-    parser = build_parser()
+    parser = build_parser(getattr(args, "prog", "jupyter-llama"))
     if args.topic:
         choices = parser._llama_sub.choices
         if args.topic not in choices:

@@ -705,6 +705,8 @@ class Scheduler:
         if lo is not None:  # would it fit if it were loaded afresh: its own runner not counted
             for d, n in lo.charge.by_device().items():
                 used[d] = max(0, used.get(d, 0) - n)
+            if not same:  # ... nor the workers it holds, which a reload lets go first (as they last answered)
+                inv.held = {ep: who for ep, who in inv.held.items() if ep not in (lo.options.rpc or ())}
         peers = await asyncio.to_thread(self.peer_holdings)
         if same:
             opts, estimates, actual = lo.options, dict(lo.predictions), lo.actual

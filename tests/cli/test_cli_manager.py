@@ -166,6 +166,7 @@ def test_a_shells_conversation_lasts_from_one_command_to_the_next(manager, tmp_p
     r = cli(env, "stop", "chatty")
     assert r.returncode == 0 and "chatty was not loaded: nothing to stop" in r.stderr, r.stderr
     r = cli(env, "stop", "nosuchmodel")
-    assert r.returncode == 1 and 'model "nosuchmodel" not found' in r.stderr, r.stderr
-    assert "`list` shows the models there are" in r.stderr and "synth" not in r.stderr, r.stderr
+    assert r.returncode == 1 and r.stderr.startswith('error: no model is named "nosuchmodel"'), r.stderr
+    assert "nothing to stop. `ps` shows the loaded models, `list` the ones there are" in r.stderr, r.stderr
+    assert "synth" not in r.stderr and "pulling" not in r.stderr, r.stderr
     assert cli(env, "rm", "chatty").returncode == 0

@@ -463,3 +463,19 @@ def test_worker_command_says_a_port_in_use_and_goes_with_its_worker(engine, work
         if cli.poll() is None:
             cli.kill()
             cli.wait()
+
+
+async def test_the_estimate_of_a_reload_counts_the_workers_the_model_holds_as_free(workers, make_scheduler, model):
+    """A model on both workers, estimated with other options: a reload lets its workers go
+    first, so the estimate places it on them (it showed the host alone, and the reload then
+    went to the workers)."""
+    a, b = workers(2)
+    sched = make_scheduler([a, b])
+    lo = await sched.load(model, OPTS.replace(num_gpu=4))
+    assert set(lo.options.rpc) == {a.endpoint, b.endpoint}
+    est = await sched.estimate(model, OPTS.replace(num_gpu=4, num_parallel=2))
+    assert not est["same_options"]
+    planned = est["estimates"][DETAILED].by_device()
+    assert planned.get(a.id, 0) > 0 and planned.get(b.id, 0) > 0, planned
+    reloaded = await sched.load(model, OPTS.replace(num_gpu=4, num_parallel=2))
+    assert set(by_device(reloaded)) == set(planned), (by_device(reloaded), planned)

@@ -155,6 +155,8 @@ def test_listing_commands(shell, registered, capsys):
     assert "run" in out
     # it says how the other clients find the server with no configuration
     assert "OLLAMA_HOST" in out and "OPENAI_BASE_URL" in out and "%%ai ollama:MODEL" in out
+    shell.run_line_magic("llama", "help run")  # (spelled as the magic is used, as its errors are)
+    assert capsys.readouterr().out.startswith("usage: %llama run ")
 
 
 def test_server_unreachable_says_how_to_start_one(monkeypatch):
