@@ -1005,6 +1005,13 @@ def cmd_devices(args, fe: Frontend):
             return EXIT_OK
         used = ", ".join(f"{d} {_mib(n)}" for d, n in (data.get("usage") or {}).items()) or "nothing"
         fe.out(f"{data.get('text', '')}\nin use by loaded models: {used}")
+        from .config import env
+
+        mine, server = env("MEMORY_LIMIT"), fe.client().server
+        if mine and not ((data.get("budgets") or {}).get("limits")) and not server.warning:
+            # (a background manager's other settings were pointed out as it was found)
+            fe.note(f"note: here JUPYTER_LLAMA_MEMORY_LIMIT is {mine}, but the manager at {server.url} was started "
+                    "without it: a manager keeps the settings it started with; restart it with the variable set")
         return EXIT_OK
     try:
         inv = inventory()

@@ -113,6 +113,15 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(manager):
                                                                                                       r.stderr)
 
 
+def test_devices_points_out_a_budget_the_manager_was_not_started_with(manager):
+    """A budget exported here after the manager started looked ignored ("memory budgets: none")."""
+    r = cli(dict(manager["env"], JUPYTER_LLAMA_MEMORY_LIMIT="1GiB"), "devices")
+    assert r.returncode == 0 and "memory budgets: none" in r.stdout
+    assert (f"note: here JUPYTER_LLAMA_MEMORY_LIMIT is 1GiB, but the manager at {manager['url']}") in r.stderr, \
+        r.stderr
+    assert "note:" not in cli(manager["env"], "devices").stderr
+
+
 def test_estimate_of_a_file_needs_no_manager(tiny_model):
     env = {k: v for k, v in os.environ.items() if k not in ("JUPYTER_LLAMA_URL",)}
     r = cli(env, "estimate", str(tiny_model), "--num-ctx", "1024", "--json")
