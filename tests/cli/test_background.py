@@ -88,6 +88,7 @@ def test_a_running_jupyter_server_is_found_before_a_background_one(alone, tmp_pa
 
 def test_the_background_manager_exits_by_itself_when_idle(alone):
     env = dict(alone, JUPYTER_LLAMA_MANAGER_IDLE="1s")
+    assert cli(env, "ps").returncode == 0  # (starts it: status only looks)
     pid = status(env)["pid"]
     deadline = time.monotonic() + 60
     while process_alive(pid) and time.monotonic() < deadline:
