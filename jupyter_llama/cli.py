@@ -16,6 +16,8 @@ from .commands import EXIT_USAGE, CommandError, Frontend, _HelpShown, build_pars
 class TerminalFrontend(Frontend):
     """Prints to the terminal; talks to the manager ``find_server`` finds (starting the background one)."""
 
+    waits_aloud = True
+
     def __init__(self, url: str | None = None, token: str | None = None):
         self.url, self.token = url, token
         self.namespace = None

@@ -92,6 +92,7 @@ class Frontend:
     namespace: dict | None = None  # for {name} in a cell's body (the notebook's variables; see fill_placeholders)
     mid_line = False  # streamed text is on the terminal's last line, which no line end has closed yet
     foreground = True  # a command may hold it until stopped (a shell may; a kernel must stay free: False)
+    waits_aloud = False  # says so when an answer waits for its model to load (a shell; a notebook shows its cell busy)
     conversations: dict[str, list[dict]]
 
     def client(self):  # -> LlamaClient
@@ -506,17 +507,32 @@ def _placement(fe: Frontend, model: str) -> str:
     return f"{vram / size:.0%} GPU / {1 - vram / size:.0%} CPU"
 
 
+LOADING_NOTE_AFTER = 3.0  # seconds without a first chunk before a shell is told the model is loading
+
+
 def _generate(args, fe: Frontend, chunks_of: Callable[[], Iterator[dict]], pick: Callable[[dict], str]) -> RunResult:
+    import threading
+
     result = RunResult(model=args.model)
     last: dict = {}
     t0 = time.monotonic()
     first = [True]
+    # A shell that shows nothing while a model loads looks hung (a slow disk, a worker that
+    # stopped answering: until LOAD_TIMEOUT): it is told once, if the load takes a while.
+    waiting = threading.Timer(LOADING_NOTE_AFTER, lambda: first[0] and fe.note(
+        f"(loading {args.model}: the answer starts once it is loaded; `jupyter-llama explain {args.model}` "
+        "says what the manager is doing)")) if fe.waits_aloud else None
+    if waiting is not None:
+        waiting.daemon = True
+        waiting.start()
 
     def texts():
         nonlocal last
         for chunk in chunks_of():
             if first[0]:
                 first[0] = False
+                if waiting is not None:
+                    waiting.cancel()
                 waited = time.monotonic() - t0
                 if waited > 1.0:
                     fe.note(f"({args.model} was loaded first: {waited:.1f}s)")
@@ -525,7 +541,11 @@ def _generate(args, fe: Frontend, chunks_of: Callable[[], Iterator[dict]], pick:
             if piece:
                 yield piece
 
-    result.text = _call(fe, fe.stream, texts(), raw=bool(getattr(args, "raw", False)), model=args.model)
+    try:
+        result.text = _call(fe, fe.stream, texts(), raw=bool(getattr(args, "raw", False)), model=args.model)
+    finally:
+        if waiting is not None:
+            waiting.cancel()
     result.stats = {k: v for k, v in last.items() if k not in ("response", "message", "context")}
     result.load_seconds = (result.stats.get("load_duration") or 0) / 1e9
     result.placement = _placement(fe, args.model)

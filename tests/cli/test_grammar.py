@@ -62,3 +62,33 @@ def test_run_result_numbers():
     line = r.stats_line()
     assert "20 tokens" in line and "10.0 tokens/s" in line and "load 0.50s" in line and "on CPU" in line
     assert "stopped: length" in line and "tiny" in repr(r)
+
+
+def test_a_shell_is_told_when_an_answer_waits_for_its_model_to_load(monkeypatch, capsys):
+    """Nothing on the screen while a model loads looked like a hang (a worker that stopped
+    answering kept `run` silent until the load timed out): after LOADING_NOTE_AFTER the shell
+    is told once; an answer that comes sooner is not preceded by it."""
+    import argparse
+    import time
+
+    from jupyter_llama import commands
+    from jupyter_llama.cli import TerminalFrontend
+
+    monkeypatch.setattr(commands, "LOADING_NOTE_AFTER", 0.05)
+    args = argparse.Namespace(model="slow", raw=False, stats=False)
+
+    def chunks(delay):
+        def gen():
+            time.sleep(delay)
+            yield {"response": "Once", "done": False}
+            yield {"response": "", "done": True, "eval_count": 1}
+        return gen
+
+    monkeypatch.setattr(commands, "_placement", lambda fe, model: "")  # (it asks a manager; there is none here)
+    fe = TerminalFrontend()
+    result = commands._generate(args, fe, chunks(0.4), lambda c: c.get("response", ""))
+    err = capsys.readouterr().err
+    assert result.text == "Once" and err.count("(loading slow: the answer starts once it is loaded") == 1, err
+    commands._generate(args, fe, chunks(0.0), lambda c: c.get("response", ""))
+    time.sleep(0.2)
+    assert "loading slow" not in capsys.readouterr().err
