@@ -514,6 +514,8 @@ class Scheduler:
         self._tasks: set[asyncio.Task] = set()
         self._stopping: set[asyncio.Task] = set()  # evicted runners stopping while the next one starts
         self._retiring: list[Loaded] = []  # those runners, until they are gone
+        # the last failed load of each model (by file), for `log` to show what its child said
+        self.failed: dict[str, Loaded] = {}
         self.peers = (peermod.PeerBoard(settings.peers_dir, settings.manager_url) if settings.peers_dir
                       else None)
         self._board: concurrent.futures.ThreadPoolExecutor | None = None  # writes self.peers' file (_board_write)
@@ -674,6 +676,15 @@ class Scheduler:
         if lo is None or lo.state == ModelState.GONE:  # loaded under this name from what it named before
             lo = next((x for x in self.live() if same_model(x.name, name)), None)
         return lo if lo is not None and lo.state != ModelState.GONE else None
+
+    async def find_failed(self, name: str) -> Loaded | None:
+        """The last load of ``name`` that failed, when it has not loaded since (its runner
+        keeps what the child logged)."""
+        try:
+            key = (await self.resolver(name)).key
+        except SchedulerError:
+            return None
+        return None if key in self.loaded else self.failed.get(key)
 
     async def predict(self, name: str, options: LoadOptions | None = None) -> tuple[ModelRef, dict[str, MemoryReport]]:
         """Predictions for loading ``name`` now: on the devices a load would get, with the
@@ -1024,6 +1035,11 @@ class Scheduler:
             lo.state = ModelState.GONE
             lo.gone.set()
             self.loaded.pop(ref.key, None)
+            if lo.runner is not None and lo.runner.parser.n_lines:
+                self.failed.pop(ref.key, None)
+                self.failed[ref.key] = lo
+                while len(self.failed) > 8:  # (the newest few: a log is up to 2,000 lines)
+                    self.failed.pop(next(iter(self.failed)))
             err = e if isinstance(e, SchedulerError) else LoadFailed(
                 f"failed to load {ref.name}: {e}") if isinstance(e, EngineError) else e
             if isinstance(e, Exception):

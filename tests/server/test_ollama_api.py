@@ -497,6 +497,12 @@ async def test_without_an_engine_the_registry_still_works(http):
 async def test_log_of_a_loaded_model(http):
     r = await http.get("api/log", params={"model": "tiny"})
     assert r.status_code == 404 and "is not loaded" in r.json()["error"], r.text
+    # a load that failed: its child's log is what the user needs then (it was "not loaded")
+    bad = dict(OPTS, cache_type_k="q4_0", flash_attn="on")  # (a head of 16 is not a q4_0 block of 32)
+    r = await http.post("api/generate", json=gen(options=dict(bad, num_predict=1)))
+    assert r.status_code in (400, 500), r.text
+    failed = (await http.get("api/log", params={"model": "tiny"})).json()
+    assert failed["state"] == "its load failed" and failed["lines"], failed
     assert (await http.post("api/generate", json=gen())).status_code == 200
     r = await http.get("api/log", params={"model": "tiny", "match": "buffer size"})
     body = r.json()
