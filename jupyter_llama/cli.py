@@ -78,6 +78,8 @@ class TerminalFrontend(Frontend):
                 self._client = LlamaClient(self.url, self.token, start=False)
             except ServerNotFound:
                 return None
+            if self._client.server.warning:  # (as client() says it)
+                self.note(f"note: {self._client.server.warning}")
         return self._client
 
     def client(self):

@@ -520,8 +520,8 @@ def _generate(args, fe: Frontend, chunks_of: Callable[[], Iterator[dict]], pick:
     # A shell that shows nothing while a model loads looks hung (a slow disk, a worker that
     # stopped answering: until LOAD_TIMEOUT): it is told once, if the load takes a while.
     waiting = threading.Timer(LOADING_NOTE_AFTER, lambda: first[0] and fe.note(
-        f"(loading {args.model}: the answer starts once it is loaded; `jupyter-llama explain {args.model}` "
-        "says what the manager is doing)")) if fe.waits_aloud else None
+        f"(no answer from {args.model} yet: it may be loading, or reading a long prompt; `jupyter-llama explain "
+        f"{args.model}` says what the manager is doing)")) if fe.waits_aloud else None
     if waiting is not None:
         waiting.daemon = True
         waiting.start()
@@ -613,9 +613,9 @@ def cmd_stop(args, fe: Frontend):
     try:
         client.unload(args.model)  # (a model known but not loaded: nothing happens, as with Ollama's)
     except ModelNotFoundError as e:  # (no advice to pull a model in order to stop it)
-        close = e.message.split("try pulling it first", 1)[1] if "try pulling it first" in e.message else ""
-        raise CommandError(f'no model is named "{args.model}"{close}: nothing to stop. `ps` shows the loaded models, '
-                           "`list` the ones there are") from None
+        close = re.search(r"\(did you mean [^)]*\)", e.message)
+        raise CommandError(f'no model is named "{args.model}"{f" {close.group(0)}" if close else ""}: nothing to '
+                           "stop. `ps` shows the loaded models, `list` the ones there are") from None
     fe.note(f"{args.model} unloaded" if loaded else f"{args.model} was not loaded: nothing to stop (`ps` shows what is)")
     return EXIT_OK
 
@@ -651,15 +651,17 @@ def cmd_status(args, fe: Frontend):
         loaded = _call(fe, client.ps).get("models", [])
         info = client.server
         others = [p for p in _other_managers() if p.pid != info.pid and api_url(p.url) != info.url]
-        data = {"url": info.url, "source": info.source, "pid": info.pid, "version": version.get("jupyter_llama"),
-                "api_version": version.get("version"), "engine": version.get("engine"),
+        data = {"url": info.url, "source": info.source, "pid": info.pid, "version": version.get("version"),
+                "jupyter_llama": version.get("jupyter_llama"), "engine": version.get("engine"),
+                "engine_error": version.get("engine_error"),
                 "loaded": [m.get("name") for m in loaded],
                 "others": [{"pid": p.pid, "url": p.url, "models": p.models} for p in others]}
         if args.json:
             fe.json(data)
             return EXIT_OK
-        fe.out(f"manager: {info.url}\nfound:   {info.source}\nversion: jupyter-llama {data['version']} (Ollama's API "
-               f"{data['api_version']}), engine {data['engine'] or 'not found'}\n"
+        engine = data["engine"] or f"unavailable ({data['engine_error'] or 'not found'})"
+        fe.out(f"manager: {info.url}\nfound:   {info.source}\nversion: jupyter-llama {data['jupyter_llama']} (Ollama's "
+               f"API {data['version']}), engine {engine}\n"
                f"loaded:  {', '.join(data['loaded']) or 'nothing'}")
     for p in others:  # they share this machine's memory and this user's budgets with it
         fe.out(f"also:    another manager of yours, {p.describe()}")

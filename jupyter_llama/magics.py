@@ -47,6 +47,9 @@ class NotebookFrontend(Frontend):
     def client(self):
         return self.magics.client()
 
+    def running_client(self):
+        return self.magics.client(start=False)
+
     def has_manager(self, args=None) -> bool:
         return True  # the magic always has one (the kernel's server, or the background manager)
 
@@ -153,12 +156,18 @@ class LlamaMagics(Magics):
             self._client.close()
         self._client = None
 
-    def client(self):
+    def client(self, start: bool = True):
+        """The client of this kernel's server, a running one of this user, else the background
+        manager (started now unless ``start`` is False: then None when none runs)."""
         if self._client is None:
-            from .client import LlamaClient
+            from .client import LlamaClient, ServerNotFound
 
-            # the kernel's server, a running one of this user, else the background manager
-            self._client = LlamaClient(self.url or None, self.token or None)
+            try:
+                self._client = LlamaClient(self.url or None, self.token or None, start=start)
+            except ServerNotFound:
+                if start:
+                    raise
+                return None
             if self._client.server.warning:
                 print(f"note: {self._client.server.warning}")
         return self._client

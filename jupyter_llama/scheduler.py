@@ -245,6 +245,8 @@ class SchedulerSettings:
             raise ConfigError(f"{label('max_loaded_models')} must be 0 (automatic) or more, "
                               f"got {self.max_loaded_models}")
         # (each of these was taken, and every load or request then failed in words that blamed it)
+        if self.num_parallel == 0:
+            self.num_parallel = None  # (0 is automatic, as unset is)
         if self.num_parallel is not None and not 0 < self.num_parallel <= 256:
             raise ConfigError(f"{label('num_parallel')} must be 0 (automatic) or 1 to 256 request slots per model, "
                               f"got {self.num_parallel}")
@@ -1035,8 +1037,7 @@ class Scheduler:
             lo.state = ModelState.GONE
             lo.gone.set()
             self.loaded.pop(ref.key, None)
-            if lo.runner is not None and lo.runner.parser.n_lines:
-                self.failed.pop(ref.key, None)
+            if isinstance(e, Exception) and lo.runner is not None and lo.runner.parser.n_lines:  # (not a cancel)
                 self.failed[ref.key] = lo
                 while len(self.failed) > 8:  # (the newest few: a log is up to 2,000 lines)
                     self.failed.pop(next(iter(self.failed)))
@@ -1052,6 +1053,7 @@ class Scheduler:
             raise err from None
         lo.state = ModelState.READY
         lo.loaded_at = time.time()
+        self.failed.pop(ref.key, None)  # (a load that failed before is no longer what `log` should show)
         actual = lo.actual
         self.events.emit(EventKind.LOADED, ref.name, _loaded_message(lo, actual), load_seconds=round(lo.load_duration, 3),
                          pid=lo.runner.pid, predicted={k: v.total() for k, v in preds.items()},

@@ -888,8 +888,10 @@ class _Lines:
         if m is not None and m.group(1) != b'""':
             self._text(m)
             return self._head + rfc3339().encode() + self._text_key + m.group(1) + self._text_tail
-        return b"".join([ndjson(c) for c in self.feed(json.loads(data))
-                         if not (self.hold_final and c is self.final)])
+        out = b"".join([ndjson(c) for c in self.feed(json.loads(data)) if not (self.hold_final and c is self.final)])
+        if self.top is not None:
+            self.logprobs.clear()  # (streamed, each chunk carries its own: none are kept for a whole answer)
+        return out
 
 
 class GenerateTranslator(_Lines):
@@ -1019,7 +1021,7 @@ class ThinkingGenerateTranslator(_Lines):
     def __init__(self, model: str, started: float, load_s: float, *, logprobs: int | None = None):
         self.model = model
         self.chat = ChatTranslator(model, started, load_s, logprobs=logprobs)
-        self.top = logprobs
+        self.top, self.logprobs = logprobs, self.chat.logprobs  # (the chat's: it collects them)
         self._template()
 
     @staticmethod

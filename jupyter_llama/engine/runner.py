@@ -796,11 +796,15 @@ class Runner:
         kept = await self.fit_chat(messages, reserve, **params)
         if len(kept) == len(messages):
             n_ctx, most = self._prompt_room(reserve)
-            prompt = (await self.post("/apply-template", {"messages": kept, **_template_params(params)})).get("prompt", "")
-            raise BadRequest(f"the chat's last message and its system messages, which a cut chat keeps, come to "
-                             f"{len(await self.tokenize(prompt)):,} tokens, and the context of {self.name} has room "
-                             f"for {most:,} ({n_ctx:,} less {n_ctx - most:,} kept to answer in): shorten them, or "
-                             "load the model with a larger num_ctx")
+            size = ""
+            if n_ctx:  # (how long, and how much room: the numbers that say how much to cut)
+                prompt = (await self.post("/apply-template", {"messages": kept, **_template_params(params)})
+                          ).get("prompt", "")
+                size = (f" ({len(await self.tokenize(prompt)):,} tokens, where the context of {n_ctx:,} has room "
+                        f"for {most:,} beside the answer)")
+            raise BadRequest(f"the chat's last message and its system messages, which a cut chat keeps, are longer "
+                             f"than the context of {self.name}{size}: shorten them, or load the model with a larger "
+                             "num_ctx")
         return {**body, "messages": kept}
 
     async def fit_chat(self, messages: list[dict], reserve: int, **params) -> list[dict]:

@@ -102,22 +102,25 @@ def run_worker(engine: Engine, *, host: str = "127.0.0.1", port: int = rpc.DEFAU
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
 
-    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # (a hang-up that is ignored, as under nohup, stays ignored: the worker outlives the terminal)
+    signals = [signal.SIGTERM] + ([] if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else [signal.SIGHUP])
+    before = {sig: signal.signal(sig, stop) for sig in signals}
     try:
-        local = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
-        deadline = time.monotonic() + ready_timeout
-        while proc.poll() is None and not rpc.probe(f"{local}:{port}", timeout=1.0).reachable:
-            if time.monotonic() > deadline:
-                break  # (still running: said as started, its own output says the rest)
-            time.sleep(0.05)
-        if proc.poll() is None:
-            note(f"RPC worker on {host}:{port}; on the manager set JUPYTER_LLAMA_RPC_WORKERS="
-                 f"{'THIS-HOST' if host in ('0.0.0.0', '::') else host}:{port} (Ctrl-C stops it)")
         try:
+            local = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+            deadline = time.monotonic() + ready_timeout
+            while not stopping and proc.poll() is None and not rpc.probe(f"{local}:{port}", timeout=1.0).reachable:
+                if time.monotonic() > deadline:
+                    break  # (still running: said as started, its own output says the rest)
+                time.sleep(0.05)
+            if not stopping and proc.poll() is None:
+                note(f"RPC worker on {host}:{port}; on the manager set JUPYTER_LLAMA_RPC_WORKERS="
+                     f"{'THIS-HOST' if host in ('0.0.0.0', '::') else host}:{port} (Ctrl-C stops it)")
             code = proc.wait()
         except KeyboardInterrupt:
             stopping.append(signal.SIGINT)
-            proc.send_signal(signal.SIGINT)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
             code = _wait_or_kill(proc)
         if stopping:
             if code is None or proc.poll() is None:

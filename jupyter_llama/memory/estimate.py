@@ -99,7 +99,8 @@ def estimate_coarse(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None
         rep.add(device, OTHER, surcharge)
         rep.warnings.append(f"'other' is Ollama's allowance of {format_bytes(surcharge)} for a batch of "
                             f"{options.num_batch or LLAMA_SERVER_DEFAULT_BATCH} tokens (num_batch; llama-server's "
-                            "default is 2048): conservative, and on a small model most of what it predicts")
+                            f"default is {LLAMA_SERVER_DEFAULT_BATCH}): conservative, and on a small model most of "
+                            "what it predicts")
     return rep
 
 
@@ -667,7 +668,7 @@ def estimate_all(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None = 
     ``llama-fit-params``) only when ``engine`` has it and it answers. Blocks while it runs;
     see :func:`estimate_all_async` for an event loop."""
     asked, (gpus, options) = options, (list(gpus or []), within_training(options, info))
-    out = _ours(info, options, gpus, asked)
+    out = {COARSE: estimate_coarse(info, options, gpus), DETAILED: estimate_detailed(info, options, gpus)}
     fit = getattr(engine, "fit_params", None) if engine is not None else None
     if fit:
         from .fitparams import project
@@ -675,14 +676,7 @@ def estimate_all(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None = 
         rep = project(fit, model_path or info.path, options, timeout=timeout)
         if rep is not None:
             out[LLAMA_CPP] = rep
-    return out
-
-
-def _ours(info: GGUFInfo, options: LoadOptions, gpus: list[str], asked: LoadOptions) -> dict[str, MemoryReport]:
-    """The coarse and detailed estimates for ``options`` (``asked`` as the training context
-    caps them), each noting the cap when there was one."""
-    return with_cap_note({COARSE: estimate_coarse(info, options, gpus), DETAILED: estimate_detailed(info, options, gpus)},
-                         asked.num_ctx, info)
+    return with_cap_note(out, asked.num_ctx, info)
 
 
 def with_cap_note(reports: dict[str, MemoryReport], asked: int | None, info: GGUFInfo) -> dict[str, MemoryReport]:
@@ -702,8 +696,9 @@ async def estimate_all_async(info: GGUFInfo, options: LoadOptions, gpus: list[st
                              timeout: float = 60.0) -> dict[str, MemoryReport]:
     """:func:`estimate_all` without blocking the event loop."""
     asked, (gpus, options) = options, (list(gpus or []), within_training(options, info))
-    out = _ours(info, options, gpus, asked)
-    return await with_projection_async(out, engine, model_path or info.path, options, timeout=timeout)
+    out = {COARSE: estimate_coarse(info, options, gpus), DETAILED: estimate_detailed(info, options, gpus)}
+    out = await with_projection_async(out, engine, model_path or info.path, options, timeout=timeout)
+    return with_cap_note(out, asked.num_ctx, info)
 
 
 async def with_projection_async(reports: dict[str, MemoryReport], engine, model_path: str | os.PathLike,

@@ -13,10 +13,12 @@ the token as API key. Ctrl-C and SIGTERM stop every model runner before the serv
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import Sequence
 
@@ -215,10 +217,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jupyter-llama serve: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # (the server binds its socket as it is made: an address this machine does not have)
+        if not isinstance(e, socket.gaierror) and e.errno not in (errno.EADDRNOTAVAIL, errno.EADDRINUSE, errno.EACCES):
+            raise
         args = build_parser().parse_args(list(argv) if argv is not None else None)
+        advice = {errno.EADDRINUSE: "give another --port (0 takes any free one)",
+                  errno.EACCES: "a port below 1024 needs privileges: give another --port"}.get(
+            e.errno, "give --ip an address of this machine (127.0.0.1, the default, for this machine alone; "
+                     "0.0.0.0 for every interface)")
         print(f"jupyter-llama serve: cannot listen on {args.ip}{f' port {args.port}' if args.port else ''}: "
-              f"{getattr(e, 'strerror', None) or e}; give --ip an address of this machine (127.0.0.1, the "
-              "default, for this machine alone; 0.0.0.0 for every interface)", file=sys.stderr)
+              f"{getattr(e, 'strerror', None) or e}; {advice}", file=sys.stderr)
         return 1
     if hasattr(os, "geteuid") and os.geteuid() == 0 and not app.allow_root:
         # (jupyter_server would say so only once started, after our lines saying where it serves)

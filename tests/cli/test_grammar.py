@@ -88,7 +88,7 @@ def test_a_shell_is_told_when_an_answer_waits_for_its_model_to_load(monkeypatch,
     fe = TerminalFrontend()
     result = commands._generate(args, fe, chunks(0.4), lambda c: c.get("response", ""))
     err = capsys.readouterr().err
-    assert result.text == "Once" and err.count("(loading slow: the answer starts once it is loaded") == 1, err
+    assert result.text == "Once" and err.count("(no answer from slow yet: it may be loading") == 1, err
     commands._generate(args, fe, chunks(0.0), lambda c: c.get("response", ""))
     time.sleep(0.2)
-    assert "loading slow" not in capsys.readouterr().err
+    assert "no answer from slow" not in capsys.readouterr().err

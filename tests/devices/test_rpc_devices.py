@@ -444,16 +444,24 @@ def test_worker_command_says_a_port_in_use_and_goes_with_its_worker(engine, work
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and f"127.0.0.1:{w.port} is in use (another worker?)" in r.stderr, r.stderr
     port = free_port()
+    # started as under nohup (a hang-up ignored): it stays so, and SIGTERM stops it and its worker
     cli = subprocess.Popen([sys.executable, "-m", "jupyter_llama.cli", "worker", "--port", str(port)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     try:
-        said = cli.stderr.readline() + cli.stdout.readline()  # (the line once the worker answers)
-        assert f"RPC worker on 127.0.0.1:{port}" in said, said
-        assert rpc.probe(f"127.0.0.1:{port}", timeout=2.0).reachable
+        deadline = time.monotonic() + 30
+        while not rpc.probe(f"127.0.0.1:{port}", timeout=1.0).reachable:
+            assert cli.poll() is None and time.monotonic() < deadline, "the worker did not come up"
+            time.sleep(0.05)
         kids = child_pids(cli.pid)
         assert kids
+        cli.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert cli.poll() is None and rpc.probe(f"127.0.0.1:{port}", timeout=2.0).reachable  # (nohup's promise)
         cli.send_signal(signal.SIGTERM)
-        assert cli.wait(30) == 0
+        out, err = cli.communicate(timeout=30)
+        assert cli.returncode == 0, err
+        assert f"RPC worker on 127.0.0.1:{port}" in out + err, (out, err)
         deadline = time.monotonic() + 10
         while any(process_alive(k) for k in kids):
             assert time.monotonic() < deadline, "the worker outlived its command"

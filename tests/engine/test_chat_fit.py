@@ -65,5 +65,6 @@ async def test_the_runner_answers_a_chat_the_child_refused_as_too_long(start_run
         await r.relay_chat(msgs, lambda batch: None, truncate=False, n_predict=4)
     # what must stay (the last message) longer than the context on its own: a 400 that says so
     with pytest.raises(BadRequest, match=r"the chat's last message and its system messages, which a cut chat keeps, "
-                                         r"come to [\d,]+ tokens, and the context of .* has room for 251 \(256 less"):
+                                         r"are longer than the context of .* \([\d,]+ tokens, where the context of "
+                                         r"256 has room for 251 beside the answer\)"):
         await r.relay_chat([{"role": "user", "content": "z" * 400}], lambda batch: None, n_predict=4)

@@ -503,6 +503,11 @@ async def test_log_of_a_loaded_model(http):
     assert r.status_code in (400, 500), r.text
     failed = (await http.get("api/log", params={"model": "tiny"})).json()
     assert failed["state"] == "its load failed" and failed["lines"], failed
+    # ... until it loads: then, and once unloaded again, that old failure is not what log shows
+    assert (await http.post("api/generate", json=gen())).status_code == 200
+    await http.post("api/generate", json={"model": "tiny", "keep_alive": 0})
+    r = await http.get("api/log", params={"model": "tiny"})
+    assert r.status_code == 404 and "is not loaded" in r.json()["error"], r.text
     assert (await http.post("api/generate", json=gen())).status_code == 200
     r = await http.get("api/log", params={"model": "tiny", "match": "buffer size"})
     body = r.json()

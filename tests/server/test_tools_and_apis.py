@@ -111,8 +111,9 @@ async def test_a_chat_longer_than_the_context_drops_its_oldest_messages(http):
     huge = [msgs[0], {"role": "user", "content": "z " * 400}]
     r = await http.post("api/chat", json={"model": "tiny", "messages": huge, "stream": False, "options": opts})
     said = r.json()["error"]
-    assert r.status_code == 400 and "the chat's last message and its system messages, which a cut chat keeps, come " \
-        "to " in said and "tokens, and the context of tiny" in said and "has room for 251 (256 less 5 kept" in said, said
+    assert r.status_code == 400 and "the chat's last message and its system messages, which a cut chat keeps, are " \
+        "longer than the context of tiny" in said and "tokens, where the context of 256 has room for 251 beside the " \
+        "answer)" in said, said
     # the OpenAI route cuts the same way (the model is loaded with the 256-token context above)
     for stream in (False, True):
         r = await http.post("v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 4,

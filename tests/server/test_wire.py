@@ -335,3 +335,28 @@ def test_streamed_lines_equal_the_chunks_feed_makes(text):
     tr = oa.GenerateTranslator("m", 0.0, 0.0)
     done = json.loads(tr.lines(json.dumps(last).encode()))
     assert done["done"] is True and done["done_reason"] == "length" and done["eval_count"] == 3
+
+
+def test_log_probabilities_keep_every_line_in_python():
+    """With logprobs asked, no line is written from the text template, in Python or by the C
+    relay (either would drop the probabilities): native_template and native_done are None;
+    without them nothing changes."""
+    from jupyter_llama.api import ollama as oa
+
+    for cls in (oa.GenerateTranslator, oa.ContextGenerateTranslator, oa.TemplatedChatTranslator,
+                oa.ThinkingGenerateTranslator, oa.ChatTranslator):
+        asked = cls("m", 0.0, 0.0, logprobs=2)
+        assert asked.native_template() is None and asked.native_done() is None, cls
+        plain = cls("m", 0.0, 0.0)
+        assert plain.top is None and asked.top == 2, cls
+        if cls in (oa.GenerateTranslator, oa.ChatTranslator):  # (those whose text lines the C relay may write)
+            assert plain.native_template() is not None, cls
+    event = (b'{"index":0,"content":" a","tokens":[261],"stop":false,"id_slot":-1,"tokens_predicted":1,'
+             b'"completion_probabilities":[{"id":261,"token":" a","bytes":[32,97],"logprob":-0.5,'
+             b'"top_logprobs":[{"id":261,"token":" a","bytes":[32,97],"logprob":-0.5},'
+             b'{"id":7,"token":" b","bytes":[32,98],"logprob":-1.5}]}]}')
+    line = json.loads(oa.GenerateTranslator("m", 0.0, 0.0, logprobs=1).lines(event))
+    assert line["response"] == " a" and line["logprobs"] == [
+        {"token": " a", "logprob": -0.5, "bytes": [32, 97], "top_logprobs": [{"token": " a", "logprob": -0.5,
+                                                                              "bytes": [32, 97]}]}]
+    assert "logprobs" not in json.loads(oa.GenerateTranslator("m", 0.0, 0.0).lines(event))
