@@ -145,13 +145,13 @@ def ensure(timeout: float = START_TIMEOUT) -> Manager:
         where = "JUPYTER_LLAMA_MANAGER_DIR" if env("MANAGER_DIR") else "Jupyter's runtime folder (JUPYTER_RUNTIME_DIR)"
         raise ConfigError(f"the background manager keeps its state in {where}, {d}, which cannot be made a folder: "
                           f"{e.strerror or e}; point JUPYTER_LLAMA_MANAGER_DIR at a folder you can write") from None
-    parse_duration(env("MANAGER_IDLE") or IDLE_DEFAULT, "JUPYTER_LLAMA_MANAGER_IDLE")  # (a bad one said before the lock)
+    idle = parse_duration(env("MANAGER_IDLE") or IDLE_DEFAULT, "JUPYTER_LLAMA_MANAGER_IDLE")  # (said before the lock)
     try:
         with FileLock(str(d / (STATE_NAME + ".lock")), timeout=timeout + 30):
             found = find() or _wait_for_running(timeout)  # another process may have started it meanwhile
             if found is not None:
                 return found
-            return _start(d, timeout)
+            return _start(d, timeout, idle)
     except Timeout:
         raise ManagerStartFailed(f"another process has been starting the background manager for over "
                                  f"{timeout + 30:.0f}s (lock {d / (STATE_NAME + '.lock')}); try again") from None
@@ -205,10 +205,9 @@ def start_serve(port: int, token: str, log_path: str | os.PathLike, *, what: str
     return proc
 
 
-def _start(d: Path, timeout: float) -> Manager:
+def _start(d: Path, timeout: float, idle: float) -> Manager:
     from .engine.runner import free_port
 
-    idle = parse_duration(env("MANAGER_IDLE") or IDLE_DEFAULT, "JUPYTER_LLAMA_MANAGER_IDLE")
     port, token = free_port(), secrets.token_urlsafe(24)
     url = f"http://127.0.0.1:{port}/llama/"
     log_path = d / "jupyter-llama-manager.log"

@@ -51,7 +51,6 @@ class TerminalFrontend(Frontend):
         if self._conversations is None or touched is None or touched not in self._conversations:
             return
         import json
-        import os
 
         from filelock import FileLock
 
@@ -70,28 +69,25 @@ class TerminalFrontend(Frontend):
                 json.dump(now, fh)
             os.replace(tmp, path)
 
-    def running_client(self):
+    def client(self, start: bool = True):
+        """JUPYTER_LLAMA_URL's manager, a running Jupyter server of this user, else the
+        background manager: started now if need be (it stays, so the next command finds it
+        warm), unless ``start`` is False (then None when none runs)."""
         if self._client is None:
             from .client import LlamaClient, ServerNotFound
 
             try:
-                self._client = LlamaClient(self.url, self.token, start=False)
+                self._client = LlamaClient(self.url, self.token, start=start)
             except ServerNotFound:
+                if start:
+                    raise
                 return None
-            if self._client.server.warning:  # (as client() says it)
-                self.note(f"note: {self._client.server.warning}")
-        return self._client
-
-    def client(self):
-        if self._client is None:
-            from .client import LlamaClient
-
-            # JUPYTER_LLAMA_URL, a running Jupyter server of this user, else the background
-            # manager (started now if need be; it stays, so the next command finds it warm)
-            self._client = LlamaClient(self.url, self.token)
             if self._client.server.warning:
                 self.note(f"note: {self._client.server.warning}")
         return self._client
+
+    def running_client(self):
+        return self.client(start=False)
 
     def out(self, text: str) -> None:
         print(text, flush=True)

@@ -636,33 +636,25 @@ def cmd_status(args, fe: Frontend):
     from .client import api_url
 
     client = fe.running_client()  # (a look: it starts no manager)
-    if client is None:
-        others = _other_managers()
-        data = {"url": None, "source": None, "pid": None, "version": None, "loaded": [],
-                "others": [{"pid": p.pid, "url": p.url, "models": p.models} for p in others]}
-        if args.json:
-            fe.json(data)
-            return EXIT_OK
+    info = client.server if client is not None else None
+    version = _call(fe, client.version) if client is not None else {}
+    others = [p for p in _other_managers() if info is None or (p.pid != info.pid and api_url(p.url) != info.url)]
+    data = {"url": info and info.url, "source": info and info.source, "pid": info and info.pid,
+            "version": version.get("version"), "jupyter_llama": version.get("jupyter_llama"),
+            "engine": version.get("engine"), "engine_error": version.get("engine_error"),
+            "loaded": [m.get("name") for m in _call(fe, client.ps).get("models", [])] if client is not None else [],
+            "others": [{"pid": p.pid, "url": p.url, "models": p.models} for p in others]}
+    if args.json:
+        fe.json(data)
+        return EXIT_OK
+    if info is None:
         fe.out("manager: none runs (JUPYTER_LLAMA_URL is not set, no Jupyter server of yours serves the extension, "
                "no background manager runs)\nA command that needs one (run, load, ps, ...) starts the background "
                "manager; `jupyter-llama serve` runs one in the foreground.")
     else:
-        version = _call(fe, client.version)
-        loaded = _call(fe, client.ps).get("models", [])
-        info = client.server
-        others = [p for p in _other_managers() if p.pid != info.pid and api_url(p.url) != info.url]
-        data = {"url": info.url, "source": info.source, "pid": info.pid, "version": version.get("version"),
-                "jupyter_llama": version.get("jupyter_llama"), "engine": version.get("engine"),
-                "engine_error": version.get("engine_error"),
-                "loaded": [m.get("name") for m in loaded],
-                "others": [{"pid": p.pid, "url": p.url, "models": p.models} for p in others]}
-        if args.json:
-            fe.json(data)
-            return EXIT_OK
         engine = data["engine"] or f"unavailable ({data['engine_error'] or 'not found'})"
         fe.out(f"manager: {info.url}\nfound:   {info.source}\nversion: jupyter-llama {data['jupyter_llama']} (Ollama's "
-               f"API {data['version']}), engine {engine}\n"
-               f"loaded:  {', '.join(data['loaded']) or 'nothing'}")
+               f"API {data['version']}), engine {engine}\nloaded:  {', '.join(data['loaded']) or 'nothing'}")
     for p in others:  # they share this machine's memory and this user's budgets with it
         fe.out(f"also:    another manager of yours, {p.describe()}")
     return EXIT_OK

@@ -230,7 +230,8 @@ class LlamaMagics(Magics):
                     made.append(LlamaClient(args.url or self.url or None, args.token or self.token or None))
                 return made[0]
 
-            fe.client = one_off  # type: ignore[method-assign]
+            # (a URL given: nothing is started, so `status` looks there too)
+            fe.client = fe.running_client = one_off  # type: ignore[method-assign]
         try:
             result = execute(args, fe, body=cell if args.command in ("run", "chat") else None)
         except CommandError as e:

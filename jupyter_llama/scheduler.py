@@ -245,9 +245,7 @@ class SchedulerSettings:
             raise ConfigError(f"{label('max_loaded_models')} must be 0 (automatic) or more, "
                               f"got {self.max_loaded_models}")
         # (each of these was taken, and every load or request then failed in words that blamed it)
-        if self.num_parallel == 0:
-            self.num_parallel = None  # (0 is automatic, as unset is)
-        if self.num_parallel is not None and not 0 < self.num_parallel <= 256:
+        if self.num_parallel is not None and not 0 <= self.num_parallel <= 256:  # (0: automatic, as None)
             raise ConfigError(f"{label('num_parallel')} must be 0 (automatic) or 1 to 256 request slots per model, "
                               f"got {self.num_parallel}")
         if not self.load_timeout > 0:
@@ -1438,7 +1436,8 @@ class Scheduler:
         lost = await lo.runner.lost_workers() if lo.runner else []
         cause = f" because RPC worker {', '.join(lost)} went away" if lost else ""
         self.events.emit(EventKind.CRASH, lo.name, f"llama-server for {lo.name} stopped unexpectedly "
-                         f"({exit_words(code)}){cause}; the next request reloads it" + (" on the devices that are left" if lost else ""),
+                         f"({exit_words(code)}){cause}; the next request reloads it"
+                         + (" on the devices that are left" if lost else ""),
                          exit_code=code, lost_workers=lost,
                          last_lines=lo.runner.parser.last_error_lines(5) if lo.runner else [])
         await self._stop_runner(lo, "its runner crashed", rule="crash")

@@ -1445,13 +1445,9 @@ class ModelStore:
         try:
             e = self.entry(name)
         except (InvalidName, ModelNotFound):
-            ref = self._resolve_path(str(name).strip())
-            if ref is None:
-                missing = self._missing_file(str(name).strip())
-                if missing is not None:
-                    raise ModelNotFound(str(name).strip(), missing_file=missing) from None
+            if not self.allow_paths or not self._looks_like_path(str(name)):
                 raise
-            return self._show_file(ref, verify)
+            return self._show_file(self.resolve_sync(str(name)), verify)  # (a path: resolved as a load resolves it)
         info = e.info
         files = []
         problems = []

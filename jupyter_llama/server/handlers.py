@@ -1219,11 +1219,12 @@ class LogHandler(LlamaHandler):
             raise BadRequest("lines must be a whole number") from None
         sched = self.ext.scheduler
         lo = await sched.find_loaded(model) if sched is not None else None
-        failed = lo is None and sched is not None and (lo := await sched.find_failed(model)) is not None
-        if lo is None:
+        # (else a load that failed: what its child said is what the user needs now)
+        failed = await sched.find_failed(model) if lo is None and sched is not None else None
+        if lo is None and failed is None:
             raise NotLoaded(model)
-        out = lo.log(lines, self.get_argument("match", None) or None)
-        if failed:  # (a load that failed: what its child said is what the user needs now)
+        out = (lo or failed).log(lines, self.get_argument("match", None) or None)
+        if failed is not None:
             out["state"] = "its load failed"
         self.finish(dumps(out))
 

@@ -91,11 +91,12 @@ def server_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def make_server(argv: Sequence[str] | None = None):
-    """An initialised (not yet started) ServerApp running only this extension."""
+def make_server(argv: Sequence[str] | None = None, *, args: argparse.Namespace | None = None):
+    """An initialised (not yet started) ServerApp running only this extension (``args``: the
+    ``serve`` arguments already parsed, else ``argv``'s)."""
     from jupyter_server.serverapp import ServerApp
 
-    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    args = args or build_parser().parse_args(list(argv) if argv is not None else None)
     app = ServerApp.instance(jpserver_extensions={"jupyter_llama": True})
     app.initialize(argv=server_argv(args), find_extensions=False, starter_extension="jupyter_llama")
     ext = _extension(app)
@@ -204,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until it is stopped; returns the exit status."""
     from ..config import env_choice
 
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
     try:  # (the settings of how it serves, each a word: one it does not know is said, not ignored)
         for name, choices in (("EVENT_LOOP", EVENT_LOOPS), ("FRONT", FRONTS), ("RELAY", native.RELAYS)):
             env_choice(name, choices)
@@ -212,14 +214,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     loop_name = use_fast_loop()
     try:
-        app = make_server(argv)
+        app = make_server(args=args)
     except (ConfigError, SchedulerError) as e:  # (a setting the extension cannot read, mostly)
         print(f"jupyter-llama serve: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # (the server binds its socket as it is made: an address this machine does not have)
         if not isinstance(e, socket.gaierror) and e.errno not in (errno.EADDRNOTAVAIL, errno.EADDRINUSE, errno.EACCES):
             raise
-        args = build_parser().parse_args(list(argv) if argv is not None else None)
         advice = {errno.EADDRINUSE: "give another --port (0 takes any free one)",
                   errno.EACCES: "a port below 1024 needs privileges: give another --port"}.get(
             e.errno, "give --ip an address of this machine (127.0.0.1, the default, for this machine alone; "
@@ -249,7 +250,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     app.log.info("  Ollama clients: OLLAMA_HOST=%s with header 'Authorization: token %s'", url,
                  shown if token else "")
     app.log.info("  OpenAI clients: base_url=%s/v1 api_key=<the token>", url)
-    args = build_parser().parse_args(list(argv) if argv is not None else None)
     if args.exit_when_idle is not None:
         _exit_when_idle(app, args.exit_when_idle)
     # What is built by now (jupyter_server, Tornado, the extension: ~200,000 objects) lives as
