@@ -135,6 +135,8 @@ def test_user_mistakes_are_usage_errors_with_advice(shell, registered):
         shell.run_cell_magic("llama", "ps", "Hello")
     with pytest.raises(UsageError, match=r"ftp://h:1 is not a jupyter-llama server's address"):
         shell.run_line_magic("llama", "--url ftp://h:1 ps")
+    with pytest.raises(UsageError, match=r"ftp://h:1 is not a jupyter-llama server's address"):
+        shell.run_line_magic("llama", "--url ftp://h:1 status")  # (status looks where it is told, too)
     with pytest.raises(UsageError, match=r"worker runs in the foreground until it is stopped, which would hold this "
                                          r"kernel: start it from a shell with `jupyter-llama worker`"):
         shell.run_line_magic("llama", "worker --port 1")
