@@ -27,6 +27,12 @@ requests read in one turn of the loop) a connection's callback would otherwise w
 every other request's handler, and the first request reached the child 5-6 ms after it
 was ready, all eight together, where asked directly they arrive ~0.5 ms apart.
 
+A stream's request can reach the child before its handler has even run (:class:`Early`,
+made by the server as the client's request is read; see server/early.py): the request the
+handler will make is sent ahead, and :func:`post` takes that connection, with whatever of the
+answer has come meanwhile, when the request it is given is byte for byte the one sent;
+otherwise the one sent ahead is closed, which makes the child drop it.
+
 On top of the same parser: :func:`post_lines` (an async iterator of lines, what the bench
 uses as its client), :func:`sse_data` and :func:`sse_events` (events as bytes or objects,
 for callers that want an iterator). Closing or cancelling any of them closes the
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import errno
 import json
 import re
@@ -46,8 +53,8 @@ from typing import AsyncIterator, Awaitable, Callable
 from ..errors import RequestError
 from . import native
 
-__all__ = ["Ahead", "BadResponse", "post", "post_lines", "request_json", "relay_sse", "sse_data", "sse_events",
-           "error_text"]
+__all__ = ["Ahead", "BadResponse", "EARLY", "Early", "post", "post_lines", "request_json", "relay_sse", "sse_data",
+           "sse_events", "error_text"]
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -155,6 +162,9 @@ class _LineProtocol(asyncio.Protocol):
         # batches to deliver here before the C relay is tried (again): the head goes out from
         # here, and the C relay has the stream while the child makes its first token
         self._native_after = 1
+        # a request sent ahead of its caller (Ahead.send_ahead): its answer, held until claimed
+        self._held: list[bytes] = []
+        self._held_end: tuple[BaseException | None] | None = None  # (the connection closed meanwhile: why)
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -174,6 +184,25 @@ class _LineProtocol(asyncio.Protocol):
         elif self.early is not None:
             self.send_early()
 
+    def answered(self) -> bool:
+        """Whether a request sent ahead can still be claimed: its connection is open, or the
+        child has answered something before closing it (a child that closed it without a
+        word never took the request: the caller asks afresh)."""
+        return self._held_end is None or bool(self._held)
+
+    def claim(self, sink: LineSink) -> None:
+        """Give a request sent ahead its sink: what of its answer has come is parsed now, as if
+        just read, and reading goes on."""
+        self.sink = sink
+        held, self._held = self._held, []
+        end, self._held_end = self._held_end, None
+        if end is None:
+            self.transport.resume_reading()  # (first: a stream goes below Python only while reading)
+        for data in held:
+            self.data_received(data)
+        if end is not None:
+            self.connection_lost(end[0])
+
     def send_early(self) -> None:
         """Write the request to the connected socket now, before the transport exists;
         what it does not take, the transport writes once made."""
@@ -191,6 +220,10 @@ class _LineProtocol(asyncio.Protocol):
             self.early = None
 
     def data_received(self, data: bytes) -> None:
+        if self.sink is None:  # the answer to a request sent ahead: held (and the child paused) until claimed
+            self._held.append(data)
+            self.transport.pause_reading()
+            return
         if self.done.done():
             return
         try:
@@ -213,6 +246,9 @@ class _LineProtocol(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         if self.request is None:  # never used: the caller connects afresh
             self.lost = True
+            return
+        if self.sink is None:  # a request sent ahead, not claimed yet: told when it is
+            self._held_end = (exc,)
             return
         if self.done.done():
             return
@@ -462,11 +498,13 @@ class Ahead:
 
     def __init__(self, port: int, host: str = "127.0.0.1", ttl: float = 1.0):
         loop = asyncio.get_running_loop()
+        self.port, self.host = port, host
         self.proto = _LineProtocol(None, None)
         self._connecting = _connect(self.proto, host, port)
         self._connecting.add_done_callback(_retrieved)
         self._expiry = loop.call_later(ttl, self.close)
         self.taken = False
+        self.sent: bytes | None = None  # the request sent on it ahead of its caller (send_ahead)
 
     @property
     def usable(self) -> bool:
@@ -480,6 +518,16 @@ class Ahead:
         self.taken = True
         self._expiry.cancel()
         return self
+
+    def send_ahead(self, request: bytes, ttl: float = 10.0) -> None:
+        """Send ``request`` on it now, before anyone has asked for its answer: the answer is
+        held (and the child's stream paused) until :class:`Early` gives it to :func:`post`;
+        one not claimed within ``ttl`` seconds is closed, as is one its request drops."""
+        self.taken = True
+        self.sent = request
+        self._expiry.cancel()
+        self._expiry = asyncio.get_running_loop().call_later(ttl, self.drop)
+        self.proto.begin(request, None)
 
     def close(self) -> None:
         """Close it unless a request has it."""
@@ -512,23 +560,78 @@ def _retrieved(task: asyncio.Task) -> None:
         task.exception()  # a failed connection ahead is heard of by the request that takes it
 
 
+class Early:
+    """A client's request, as a server hands it to its handler, for the streams the handler
+    makes to a child: ``ahead``, the child's request sent before the handler ran (see
+    server/early.py), which :func:`post` takes when it is the request the handler makes, and
+    ``streams``, what :func:`post` was asked to send (from which the server learns what to
+    send ahead next time). Set in :data:`EARLY` while the handler runs."""
+
+    def __init__(self):
+        self.ahead: Ahead | None = None
+        self.streams: list[tuple[str, int, str, dict[str, str] | None, bytes]] = []  # host, port, path, headers, body
+        self.claimed = False  # ``ahead`` was the request: the handler took its answer
+        self.missed = False  # ``ahead`` was not: it was closed, and the request sent afresh
+
+    def take(self, host: str, port: int, request: bytes) -> "Ahead | None":
+        """The request sent ahead, when it is ``request`` (to the same place) and its answer
+        can still be had; a different stream request to the same child closes it."""
+        ahead = self.ahead
+        if ahead is None or (ahead.host, ahead.port) != (host, port):
+            return None
+        self.ahead = None
+        if ahead.sent == request and ahead.proto.answered():
+            self.claimed = True
+            return ahead
+        self.missed = ahead.sent != request
+        ahead.drop()  # (the child stops the stream it had begun)
+        return None
+
+    def drop(self) -> None:
+        """Close the request sent ahead, unless it was taken (the handler is done)."""
+        if self.ahead is not None:
+            self.ahead.drop()
+            self.ahead = None
+
+
+# the request its server is answering, in the context its handler runs in (None: not a server's)
+EARLY: contextvars.ContextVar[Early | None] = contextvars.ContextVar("jupyter_llama_early", default=None)
+
+
 async def post(port: int, path: str, body: bytes | None, headers: dict[str, str] | None, sink: LineSink,
-               host: str = "127.0.0.1", ahead: Ahead | None = None) -> None:
+               host: str = "127.0.0.1", ahead: Callable[[], "Ahead | None"] | None = None) -> None:
     """POST ``body`` (JSON; None: a GET) to ``host:port`` and feed the answer's lines to
     ``sink`` (from the event loop's read callback) until the body ends. An answer of 400 or
     more is a RequestError carrying its text. Cancelling this closes the connection.
-    ``ahead``: a connection to the same place opened earlier (:meth:`Ahead.take`), used
-    unless it has closed."""
+
+    ``ahead``, for a stream: gives a connection to the same place opened earlier
+    (:meth:`Ahead.take`), used unless it has closed. A stream whose request was sent before
+    its handler ran (:class:`Early`) takes that connection instead, and the answer begun on it."""
     request = request_bytes(host, port, path, body, headers)
-    transport = None
-    if ahead is not None:
-        proto = ahead.proto
-        proto.begin(request, sink)  # (written at once when it is connected)
-        try:
-            transport = await ahead.connected()
-        except BaseException:
-            ahead.drop()
-            raise
+    transport = proto = None
+    early = EARLY.get() if ahead is not None else None
+    if early is not None:
+        early.streams.append((host, port, path, headers, body))
+        sent = early.take(host, port, request)
+        if sent is not None:
+            try:
+                transport = await sent.connected()
+            except BaseException:
+                sent.drop()
+                raise
+            if transport is not None:
+                proto = sent.proto
+                proto.claim(sink)
+    if transport is None:
+        opened = ahead() if ahead is not None else None
+        if opened is not None:
+            proto = opened.proto
+            proto.begin(request, sink)  # (written at once when it is connected)
+            try:
+                transport = await opened.connected()
+            except BaseException:
+                opened.drop()
+                raise
     if transport is None:
         proto = _LineProtocol(request, sink)
         transport, _ = await asyncio.wait_for(_connect(proto, host, port), CONNECT_TIMEOUT_S)
@@ -604,7 +707,7 @@ def sse_request(payload: dict, api_key: str) -> tuple[bytes, dict[str, str]]:
 
 async def relay_sse(port: int, path: str, payload: dict, api_key: str,
                     on_data: Callable[[list[bytes]], "Awaitable | None"], named: bool = False,
-                    ahead: Ahead | None = None) -> None:
+                    ahead: Callable[[], Ahead | None] | None = None) -> None:
     """POST ``payload`` (with ``stream: true``) to a llama-server on 127.0.0.1:``port``; each
     batch of events' data goes to ``on_data`` as it arrives (see the module's docstring);
     ``named``: events with their names (see :func:`sse_sink`); ``ahead``: see :func:`post`."""

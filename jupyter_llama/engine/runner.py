@@ -392,7 +392,9 @@ class Runner:
         the event loop is over: behind a stream, never on its way."""
         asyncio.get_running_loop().call_soon(self.connect_ahead)
 
-    def _take_ahead(self) -> http1.Ahead | None:
+    def take_ahead(self) -> http1.Ahead | None:
+        """The connection opened for the next stream (:meth:`connect_ahead`), taken for a
+        request now (None when there is none, or it has closed)."""
         ahead, self._ahead = self._ahead, None
         return ahead.take() if ahead is not None else None
 
@@ -531,7 +533,7 @@ class Runner:
 
         try:
             await self._watched(http1.relay_sse(self.port, path, self._windows(payload), self.api_key, progressing,
-                                                named, ahead=self._take_ahead()), last)
+                                                named, ahead=self.take_ahead), last)
         except _TRANSPORT_ERRORS as e:
             raise await self._after_transport_error(e) from None
         self._open_next()
@@ -641,6 +643,13 @@ class Runner:
         if not n_ctx:
             return None, 0
         return n_ctx, max(1, n_ctx - max(0, min(reserve, n_ctx // 2))) - 1
+
+    def fits_as_is(self, prompt_bytes: int) -> bool:
+        """Whether :meth:`fit_to_context` leaves a prompt of ``prompt_bytes`` bytes as it is,
+        whatever a request keeps to generate in (at most half of the context: see
+        :meth:`_prompt_room`), without counting its tokens (a token is at least one byte)."""
+        n_ctx, most = self._prompt_room(1 << 62)
+        return n_ctx is None or prompt_bytes <= most
 
     async def fit_to_context(self, prompt: str, reserve: int, truncate: bool = True,
                              context: list[int] | None = None) -> str | list:

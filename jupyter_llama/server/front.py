@@ -27,6 +27,10 @@ head, the body, finish) and writes its answer to the socket itself, one ``send``
 (the rest waits for the socket, and the writer for it). While an answer is being written it
 watches the socket for the client hanging up, which the handlers take as a disconnect
 (:meth:`~tornado.web.RequestHandler.on_connection_close`), as with Tornado's connection.
+
+A POST read whole is shown to :class:`.early.SendAhead` before its handler runs: a stream of
+a shape answered before has its child's request sent at once, and the handler's stream takes
+it only if it is the request the handler makes (see that module).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ from typing import Any, Callable
 
 from tornado import httputil, iostream
 from tornado.httpserver import HTTPServer
+
+from ..engine import http1
+from .early import SendAhead
 
 __all__ = ["FrontServer", "MAX_BODY", "front_for"]
 
@@ -59,6 +66,7 @@ class FrontServer(HTTPServer):
         self.lean_skip = tuple(s.encode() for s in skip)
         self.lean = not self.ssl_options and not self.xheaders
         self.lean_requests = 0  # requests answered on a lean connection (what the tests look at)
+        self.early: SendAhead | None = None  # stream requests sent to the child before their handler runs
 
     def _handle_connection(self, connection: socket.socket, address: Any) -> None:
         if not self.lean or connection.family not in (socket.AF_INET, socket.AF_INET6):
@@ -105,15 +113,24 @@ class FrontServer(HTTPServer):
         return end + 4, length
 
 
-def front_for(app) -> FrontServer:
+def front_for(app, early: bool = True) -> FrontServer:
     """A FrontServer for a jupyter_server ``ServerApp``'s application, with the settings
-    its own HTTPServer is made with."""
+    its own HTTPServer is made with; ``early``: streams' requests are sent to their child
+    before their handler runs where a request learned earlier shows how (server/early.py)."""
     from jupyter_server.utils import url_path_join
 
     prefix = url_path_join(app.base_url, "llama/")
-    return FrontServer(app.web_app, ssl_options=app.ssl_options, xheaders=app.trust_xheaders,
-                       max_body_size=app.max_body_size, max_buffer_size=app.max_buffer_size,
-                       prefix=prefix, skip=(prefix + "api/blobs/",))
+    server = FrontServer(app.web_app, ssl_options=app.ssl_options, xheaders=app.trust_xheaders,
+                         max_body_size=app.max_body_size, max_buffer_size=app.max_buffer_size,
+                         prefix=prefix, skip=(prefix + "api/blobs/",))
+    if early:
+        def serving(port: int):
+            point = app.extension_manager.extension_points.get("jupyter_llama")
+            scheduler = getattr(point.app, "scheduler", None) if point is not None else None
+            return scheduler.serving_on(port) if scheduler is not None else None
+
+        server.early = SendAhead(serving)
+    return server
 
 
 class _Context:
@@ -157,7 +174,9 @@ class _LeanConnection(httputil.HTTPConnection):
         self._back: asyncio.Future | None = None  # resolved when the C relay gives it back
         self._close_when_back = False
         self._ended = False  # this answer's end has gone (end_body, or the C relay): nothing more of it goes out
-        self._coming: tuple[str, bytearray, int] | None = None  # a request whose body is still arriving
+        self._coming: tuple[bytes, bytearray, int] | None = None  # a request whose body is still arriving
+        self._early: tuple[SendAhead, http1.Early] | None = None  # this request's, for its streams (server/early.py)
+        self._status = 0  # this answer's
         server._connections.add(self)
 
     # ------------------------------------------------------------------ waiting for a request
@@ -220,11 +239,11 @@ class _LeanConnection(httputil.HTTPConnection):
             self.close_now()
             return
         if len(data) < total:  # the rest is read as it comes (_more_body)
-            self._coming = (data[:head_len - 4].decode("latin1"), bytearray(data[head_len:]), body_len)
+            self._coming = (data[:head_len - 4], bytearray(data[head_len:]), body_len)
             self._watch(True)
             self._idle = self.loop.call_later(self.server.conn_params.body_timeout or 3600, self.close_now)
             return
-        self._dispatch(data[:head_len - 4].decode("latin1"), data[head_len:])
+        self._dispatch(data[:head_len - 4], data[head_len:])
 
     def _more_body(self) -> None:
         """Read more of a body that came after its head; once it is whole, the request goes on."""
@@ -271,8 +290,13 @@ class _LeanConnection(httputil.HTTPConnection):
 
     # ------------------------------------------------------------------ one request
 
-    def _dispatch(self, head: str, body: bytes) -> None:
-        line, _, rest = head.partition("\r\n")
+    def _dispatch(self, raw_head: bytes, body: bytes) -> None:
+        self._status = 0
+        ahead = self.server.early
+        if ahead is not None and raw_head.startswith(b"POST "):  # (its child may have its stream's request now)
+            early = ahead.intake(raw_head, body)
+            self._early = (ahead, early) if early is not None else None
+        line, _, rest = raw_head.decode("latin1").partition("\r\n")
         try:
             start = httputil.parse_request_start_line(line)
             headers = httputil.HTTPHeaders.parse(rest)
@@ -286,15 +310,20 @@ class _LeanConnection(httputil.HTTPConnection):
         self._answering = True
         self._watch(True)  # to hear of the client leaving while the answer is made
         self.server.lean_requests += 1
-        delegate = self.server.start_request(self, self)
-        waiting = delegate.headers_received(start, headers)
-        if waiting is None and body:
-            waiting = delegate.data_received(body)
-            body = b""
-        if waiting is None:
-            delegate.finish()
-        else:  # a handler that takes its body as it comes (and so may make it wait)
-            self.loop.create_task(self._feed(delegate, waiting, body))
+        # (for the handler's task, made in finish, and what it runs)
+        context = http1.EARLY.set(self._early[1] if self._early is not None else None)
+        try:
+            delegate = self.server.start_request(self, self)
+            waiting = delegate.headers_received(start, headers)
+            if waiting is None and body:
+                waiting = delegate.data_received(body)
+                body = b""
+            if waiting is None:
+                delegate.finish()
+            else:  # a handler that takes its body as it comes (and so may make it wait)
+                self.loop.create_task(self._feed(delegate, waiting, body))
+        finally:
+            http1.EARLY.reset(context)
 
     async def _feed(self, delegate, waiting, body: bytes) -> None:
         await waiting
@@ -337,7 +366,7 @@ class _LeanConnection(httputil.HTTPConnection):
         """(The body has arrived whole: nothing to time.)"""
 
     def write_headers(self, start_line, headers: httputil.HTTPHeaders, chunk: bytes | None = None) -> asyncio.Future:
-        code = start_line.code
+        code = self._status = start_line.code
         self._chunked = code not in (204, 304) and code >= 200 and "Content-Length" not in headers
         if self._chunked:
             headers["Transfer-Encoding"] = "chunked"
@@ -384,8 +413,14 @@ class _LeanConnection(httputil.HTTPConnection):
             return b"%x\r\n%b\r\n" % (len(chunk), chunk)
         return chunk
 
+    def _end_early(self) -> None:
+        early, self._early = self._early, None
+        if early is not None:
+            early[0].end(early[1], self._status)
+
     def _finish_request(self) -> None:
         self._close_callback = None
+        self._end_early()
         then = self.close_now if self._close_after else self.wait  # (the next request)
         if self._out:  # once the socket has taken the rest
             self._drained.add_done_callback(lambda f: then())
@@ -495,6 +530,8 @@ class _LeanConnection(httputil.HTTPConnection):
             self._lent()
             return
         self._closed = True
+        self._status = 0  # (the answer did not all go out: nothing is learned from it)
+        self._end_early()
         self._watch(False)
         if self._writing:
             self.loop.remove_writer(self.fd)

@@ -150,7 +150,7 @@ def use_front(app) -> str:
 
     if env_choice("FRONT", FRONTS) == "tornado" or getattr(app, "_http_server", None) is None:
         return "tornado"
-    app._http_server = front_for(app)
+    app._http_server = front_for(app, early=env_choice("SEND_AHEAD", SEND_AHEAD) == "on")
     native.prepare()  # the relay below Python, which the lean connection lends its socket to
     return "lean"
 
@@ -199,6 +199,7 @@ def use_fast_loop() -> str:
 
 EVENT_LOOPS = ("uvloop", "asyncio")  # JUPYTER_LLAMA_EVENT_LOOP
 FRONTS = ("lean", "tornado")  # JUPYTER_LLAMA_FRONT: who reads the API's connections (see front.py)
+SEND_AHEAD = ("on", "off")  # JUPYTER_LLAMA_SEND_AHEAD: streams' requests sent before their handler runs (early.py)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -207,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     try:  # (the settings of how it serves, each a word: one it does not know is said, not ignored)
-        for name, choices in (("EVENT_LOOP", EVENT_LOOPS), ("FRONT", FRONTS), ("RELAY", native.RELAYS)):
+        for name, choices in (("EVENT_LOOP", EVENT_LOOPS), ("FRONT", FRONTS), ("RELAY", native.RELAYS),
+                              ("SEND_AHEAD", SEND_AHEAD)):
             env_choice(name, choices)
     except ConfigError as e:
         print(f"jupyter-llama serve: {e}", file=sys.stderr)

@@ -319,16 +319,81 @@ async def test_a_connection_opened_ahead_carries_the_request_given_later():
         await asyncio.wait_for(srv.accepted.wait(), 5)
         assert srv.requests == []  # connected, and nothing sent yet
         batches = []
-        await http1.relay_sse(srv.port, "/completion", {"prompt": "x"}, "", batches.append, ahead=ahead.take())
+        await http1.relay_sse(srv.port, "/completion", {"prompt": "x"}, "", batches.append, ahead=ahead.take)
         assert srv.connections == 1 and srv.requests[0].startswith(b"POST /completion HTTP/1.1\r\n")
         assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
         assert ahead.take() is None  # a connection carries one request
 
         # given its request before it is even connected: written once it is
         batches = []
-        await http1.relay_sse(srv.port, "/completion", {}, "", batches.append, ahead=http1.Ahead(srv.port).take())
+        await http1.relay_sse(srv.port, "/completion", {}, "", batches.append, ahead=http1.Ahead(srv.port).take)
         assert srv.connections == 2 and len(srv.requests) == 2
         assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
+
+
+def _early(ahead: http1.Ahead) -> http1.Early:
+    early = http1.Early()
+    early.ahead = ahead
+    return early
+
+
+async def test_a_stream_sent_ahead_is_taken_with_the_answer_begun_on_it_when_it_is_the_request_made():
+    """A stream's request sent before its caller asked (server/early.py): the answer that
+    came meanwhile is held, the child's whole answer and its close included, and the stream
+    that makes the same request takes it (no second connection); one that makes another
+    request closes it and sends its own."""
+    async with Accepting() as srv:
+        body, headers = http1.sse_request({"prompt": "x"}, "")
+        ahead = http1.Ahead(srv.port)
+        ahead.send_ahead(http1.request_bytes("127.0.0.1", srv.port, "/completion", body, headers))
+        while not ahead.proto._held or ahead.proto._held_end is None:  # answered and closed, nobody reading
+            await asyncio.sleep(0.005)
+        early = _early(ahead)
+        batches = []
+        token = http1.EARLY.set(early)
+        try:
+            await http1.relay_sse(srv.port, "/completion", {"prompt": "x"}, "", batches.append, ahead=lambda: None)
+        finally:
+            http1.EARLY.reset(token)
+        assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
+        assert srv.connections == 1 and early.claimed and not early.missed
+        assert early.streams == [("127.0.0.1", srv.port, "/completion", headers, body)]
+
+        ahead = http1.Ahead(srv.port)
+        ahead.send_ahead(http1.request_bytes("127.0.0.1", srv.port, "/completion", body, headers))
+        early, batches = _early(ahead), []
+        token = http1.EARLY.set(early)
+        try:
+            await http1.relay_sse(srv.port, "/completion", {"prompt": "y"}, "", batches.append, ahead=lambda: None)
+        finally:
+            http1.EARLY.reset(token)
+        assert early.missed and not early.claimed and early.ahead is None
+        assert ahead.proto.transport is None or ahead.proto.transport.is_closing()  # (closed, whether made or not)
+        assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
+        while len(srv.requests) < 3:
+            await asyncio.sleep(0.005)
+        assert srv.connections == 3 and srv.requests[2].endswith(b'{"prompt": "y", "stream": true}')
+
+
+async def test_a_stream_sent_ahead_that_the_child_closed_unanswered_is_sent_afresh():
+    async with Accepting(idle=0.05) as srv:
+        ahead = http1.Ahead(srv.port)
+        await asyncio.wait_for(srv.closed_idle.wait(), 5)  # (closed before the request came)
+        body, headers = http1.sse_request({}, "")
+        ahead.send_ahead(http1.request_bytes("127.0.0.1", srv.port, "/completion", body, headers))
+        while ahead.proto._held_end is None:
+            await asyncio.sleep(0.005)
+        srv.idle = None
+        early, batches = _early(ahead), []
+        token = http1.EARLY.set(early)
+        try:
+            await http1.relay_sse(srv.port, "/completion", {}, "", batches.append)  # (no ahead: not a runner's stream)
+            assert early.ahead is ahead  # untouched by a request that is not a runner's stream
+            await http1.relay_sse(srv.port, "/completion", {}, "", batches.append, ahead=lambda: None)
+        finally:
+            http1.EARLY.reset(token)
+        assert not early.claimed and not early.missed and early.ahead is None
+        assert srv.connections == 3 and len(srv.requests) == 2
 
 
 def _received_now(listener: socket.socket, conns: list[socket.socket]) -> bytes | None:
@@ -358,7 +423,7 @@ async def test_a_request_is_on_the_wire_before_the_event_loop_turns():
     conns: list[socket.socket] = []
     try:
         for ahead in (False, True):
-            taken = http1.Ahead(port).take() if ahead else None
+            taken = http1.Ahead(port).take if ahead else None
             batches, seen = [], []
             task = loop.create_task(http1.relay_sse(port, "/completion", {"prompt": "x"}, "", batches.append,
                                                     ahead=taken))
@@ -388,7 +453,7 @@ async def test_a_connection_ahead_that_closed_or_failed_leaves_the_request_to_a_
             await asyncio.sleep(0.005)
         assert not ahead.usable and ahead.take() is None
         srv.idle = None
-        await http1.relay_sse(srv.port, "/completion", {}, "", lambda b: None, ahead=ahead.take())
+        await http1.relay_sse(srv.port, "/completion", {}, "", lambda b: None, ahead=ahead.take)
         assert srv.connections == 2 and len(srv.requests) == 1
 
     # nothing listening: an ahead that has failed is not taken, and one taken while it was
@@ -402,7 +467,7 @@ async def test_a_connection_ahead_that_closed_or_failed_leaves_the_request_to_a_
         await failed._connecting
     assert not failed.usable and failed.take() is None
     with pytest.raises(ConnectionRefusedError):
-        await http1.relay_sse(port, "/completion", {}, "", lambda b: None, ahead=http1.Ahead(port).take())
+        await http1.relay_sse(port, "/completion", {}, "", lambda b: None, ahead=http1.Ahead(port).take)
 
 
 async def test_a_connection_ahead_nobody_takes_is_closed_after_its_time():

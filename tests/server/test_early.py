@@ -1,0 +1,140 @@
+"""Stream requests sent to their child before their handler runs (server/early.py), over a
+real Jupyter server's application, serve's FrontServer and real llama-server children: what
+the handler would send goes ahead once a stream of the same shape has been answered, the
+answers are the same as without it, and a request sent ahead that is not the handler's is
+dropped at the child, never answered."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from srvutil import OPTS, wait_until
+
+from jupyter_llama.engine import http1, native
+from jupyter_llama.engine.runner import free_port
+from jupyter_llama.server.front import front_for
+
+pytestmark = pytest.mark.engine
+
+GREEDY = dict(OPTS, num_predict=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+async def served(jp_serverapp, jp_base_url, token):
+    """(server, client) for serve's front over the test server's application, sending ahead."""
+    native.library(wait=True)
+    server = front_for(jp_serverapp)
+    port = free_port()
+    server.listen(port, "127.0.0.1")
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}{jp_base_url}llama/", trust_env=False,
+                                     timeout=60, headers={"Authorization": f"token {token}"}) as c:
+            yield server, c
+    finally:
+        server.stop()
+        await server.close_all_connections()
+
+
+async def generate(c: httpx.AsyncClient, prompt: str, **extra) -> list[dict]:
+    body = {"model": "tiny", "prompt": prompt, "raw": True, "options": GREEDY, **extra}
+    async with c.stream("POST", "api/generate", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        return [json.loads(ln) async for ln in r.aiter_lines() if ln.strip()]
+
+
+async def counted(early, sent: int, taken: int, missed: int = 0) -> None:
+    """Wait for the server to have counted (sent, taken, missed): a request's end is counted as
+    its handler finishes, which can be after its client has the answer's end."""
+    try:
+        await wait_until(lambda: (early.sent, early.taken, early.missed) == (sent, taken, missed), timeout=5)
+    except AssertionError:
+        raise AssertionError(f"(sent, taken, missed) is {(early.sent, early.taken, early.missed)}, "
+                             f"not {(sent, taken, missed)}") from None
+
+
+def texts(chunks: list[dict]) -> str:
+    return "".join(c.get("response", "") for c in chunks)
+
+
+async def test_a_stream_of_a_shape_answered_before_goes_to_the_child_before_its_handler_runs(served, ext):
+    server, c = served
+    early = server.early
+    first = await generate(c, "Once upon a time")
+    assert first[-1]["done"] and first[-1]["eval_count"] == 8
+    await wait_until(lambda: early.learned == 1, timeout=5)
+    await counted(early, 0, 0)
+    # another prompt, the same head and body around it: sent ahead, and taken by the handler
+    second = await generate(c, "The quick brown fox \"quoted\" \u00e9\n")
+    await counted(early, 1, 1)
+    assert second[-1]["done"] and second[-1]["eval_count"] == 8 and second[-1]["prompt_eval_count"] > 1
+    # the same answers as a request the handler sends itself (greedy: the same text)
+    server.early = None
+    assert texts(await generate(c, "The quick brown fox \"quoted\" \u00e9\n")) == texts(second)
+    assert texts(await generate(c, "Once upon a time")) == texts(first)
+    server.early = early
+    assert texts(await generate(c, "Once upon a time")) == texts(first)
+    await counted(early, 2, 2)
+
+    # OpenAI's chat: the last message's content is the prompt
+    for n, content in enumerate(["hello world", "good morning"]):
+        r = await c.post("v1/chat/completions", json={"model": "tiny", "stream": True, "max_tokens": 3,
+                                                      "messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        await counted(early, 2 + n, 2 + n)
+    # a body of another shape (another option) is not sent ahead, and its answer teaches it
+    await generate(c, "Once upon a time", keep_alive="5m")
+    await counted(early, 3, 3)
+    await generate(c, "In a small village", keep_alive="5m")
+    await counted(early, 4, 4)
+
+
+async def test_a_request_sent_ahead_that_is_not_the_handlers_is_dropped_and_its_recipe_never_learned(
+        served, ext, monkeypatch):
+    """When what the handler sends differs from what went ahead (here the child's request
+    gains a field between two requests, as a changed preset would make it), the one sent
+    ahead is closed and the handler's goes out on a connection of its own; the answer is
+    the handler's, and that recipe is not used again."""
+    server, c = served
+    early = server.early
+    await generate(c, "Once upon a time")
+    await wait_until(lambda: early.learned == 1, timeout=5)
+    real = http1.sse_request
+    monkeypatch.setattr(http1, "sse_request", lambda payload, key: real(dict(payload, n_probs=0), key))
+    chunks = await generate(c, "In a small village")
+    await counted(early, 1, 0, 1)
+    assert chunks[-1]["done"] and chunks[-1]["eval_count"] == 8
+    sched = ext.scheduler
+    assert [lo.refcount for lo in sched.loaded.values()] == [0]
+    # that answer taught the new shape, which now sends what the handler no longer sends
+    monkeypatch.setattr(http1, "sse_request", real)
+    chunks = await generate(c, "Write a poem about")
+    await counted(early, 2, 0, 2)
+    assert chunks[-1]["eval_count"] == 8
+    # and the shape that answer teaches is the first one, refused: nothing goes ahead any more
+    await generate(c, "Once upon a time")
+    await counted(early, 2, 0, 2)
+
+
+async def test_nothing_goes_ahead_for_a_request_its_handler_refuses(served, ext, jp_base_url):
+    """A head that differs (no token here) has no recipe, a model that is not loaded has no
+    runner to send to, and a request whose answer was not a stream teaches nothing."""
+    server, c = served
+    early = server.early
+    await generate(c, "Once upon a time")
+    await wait_until(lambda: early.learned == 1, timeout=5)
+    async with httpx.AsyncClient(base_url=c.base_url, trust_env=False, timeout=60) as anonymous:
+        r = await anonymous.post("api/generate", json={"model": "tiny", "prompt": "x", "raw": True,
+                                                       "options": GREEDY})
+    assert r.status_code in (401, 403) and early.sent == 0
+    r = await c.post("api/generate", json={"model": "tiny", "prompt": "x", "raw": True, "stream": False,
+                                           "options": GREEDY})
+    assert r.status_code == 200  # (a body of another shape: learned from, not sent ahead)
+    await wait_until(lambda: early.learned == 2, timeout=5)
+    await ext.scheduler.unload("tiny")
+    chunks = await generate(c, "In a small village")  # the runner it was learned on is gone: loaded anew
+    assert chunks[-1]["done"]
+    await wait_until(lambda: early.learned == 3, timeout=5)
+    await generate(c, "Write a poem about")
+    await counted(early, 1, 1)
