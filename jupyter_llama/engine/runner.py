@@ -644,6 +644,12 @@ class Runner:
             return None, 0
         return n_ctx, max(1, n_ctx - max(0, min(reserve, n_ctx // 2))) - 1
 
+    @property
+    def slots(self) -> int:
+        """Requests the child works on at once (its ``n_seq_max``, from its log; before that, the
+        slots it was asked for, or 1)."""
+        return self.parser.n_seq or self.options.num_parallel or 1
+
     def fits_as_is(self, prompt_bytes: int) -> bool:
         """Whether :meth:`fit_to_context` leaves a prompt of ``prompt_bytes`` bytes as it is,
         whatever a request keeps to generate in (at most half of the context: see

@@ -125,13 +125,16 @@ def _prompt_of(body: Any) -> str | None:
 class SendAhead:
     """Recipes, learned from answered streams, and the requests sent ahead by them (see the
     module's docstring). ``serving(port)``: the runner on that port when a request for its
-    model would be given it at once, else None (:meth:`.Scheduler.serving_on`)."""
+    model would be given it at once and a slot of its child is free with ``waiting`` requests
+    sent ahead still on their way to it, else None (:meth:`.Scheduler.serving_on`): a child's
+    HTTP threads (its slots and two more) are never all held by requests sent ahead."""
 
-    def __init__(self, serving: Callable[[int], Any], heads: int = 64):
+    def __init__(self, serving: Callable[[int, int], Any], heads: int = 64):
         self._serving = serving
         self._heads = heads
         self._recipes: dict[bytes, list[Recipe]] = {}  # by head; the most recently learned last
         self._refused: set[tuple] = set()  # recipes that sent a request that was not the handler's
+        self._waiting: dict[int, int] = {}  # by port: requests sent ahead whose handlers have not ended
         self.sent = 0  # requests sent ahead
         self.taken = 0  # ... that were the handler's request
         self.missed = 0  # ... that were not
@@ -151,7 +154,7 @@ class SendAhead:
             text = recipe.prompt_in(body)
             if text is None:
                 continue
-            runner = self._serving(recipe.port)
+            runner = self._serving(recipe.port, self._waiting.get(recipe.port, 0))
             if runner is not recipe.runner:
                 break
             child_body = recipe.child_body(text)
@@ -160,6 +163,7 @@ class SendAhead:
             ahead = runner.take_ahead() or http1.Ahead(recipe.port, recipe.host)
             ahead.send_ahead(http1.request_bytes(recipe.host, recipe.port, recipe.path, child_body, recipe.headers))
             early.ahead, early.recipe = ahead, recipe
+            self._waiting[recipe.port] = self._waiting.get(recipe.port, 0) + 1
             self.sent += 1
             break
         return early
@@ -170,6 +174,11 @@ class SendAhead:
         early.drop()
         assert isinstance(early, _Intake)
         if early.recipe is not None:
+            port = early.recipe.port
+            if self._waiting.get(port, 0) <= 1:
+                self._waiting.pop(port, None)
+            else:
+                self._waiting[port] -= 1
             if early.claimed:
                 self.taken += 1
                 return
@@ -201,7 +210,7 @@ class SendAhead:
         escaped = json.dumps(text)[1:-1].encode()
         if not child or child.count(escaped) != 1:
             return
-        runner = self._serving(port)
+        runner = self._serving(port, -(1 << 30))  # (whatever its slots hold now)
         if runner is None:
             return
         i, j = body.index(literal), child.index(escaped)

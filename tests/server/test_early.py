@@ -138,3 +138,26 @@ async def test_nothing_goes_ahead_for_a_request_its_handler_refuses(served, ext,
     await wait_until(lambda: early.learned == 3, timeout=5)
     await generate(c, "Write a poem about")
     await counted(early, 1, 1)
+
+
+async def test_requests_sent_ahead_never_take_more_of_a_child_than_its_free_slots(served, ext):
+    """Each request sent ahead holds one of the child's HTTP threads (it has its slots and two
+    more) until its handler takes it: with one slot (and none taken), one goes ahead, and the
+    next only once the first's handler has ended."""
+    server, c = served
+    early = server.early
+    await generate(c, "Once upon a time")
+    await wait_until(lambda: early.learned == 1, timeout=5)
+    (key, [recipe]), = early._recipes.items()
+    body = recipe.before + b'"In a small village"' + recipe.after
+    head = key + b"\r\nContent-Length: %d" % len(body)
+    first, second = early.intake(head, body), early.intake(head, body)
+    assert first.ahead is not None and second.ahead is None and early.sent == 1
+    early.end(second, 0)
+    early.end(first, 0)  # (its handler ended without a stream: what was sent ahead is closed)
+    assert first.ahead is None and early.sent == 1
+    third = early.intake(head, body)
+    assert third.ahead is not None and early.sent == 2
+    early.end(third, 0)
+    chunks = await generate(c, "Write a poem about")  # the child, after two requests dropped at it
+    assert chunks[-1]["eval_count"] == 8

@@ -233,11 +233,12 @@ def test_an_address_or_port_serve_cannot_listen_on_is_a_sentence(tmp_path, engin
 
 
 def test_a_word_serve_does_not_know_for_how_it_serves_is_said(tmp_path, engine):
-    """JUPYTER_LLAMA_EVENT_LOOP, _FRONT and _RELAY name one of a few ways; another word was taken
+    """JUPYTER_LLAMA_EVENT_LOOP, _FRONT, _RELAY and _SEND_AHEAD name one of a few ways; another word was taken
     as the default without a word."""
     for name, value, said in (("EVENT_LOOP", "turbo", "'turbo' is not one of uvloop, asyncio (unset: uvloop)"),
                               ("FRONT", "fast", "'fast' is not one of lean, tornado (unset: lean)"),
-                              ("RELAY", "cuda", "'cuda' is not one of native, python (unset: native)")):
+                              ("RELAY", "cuda", "'cuda' is not one of native, python (unset: native)"),
+                              ("SEND_AHEAD", "yes", "'yes' is not one of on, off (unset: on)")):
         env = dict(_serve_env(tmp_path, engine), **{f"JUPYTER_LLAMA_{name}": value})
         done = subprocess.run([sys.executable, "-m", "jupyter_llama.server.serve", "--allow-root", "--no-browser",
                                "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=120)
