@@ -570,7 +570,7 @@ class Early:
     def __init__(self):
         self.ahead: Ahead | None = None
         self.streams: list[tuple[str, int, str, dict[str, str] | None, bytes]] = []  # host, port, path, headers, body
-        self.claimed = False  # ``ahead`` was the request: the handler took its answer
+        self.claimed = False  # ``ahead`` was the request: the handler's stream took its connection
         self.missed = False  # ``ahead`` was not: it was closed, and the request sent afresh
 
     def take(self, host: str, port: int, request: bytes) -> "Ahead | None":
@@ -581,7 +581,6 @@ class Early:
             return None
         self.ahead = None
         if ahead.sent == request and ahead.proto.answered():
-            self.claimed = True
             return ahead
         self.missed = ahead.sent != request
         ahead.drop()  # (the child stops the stream it had begun)
@@ -620,8 +619,11 @@ async def post(port: int, path: str, body: bytes | None, headers: dict[str, str]
                 sent.drop()
                 raise
             if transport is not None:
+                early.claimed = True
                 proto = sent.proto
                 proto.claim(sink)
+            else:  # (its connection failed: this request connects afresh, and hears why)
+                sent.drop()
     if transport is None:
         opened = ahead() if ahead is not None else None
         if opened is not None:
