@@ -505,6 +505,7 @@ class Ahead:
         self._expiry = loop.call_later(ttl, self.close)
         self.taken = False
         self.sent: bytes | None = None  # the request sent on it ahead of its caller (send_ahead)
+        self.dropped = False
 
     @property
     def usable(self) -> bool:
@@ -520,14 +521,19 @@ class Ahead:
         return self
 
     def send_ahead(self, request: bytes, ttl: float = 10.0) -> None:
-        """Send ``request`` on it now, before anyone has asked for its answer: the answer is
-        held (and the child's stream paused) until :class:`Early` gives it to :func:`post`;
-        one not claimed within ``ttl`` seconds is closed, as is one its request drops."""
+        """Send ``request`` on it now, before anyone has asked for its answer: what comes of
+        the answer is held here, unread (the child writes on into the socket's buffers),
+        until :class:`Early` gives it to :func:`post`; one not taken (:meth:`keep`) within
+        ``ttl`` seconds is closed, as is one its request drops."""
         self.taken = True
         self.sent = request
         self._expiry.cancel()
         self._expiry = asyncio.get_running_loop().call_later(ttl, self.drop)
         self.proto.begin(request, None)
+
+    def keep(self) -> None:
+        """A request sent ahead is its stream's now: no longer closed after its time."""
+        self._expiry.cancel()
 
     def close(self) -> None:
         """Close it unless a request has it."""
@@ -535,13 +541,15 @@ class Ahead:
             self.drop()
 
     def drop(self) -> None:
-        """Close it (or stop connecting), whoever has it."""
+        """Close it (or stop connecting), whoever has it: at once, which makes a child stop
+        the stream it had begun on it (and what it had of an answer is no answer)."""
         self.taken = True
+        self.dropped = True
         self._expiry.cancel()
         if not self._connecting.done():
             self._connecting.cancel()
         elif self.proto.transport is not None:
-            self.proto.transport.close()
+            self.proto.hang_up()
 
     async def connected(self) -> asyncio.Transport | None:
         """Its transport once connected; None when connecting failed (the caller connects
@@ -572,6 +580,8 @@ class Early:
         self.streams: list[tuple[str, int, str, dict[str, str] | None, bytes]] = []  # host, port, path, headers, body
         self.claimed = False  # ``ahead`` was the request: the handler's stream took its connection
         self.missed = False  # ``ahead`` was not: it was closed, and the request sent afresh
+        self.trusted = False  # the request was authenticated by what its head carries (its handler says)
+        self.ended = False  # its handler is done: what runs on in its context finds nothing here
 
     def take(self, host: str, port: int, request: bytes) -> "Ahead | None":
         """The request sent ahead, when it is ``request`` (to the same place) and its answer
@@ -580,7 +590,8 @@ class Early:
         if ahead is None or (ahead.host, ahead.port) != (host, port):
             return None
         self.ahead = None
-        if ahead.sent == request and ahead.proto.answered():
+        if ahead.sent == request and not ahead.dropped and ahead.proto.answered():
+            ahead.keep()
             return ahead
         self.missed = ahead.sent != request
         ahead.drop()  # (the child stops the stream it had begun)
@@ -609,7 +620,7 @@ async def post(port: int, path: str, body: bytes | None, headers: dict[str, str]
     request = request_bytes(host, port, path, body, headers)
     transport = proto = None
     early = EARLY.get() if ahead is not None else None
-    if early is not None:
+    if early is not None and not early.ended:
         early.streams.append((host, port, path, headers, body))
         sent = early.take(host, port, request)
         if sent is not None:

@@ -8,32 +8,38 @@ Here the child is given the request as soon as the client's has been read, and t
 millisecond runs while the child reads the prompt, without deciding anything differently:
 
 * :meth:`SendAhead.learn`: when a stream has been answered (status 200, one stream to the
-  child), the client's body and the child's request are compared. If the client's prompt (its
-  ``prompt``, or its last message's ``content``) appears once in each, what surrounds it is a
-  *recipe*: for a request with the same head (but its length) and the same body around
-  another prompt, the child's request is the same around that prompt, escaped as the child's
-  request escapes it.
+  child) to a request that its head authenticated (a token the server checked, or a server
+  that asks for none), the client's body and the child's request are compared. If the
+  client's prompt (its ``prompt``, or its last message's ``content``) appears once in each,
+  what surrounds it is a *recipe*: for a request with the same head (but its length and its
+  cookies) and the same body around another prompt, the child's request is the same around
+  that prompt, escaped as the child's request escapes it.
 * :meth:`SendAhead.intake`: a request read whole that fits a recipe, whose runner is still the
   one a request would be given at once (:meth:`.Scheduler.serving_on`) and whose prompt is
   short enough that no cut to the context can change it, has its child's request sent now,
-  on the connection the runner opened ahead (:class:`.http1.Ahead`); its answer is held.
+  on the connection the runner opened ahead (:class:`.http1.Ahead`), while the child has a
+  slot free for it; what comes of its answer is held, unread.
 * The request then goes through the handler as any other: authenticated, checked, leased,
   translated. When the stream request the handler makes is byte for byte the one sent,
   :func:`.http1.post` takes that connection and the answer begun on it; when it is not (a
   preset changed, a template that trims the prompt), or the handler ends without a stream
-  (refused, a model gone), the one sent is closed, which makes the child drop it, and a
-  recipe that sent a wrong request is never learned again.
+  (a model gone, a request refused), the one sent is closed, which makes the child drop it;
+  a recipe that sent a request the handler did not make, or one for a request it refused as
+  unauthenticated (a token no longer the server's), is never used or learned again.
 
-So the manager decides and checks everything it did before, and every byte the child is sent
-is one the handler would have sent; what changes is only when the child has it. The cost of
-a recipe that no longer holds is a prompt the child began and dropped. A head that carries a
-cookie and no token (a browser's session, which can end) has no recipe; a token in a header
-is checked again by the handler, as always, before any of the answer goes out.
+So the manager decides and checks everything it did before, and a client only ever receives
+the answer to the request its handler made; what changes is when the child has it. What the
+child may be sent that the handler then does not make is a request of the shape it made for
+an authenticated client before, which the child begins and drops. A head that carries a
+cookie and no token (a browser's session, which can end) teaches nothing.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import json
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,6 +48,8 @@ from ..engine import http1
 __all__ = ["SendAhead"]
 
 _RECIPES_PER_HEAD = 4  # bodies of different shapes sent with one head (a route, a client)
+_MOST_LEARNED = 65536  # bytes of a client's body, or of the child's, that a recipe is learned from
+_REFUSED_KEPT = 1024  # recipes remembered as refused
 
 
 @dataclass(eq=False)
@@ -51,7 +59,7 @@ class Recipe:
     key: bytes  # the client's head without its Content-Length
     before: bytes  # the client's body up to the prompt's JSON string
     after: bytes  # ... and after it
-    runner: Any  # the Runner it went to
+    runner: weakref.ref  # the Runner it went to
     host: str
     port: int
     path: str
@@ -60,8 +68,11 @@ class Recipe:
     child_after: bytes
 
     @property
-    def ident(self) -> tuple:
-        return self.key, self.before, self.after, self.path, self.child_before, self.child_after
+    def ident(self) -> bytes:
+        digest = hashlib.blake2b(digest_size=16)
+        for part in (self.key, self.before, self.after, self.path.encode(), self.child_before, self.child_after):
+            digest.update(len(part).to_bytes(8, "little") + part)
+        return digest.digest()
 
     def prompt_in(self, body: bytes) -> str | None:
         """The prompt of ``body`` when it is this recipe's body around another prompt."""
@@ -133,8 +144,9 @@ class SendAhead:
         self._serving = serving
         self._heads = heads
         self._recipes: dict[bytes, list[Recipe]] = {}  # by head; the most recently learned last
-        self._refused: set[tuple] = set()  # recipes that sent a request that was not the handler's
-        self._waiting: dict[int, int] = {}  # by port: requests sent ahead whose handlers have not ended
+        # recipes that sent a request that was not the handler's, or for a request it refused
+        self._refused: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._out: dict[int, set[_Intake]] = {}  # by port: requests with one sent ahead, until their handlers end
         self.sent = 0  # requests sent ahead
         self.taken = 0  # ... that were the handler's request
         self.missed = 0  # ... that were not
@@ -154,8 +166,11 @@ class SendAhead:
             text = recipe.prompt_in(body)
             if text is None:
                 continue
-            runner = self._serving(recipe.port, self._waiting.get(recipe.port, 0))
-            if runner is not recipe.runner:
+            # (a request sent ahead holds a slot until its handler's stream takes it, and from
+            # then on its lease does)
+            waiting = sum(e.ahead is not None for e in self._out.get(recipe.port, ()))
+            runner = self._serving(recipe.port, waiting)
+            if runner is None or runner is not recipe.runner():
                 break
             child_body = recipe.child_body(text)
             if not runner.fits_as_is(len(child_body)):  # (the escaped body is longer than the prompt in it)
@@ -163,41 +178,53 @@ class SendAhead:
             ahead = runner.take_ahead() or http1.Ahead(recipe.port, recipe.host)
             ahead.send_ahead(http1.request_bytes(recipe.host, recipe.port, recipe.path, child_body, recipe.headers))
             early.ahead, early.recipe = ahead, recipe
-            self._waiting[recipe.port] = self._waiting.get(recipe.port, 0) + 1
+            self._out.setdefault(recipe.port, set()).add(early)
             self.sent += 1
             break
         return early
 
     def end(self, early: http1.Early, status: int) -> None:
         """The request has been answered with ``status`` (0: the client left first): a request
-        sent ahead and not taken is closed, and a stream answered learns its recipe."""
-        early.drop()
+        sent ahead and not taken is closed, a recipe that sent one the handler did not make,
+        or one for a request it refused, is dropped for good, and a stream answered to a
+        request its head authenticated teaches its recipe."""
         assert isinstance(early, _Intake)
-        if early.recipe is not None:
-            port = early.recipe.port
-            if self._waiting.get(port, 0) <= 1:
-                self._waiting.pop(port, None)
-            else:
-                self._waiting[port] -= 1
-            if early.claimed:
+        early.drop()
+        early.ended = True
+        recipe = early.recipe
+        if recipe is not None:
+            out = self._out.get(recipe.port)
+            if out is not None:
+                out.discard(early)
+                if not out:
+                    del self._out[recipe.port]
+            if early.missed or status in (401, 403):
+                self.missed += early.missed
+                self._refuse(recipe)
+            elif early.claimed:
                 self.taken += 1
-                return
-            if early.missed:
-                self.missed += 1
-                self._refused.add(early.recipe.ident)
-                recipes = self._recipes.get(early.key, [])
-                if early.recipe in recipes:
-                    recipes.remove(early.recipe)
-        if status == 200 and len(early.streams) == 1:
-            self.learn(early)
+        if not early.claimed and early.trusted and status == 200 and len(early.streams) == 1:
+            try:
+                self.learn(early)
+            except (ValueError, UnicodeError):  # (a body it cannot take apart teaches nothing)
+                pass
+        early.body, early.streams = b"", []  # (its context may outlive it, in a task or a timer it started)
+
+    def _refuse(self, recipe: Recipe) -> None:
+        self._refused[recipe.ident] = None
+        while len(self._refused) > _REFUSED_KEPT:
+            self._refused.popitem(last=False)
+        recipes = self._recipes.get(recipe.key, [])
+        if recipe in recipes:
+            recipes.remove(recipe)
 
     def learn(self, early: _Intake) -> None:
         """A recipe from a stream answered (see the module's docstring), when its prompt shows
         once in the client's body and once in the child's."""
-        try:
-            text = _prompt_of(json.loads(early.body))
-        except ValueError:
+        host, port, path, headers, child = early.streams[0]
+        if len(early.body) > _MOST_LEARNED or not child or len(child) > _MOST_LEARNED:
             return
+        text = _prompt_of(json.loads(early.body))
         if not text:
             return
         body = early.body
@@ -206,15 +233,14 @@ class SendAhead:
                 break
         else:
             return
-        host, port, path, headers, child = early.streams[0]
         escaped = json.dumps(text)[1:-1].encode()
-        if not child or child.count(escaped) != 1:
+        if child.count(escaped) != 1:
             return
         runner = self._serving(port, -(1 << 30))  # (whatever its slots hold now)
         if runner is None:
             return
         i, j = body.index(literal), child.index(escaped)
-        recipe = Recipe(early.key, body[:i], body[i + len(literal):], runner, host, port, path,
+        recipe = Recipe(early.key, body[:i], body[i + len(literal):], weakref.ref(runner), host, port, path,
                         dict(headers) if headers else None, child[:j], child[j + len(escaped):])
         if recipe.ident in self._refused:
             return

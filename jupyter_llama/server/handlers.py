@@ -61,7 +61,7 @@ from ..api import anthropic as anth
 from ..api.options import split_options
 from ..config import ConfigError
 from ..load_options import LoadOptionsError
-from ..engine import native
+from ..engine import http1, native
 from ..engine.runner import EngineError, RequestError, RunnerCrashed, reserve_for
 from ..models.gguf_info import GGUFError
 from ..errors import NoSuchRoute, NotLoaded, NotSupported
@@ -175,6 +175,9 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         self.ext.ensure_started()
         # Who may name server files by path, for everything this request does (see store.local_caller).
         local_caller.set(self.ext.is_local_caller(self.request.headers.get(LOCAL_KEY_HEADER)))
+        early = http1.EARLY.get()
+        if early is not None:  # (serve's: only a request its head authenticates teaches what to send ahead)
+            early.trusted = self.token_authenticated or not self.identity_provider.auth_enabled
 
     # ------------------------------------------------------------------ bodies
 

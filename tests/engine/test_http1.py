@@ -339,14 +339,14 @@ def _early(ahead: http1.Ahead) -> http1.Early:
 
 async def test_a_stream_sent_ahead_is_taken_with_the_answer_begun_on_it_when_it_is_the_request_made():
     """A stream's request sent before its caller asked (server/early.py): the answer that
-    came meanwhile is held, the child's whole answer and its close included, and the stream
-    that makes the same request takes it (no second connection); one that makes another
-    request closes it and sends its own."""
+    came meanwhile is held (reading paused after its first read), and the stream that makes
+    the same request takes it (no second connection); one that makes another request closes
+    it and sends its own."""
     async with Accepting() as srv:
         body, headers = http1.sse_request({"prompt": "x"}, "")
         ahead = http1.Ahead(srv.port)
         ahead.send_ahead(http1.request_bytes("127.0.0.1", srv.port, "/completion", body, headers))
-        while not ahead.proto._held or ahead.proto._held_end is None:  # answered and closed, nobody reading
+        while not ahead.proto._held:  # answered, nobody reading
             await asyncio.sleep(0.005)
         early = _early(ahead)
         batches = []
@@ -373,6 +373,36 @@ async def test_a_stream_sent_ahead_is_taken_with_the_answer_begun_on_it_when_it_
         while len(srv.requests) < 3:
             await asyncio.sleep(0.005)
         assert srv.connections == 3 and srv.requests[2].endswith(b'{"prompt": "y", "stream": true}')
+
+
+async def test_a_stream_sent_ahead_and_taken_lasts_as_long_as_its_answer():
+    """A request sent ahead and not taken is closed after its time; once a stream has taken
+    it, it is the stream's, however long the answer runs."""
+    body = chunked(SSE, [10, 10, 10, 10])
+    pieces = [HEAD_CHUNKED] + [body[i:i + 20] for i in range(0, len(body), 20)]
+    async with Answer(pieces, gap=0.05) as srv:  # (an answer of ~0.3 s)
+        sse_body, headers = http1.sse_request({"prompt": "x"}, "")
+        ahead = http1.Ahead(srv.port)
+        ahead.send_ahead(http1.request_bytes("127.0.0.1", srv.port, "/completion", sse_body, headers), ttl=0.1)
+        early, batches = _early(ahead), []
+        token = http1.EARLY.set(early)
+        try:
+            await http1.relay_sse(srv.port, "/completion", {"prompt": "x"}, "", batches.append, ahead=lambda: None)
+        finally:
+            http1.EARLY.reset(token)
+        assert early.claimed and [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
+    async with Accepting() as srv:
+        ahead = http1.Ahead(srv.port)
+        ahead.send_ahead(http1.request_bytes("127.0.0.1", srv.port, "/completion", sse_body, headers), ttl=0.05)
+        while not ahead.dropped:
+            await asyncio.sleep(0.01)
+        early = _early(ahead)
+        token = http1.EARLY.set(early)
+        try:  # (what it held is no answer: the stream asks afresh)
+            await http1.relay_sse(srv.port, "/completion", {"prompt": "x"}, "", batches.append, ahead=lambda: None)
+        finally:
+            http1.EARLY.reset(token)
+        assert not early.claimed and srv.connections == 2
 
 
 async def test_a_stream_sent_ahead_that_the_child_closed_unanswered_is_sent_afresh():

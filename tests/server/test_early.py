@@ -161,3 +161,46 @@ async def test_requests_sent_ahead_never_take_more_of_a_child_than_its_free_slot
     early.end(third, 0)
     chunks = await generate(c, "Write a poem about")  # the child, after two requests dropped at it
     assert chunks[-1]["eval_count"] == 8
+
+
+async def test_only_a_request_its_head_authenticates_teaches_what_to_send_ahead(served, ext):
+    """A request with a login cookie, an XSRF header and a token that is not the server's (what
+    an OpenAI client sends as its api_key) is answered, authenticated by its cookie; but the
+    head a recipe keys on leaves cookies out, so such a request teaches nothing: a stranger
+    with the same head and no cookie must not get the child to read a prompt."""
+    server, c = served
+    early = server.early
+    assert (await c.get("api/version")).status_code == 200  # (the server sets its login cookie)
+    login = {k: v for k, v in c.cookies.items() if k.startswith("username-")}
+    assert login, dict(c.cookies)
+    async with httpx.AsyncClient(base_url=c.base_url, trust_env=False, timeout=60,
+                                 cookies={**login, "_xsrf": "made-up"},
+                                 headers={"Authorization": "Bearer sk-no-key", "X-XSRFToken": "made-up"}) as cookied:
+        for prompt in ("Once upon a time", "In a small village"):
+            chunks = await generate(cookied, prompt)
+            assert chunks[-1]["done"]
+    await generate(c, "Write a poem about")  # (one with the token: it does teach)
+    await wait_until(lambda: early.learned == 1, timeout=5)
+    assert early.sent == 0
+
+
+async def test_a_request_refused_after_its_recipe_was_learned_drops_the_recipe(served, ext, jp_serverapp):
+    """The token a recipe was learned with is no longer the server's: the request sent ahead
+    for it is closed when its handler refuses it, and that recipe goes."""
+    server, c = served
+    early = server.early
+    await generate(c, "Once upon a time")
+    await wait_until(lambda: early.learned == 1, timeout=5)
+    c.cookies.clear()
+    token_before = jp_serverapp.identity_provider.token
+    jp_serverapp.identity_provider.token = "another-token"
+    try:
+        for _ in range(2):
+            r = await c.post("api/generate", json={"model": "tiny", "prompt": "In a small village", "raw": True,
+                                                   "options": GREEDY})
+            assert r.status_code in (401, 403)
+            c.cookies.clear()
+        await counted(early, 1, 0)  # the first was sent ahead and dropped; its recipe went with it
+    finally:
+        jp_serverapp.identity_provider.token = token_before
+    assert early._recipes == {} or all(not v for v in early._recipes.values())
