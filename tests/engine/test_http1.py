@@ -331,6 +331,15 @@ async def test_a_connection_opened_ahead_carries_the_request_given_later():
         assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
 
 
+async def relay_early(early: http1.Early, port: int, payload: dict, batches: list) -> None:
+    """A runner's stream of ``payload`` (it passes ``ahead``) for a request whose server made ``early``."""
+    token = http1.EARLY.set(early)
+    try:
+        await http1.relay_sse(port, "/completion", payload, "", batches.append, ahead=lambda: None)
+    finally:
+        http1.EARLY.reset(token)
+
+
 def _early(ahead: http1.Ahead) -> http1.Early:
     early = http1.Early()
     early.ahead = ahead
@@ -350,11 +359,7 @@ async def test_a_stream_sent_ahead_is_taken_with_the_answer_begun_on_it_when_it_
             await asyncio.sleep(0.005)
         early = _early(ahead)
         batches = []
-        token = http1.EARLY.set(early)
-        try:
-            await http1.relay_sse(srv.port, "/completion", {"prompt": "x"}, "", batches.append, ahead=lambda: None)
-        finally:
-            http1.EARLY.reset(token)
+        await relay_early(early, srv.port, {"prompt": "x"}, batches)
         assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
         assert srv.connections == 1 and early.claimed and not early.missed
         assert early.streams == [("127.0.0.1", srv.port, "/completion", headers, body)]
@@ -362,11 +367,7 @@ async def test_a_stream_sent_ahead_is_taken_with_the_answer_begun_on_it_when_it_
         ahead = http1.Ahead(srv.port)
         ahead.send_ahead(http1.request_bytes("127.0.0.1", srv.port, "/completion", body, headers))
         early, batches = _early(ahead), []
-        token = http1.EARLY.set(early)
-        try:
-            await http1.relay_sse(srv.port, "/completion", {"prompt": "y"}, "", batches.append, ahead=lambda: None)
-        finally:
-            http1.EARLY.reset(token)
+        await relay_early(early, srv.port, {"prompt": "y"}, batches)
         assert early.missed and not early.claimed and early.ahead is None
         assert ahead.proto.transport is None or ahead.proto.transport.is_closing()  # (closed, whether made or not)
         assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
@@ -385,11 +386,7 @@ async def test_a_stream_sent_ahead_and_taken_lasts_as_long_as_its_answer():
         ahead = http1.Ahead(srv.port)
         ahead.send_ahead(http1.request_bytes("127.0.0.1", srv.port, "/completion", sse_body, headers), ttl=0.1)
         early, batches = _early(ahead), []
-        token = http1.EARLY.set(early)
-        try:
-            await http1.relay_sse(srv.port, "/completion", {"prompt": "x"}, "", batches.append, ahead=lambda: None)
-        finally:
-            http1.EARLY.reset(token)
+        await relay_early(early, srv.port, {"prompt": "x"}, batches)
         assert early.claimed and [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
     async with Accepting() as srv:
         ahead = http1.Ahead(srv.port)
@@ -397,11 +394,8 @@ async def test_a_stream_sent_ahead_and_taken_lasts_as_long_as_its_answer():
         while not ahead.dropped:
             await asyncio.sleep(0.01)
         early = _early(ahead)
-        token = http1.EARLY.set(early)
-        try:  # (what it held is no answer: the stream asks afresh)
-            await http1.relay_sse(srv.port, "/completion", {"prompt": "x"}, "", batches.append, ahead=lambda: None)
-        finally:
-            http1.EARLY.reset(token)
+        # (what it held is no answer: the stream asks afresh)
+        await relay_early(early, srv.port, {"prompt": "x"}, batches)
         assert not early.claimed and srv.connections == 2
 
 
