@@ -578,18 +578,18 @@ class Scheduler:
         finally:
             self._pending -= 1
 
-    def serving_on(self, port: int, waiting: int = 0) -> Runner | None:
+    def serving_on(self, port: int, waiting: int | None = None) -> Runner | None:
         """The runner listening on ``port`` when a request for its model, under the options it
         was loaded with, would be given it at once (:meth:`acquire`'s fast path: ready, no
-        unload waiting, the child serving) and one of its slots is free with ``waiting`` more
-        requests on their way to it; else None."""
+        unload waiting, the child serving) and, with ``waiting`` given, one of its slots is
+        free with that many more requests on their way to it; else None."""
         if self._closed:
             return None
         for lo in self.loaded.values():
             r = lo.runner
             if r is not None and r.port == port:
                 ok = lo.state == ModelState.READY and not lo.unload_when_idle and r.serving
-                return r if ok and lo.refcount + waiting < r.slots else None
+                return r if ok and (waiting is None or lo.refcount + waiting < r.slots) else None
         return None
 
     @contextlib.asynccontextmanager

@@ -220,7 +220,7 @@ class _LineProtocol(asyncio.Protocol):
             self.early = None
 
     def data_received(self, data: bytes) -> None:
-        if self.sink is None:  # the answer to a request sent ahead: held (and the child paused) until claimed
+        if self.sink is None:  # the answer to a request sent ahead: held, unread after this, until claimed
             self._held.append(data)
             self.transport.pause_reading()
             return
@@ -604,6 +604,19 @@ class Early:
             self.ahead = None
 
 
+async def _connected(conn: Ahead) -> asyncio.Transport | None:
+    """``conn``'s transport once connected; None, and ``conn`` closed, when connecting failed
+    (the request then connects afresh, and hears why); closed too when this is cancelled."""
+    try:
+        transport = await conn.connected()
+    except BaseException:
+        conn.drop()
+        raise
+    if transport is None:
+        conn.drop()
+    return transport
+
+
 # the request its server is answering, in the context its handler runs in (None: not a server's)
 EARLY: contextvars.ContextVar[Early | None] = contextvars.ContextVar("jupyter_llama_early", default=None)
 
@@ -623,28 +636,16 @@ async def post(port: int, path: str, body: bytes | None, headers: dict[str, str]
     if early is not None and not early.ended:
         early.streams.append((host, port, path, headers, body))
         sent = early.take(host, port, request)
-        if sent is not None:
-            try:
-                transport = await sent.connected()
-            except BaseException:
-                sent.drop()
-                raise
-            if transport is not None:
-                early.claimed = True
-                proto = sent.proto
-                proto.claim(sink)
-            else:  # (its connection failed: this request connects afresh, and hears why)
-                sent.drop()
+        if sent is not None and (transport := await _connected(sent)) is not None:
+            early.claimed = True
+            proto = sent.proto
+            proto.claim(sink)
     if transport is None:
         opened = ahead() if ahead is not None else None
         if opened is not None:
             proto = opened.proto
             proto.begin(request, sink)  # (written at once when it is connected)
-            try:
-                transport = await opened.connected()
-            except BaseException:
-                opened.drop()
-                raise
+            transport = await _connected(opened)
     if transport is None:
         proto = _LineProtocol(request, sink)
         transport, _ = await asyncio.wait_for(_connect(proto, host, port), CONNECT_TIMEOUT_S)

@@ -135,12 +135,12 @@ def _prompt_of(body: Any) -> str | None:
 
 class SendAhead:
     """Recipes, learned from answered streams, and the requests sent ahead by them (see the
-    module's docstring). ``serving(port)``: the runner on that port when a request for its
-    model would be given it at once and a slot of its child is free with ``waiting`` requests
-    sent ahead still on their way to it, else None (:meth:`.Scheduler.serving_on`): a child's
+    module's docstring). ``serving(port, waiting)``: the runner on that port when a request for
+    its model would be given it at once and (``waiting`` not None) a slot of its child is free
+    with ``waiting`` requests sent ahead still on their way to it, else None (:meth:`.Scheduler.serving_on`): a child's
     HTTP threads (its slots and two more) are never all held by requests sent ahead."""
 
-    def __init__(self, serving: Callable[[int, int], Any], heads: int = 64):
+    def __init__(self, serving: Callable[[int, int | None], Any], heads: int = 64):
         self._serving = serving
         self._heads = heads
         self._recipes: dict[bytes, list[Recipe]] = {}  # by head; the most recently learned last
@@ -236,7 +236,7 @@ class SendAhead:
         escaped = json.dumps(text)[1:-1].encode()
         if child.count(escaped) != 1:
             return
-        runner = self._serving(port, -(1 << 30))  # (whatever its slots hold now)
+        runner = self._serving(port, None)  # (whatever its slots hold now)
         if runner is None:
             return
         i, j = body.index(literal), child.index(escaped)

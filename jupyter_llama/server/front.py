@@ -124,7 +124,7 @@ def front_for(app, early: bool = True) -> FrontServer:
                          max_body_size=app.max_body_size, max_buffer_size=app.max_buffer_size,
                          prefix=prefix, skip=(prefix + "api/blobs/",))
     if early:
-        def serving(port: int, waiting: int):
+        def serving(port: int, waiting: int | None):
             point = app.extension_manager.extension_points.get("jupyter_llama")
             scheduler = getattr(point.app, "scheduler", None) if point is not None else None
             return scheduler.serving_on(port, waiting) if scheduler is not None else None
