@@ -46,6 +46,7 @@ from ..config import json_kind, shown
 from ..load_options import LoadOptions
 from ..errors import BadRequest
 from ..models.preset import Preset
+from ..models.ref import model_details
 from .gotemplate import GoTemplate, TemplateUnsupported
 from .modelfile import write_modelfile
 from .options import format_to_schema, parameters_text, parse_keep_alive, parse_parameters, split_options
@@ -75,7 +76,6 @@ __all__ = [
     "load_chunk",
     "error_chunk",
     "stats_from_timings",
-    "details_from_info",
     "ps_body",
     "ps_model",
     "tags_body",
@@ -1144,24 +1144,6 @@ def _get(info, key: str, default=None):
     return getattr(info, key, default)
 
 
-def details_from_info(info, parent_model: str = "", projector: bool = False) -> dict:
-    """Ollama's ``details`` from a GGUFInfo (or its dict form)."""
-    from ..models.store import parameter_size
-
-    arch = _get(info, "architecture") or "unknown"
-    quant = _get(info, "quantization")
-    if quant is None and not isinstance(info, dict):
-        quant = getattr(info, "quantization", None)
-    return {
-        "parent_model": parent_model,
-        "format": "gguf",
-        "family": arch,
-        "families": [arch] + (["clip"] if projector else []),
-        "parameter_size": parameter_size(int(_get(info, "parameter_count") or 0)),
-        "quantization_level": quant or _get(info, "file_type") or "unknown",
-    }
-
-
 def _expires(info: dict, now: float) -> str:
     exp = info.get("expires_at")
     if exp is not None:
@@ -1172,7 +1154,7 @@ def _expires(info: dict, now: float) -> str:
     return rfc3339(now + float(ka))  # busy: it expires keep_alive after its last request ends
 
 
-def ps_model(info: dict, gguf, now: float | None = None, projector: bool = False) -> dict:
+def ps_model(info: dict, gguf, now: float | None = None, projector: str | None = None) -> dict:
     """One ``/api/ps`` entry from ``Scheduler.ps()``'s dict and the model's GGUFInfo."""
     now = time.time() if now is None else now
     d = {
@@ -1181,7 +1163,7 @@ def ps_model(info: dict, gguf, now: float | None = None, projector: bool = False
         "size": int(info.get("size") or 0),
         "size_vram": int(info.get("size_vram") or 0),
         "digest": info.get("digest") or "",
-        "details": details_from_info(gguf, projector=projector),
+        "details": model_details(gguf, projector=projector),
         "expires_at": _expires(info, now),
         "context_length": int(info.get("context_length") or 0) or int(_get(gguf, "context_length") or 0),
     }
@@ -1283,7 +1265,7 @@ def show_body(show: dict, verbose: bool = False) -> dict:
         "template": preset.template or show.get("template") or "",
         "system": preset.system,
         "messages": [dict(m) for m in preset.messages],
-        "details": show.get("details") or details_from_info(info),
+        "details": show.get("details") or model_details(info),
         "model_info": model_info,
         "modified_at": show.get("modified_at") or "",
         "capabilities": capabilities,

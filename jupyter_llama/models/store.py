@@ -58,7 +58,7 @@ from filelock import FileLock
 
 from .. import config
 from ..errors import BadRequest, ModelNotFound, SchedulerError, StorageFull
-from .ref import ModelRef
+from .ref import ModelRef, model_details, parameter_size
 from .gguf_info import GGUFError, GGUFInfo, read_gguf_info
 from .names import InvalidName, ModelName, also_registry, parse_name, plainly_a_path, without_registry
 from .preset import MAX_LAYER_BYTES, PRESET_MEDIA_TYPES, Preset, PresetError
@@ -161,28 +161,6 @@ def normalize_digest(digest: str) -> str:
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat()
-
-
-def _details(info: dict, parent: str = "", projector: str | None = None) -> dict:
-    """Ollama's ``details`` object of a model whose GGUF summary is ``info``."""
-    arch = info.get("architecture") or "unknown"
-    return {
-        "parent_model": parent,
-        "format": "gguf",
-        "family": arch,
-        "families": [arch] + ([projector] if projector else []),
-        "parameter_size": parameter_size(int(info.get("parameter_count") or 0)),
-        "quantization_level": info.get("quantization") or info.get("file_type") or "unknown",
-    }
-
-
-def parameter_size(n: int) -> str:
-    """Ollama-style parameter count: ``8.0B``, ``135M``, ``260K``."""
-    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            v = n / div
-            return f"{v:.0f}{suffix}" if v >= 100 else f"{v:.1f}{suffix}"
-    return str(int(n))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -535,10 +513,14 @@ class ModelEntry:
     @property
     def details(self) -> dict:
         """Ollama's ``details`` object."""
-        projector = None
-        if self.projector_layer:
-            projector = (self.manifest.get("projector_info") or {}).get("architecture") or "clip"
-        return _details(self.info, self.source.get("from_model", ""), projector)
+        return model_details(self.info, self.source.get("from_model", ""), self.projector_family)
+
+    @property
+    def projector_family(self) -> str | None:
+        """The projector's architecture (``clip`` when its manifest does not say), None without one."""
+        if not self.projector_layer:
+            return None
+        return (self.manifest.get("projector_info") or {}).get("architecture") or "clip"
 
     def repair_hint(self) -> str:
         """The command that puts this model's bytes back."""
@@ -1504,7 +1486,7 @@ class ModelStore:
         info = self._summary(ref.info)
         out = {
             "name": ref.name, "model": ref.path, "digest": "", "size": st.st_size,
-            "created_at": when, "modified_at": when, "details": _details(info),
+            "created_at": when, "modified_at": when, "details": model_details(info),
             "architecture": info.get("architecture"), "parameters": info.get("parameter_count"),
             "parameter_size": parameter_size(int(info.get("parameter_count") or 0)),
             "quantization": info.get("quantization"), "context_length": info.get("context_length"),
@@ -1608,7 +1590,8 @@ class ModelStore:
             info = _info_from_dict(e.info, mpath)
         pdig = e.projector_digest
         return ModelRef(name=e.display, path=mpath, info=info,
-                        mmproj=str(self.blob_path(pdig)) if pdig else None, digest=e.digest)
+                        mmproj=str(self.blob_path(pdig)) if pdig else None, digest=e.digest,
+                        projector_arch=e.projector_family)
 
     def _read_info(self, path: str) -> GGUFInfo:
         st = os.stat(path)

@@ -662,7 +662,7 @@ class PsHandler(LlamaHandler):
         if sched is not None:
             now = time.time()
             for lo in sched.live():
-                models.append(oa.ps_model(lo.info(), lo.ref.info, now, projector=bool(lo.ref.mmproj)))
+                models.append(oa.ps_model(lo.info(), lo.ref.info, now, projector=lo.ref.projector_family))
         self.finish(dumps(oa.ps_body(models)))
 
 

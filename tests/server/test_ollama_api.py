@@ -555,6 +555,11 @@ async def test_chat_with_an_image_on_a_vision_model(http, store):
     assert body["prompt_eval_count"] > 4, "the image's embeddings count as prompt tokens"
     show = (await http.post("api/show", json={"model": "vision"})).json()
     assert show["capabilities"] == ["completion", "vision"], show["capabilities"]
+    # one model, one details object: ps (the model loaded) says what tags and show say
+    tags = {m["name"]: m["details"] for m in (await http.get("api/tags")).json()["models"]}
+    ps = {m["name"]: m["details"] for m in (await http.get("api/ps")).json()["models"]}
+    assert ps["vision:latest"] == tags["vision:latest"] == show["details"], (ps, tags, show["details"])
+    assert tags["vision:latest"]["families"] == ["llama", "clip"], tags
 
     r = await http.post("api/chat", json={"model": "tiny", "messages": [msg], "stream": False, "options": OPTS})
     assert r.status_code == 400 and "no multimodal projector" in r.json()["error"], r.text
