@@ -406,8 +406,9 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def _what_to_shrink(report: MemoryReport | None, device: str, estimator: str) -> str:
-    """Advice for a load over its budget, from the largest part of what it needs there."""
+def _what_to_shrink(report: MemoryReport | None, device: str, estimator: str, offload: bool = True) -> str:
+    """Advice for a load over its budget, from the largest part of what it needs there;
+    ``offload``: there are devices (GPUs, RPC workers) that layers could go to instead of the host."""
     parts = {c: report.total(device=device, component=c) for c in (WEIGHTS, KV, COMPUTE, OTHER)} if report else {}
     if not parts or not any(parts.values()):
         return "load it with a smaller context (num_ctx) or a smaller quantisation"
@@ -423,7 +424,8 @@ def _what_to_shrink(report: MemoryReport | None, device: str, estimator: str) ->
         return (f"{share} the K/V cache: load it with a smaller context (num_ctx), fewer parallel requests "
                 "(num_parallel) or a quantised cache (cache_type_k/cache_type_v q8_0)")
     if device == HOST:
-        return f"{share} the weights: use a smaller quantisation of the model, or put more layers on devices (num_gpu)"
+        return f"{share} the weights: use a smaller quantisation of the model" + (
+            ", or put more layers on devices (num_gpu)" if offload else ", or a smaller model")
     return f"{share} the weights: use a smaller quantisation of the model, or put fewer layers here (num_gpu)"
 
 
@@ -1241,7 +1243,8 @@ class Scheduler:
                 d, n = next((d, n) for d, n in plan.devices.items()
                             if n["checked"] and n["budget"] is not None and n["need"] > n["budget"])
                 msg = (f"{ref.name} needs {format_bytes(n['need'])} on {d} ({plan.estimator} estimate) but the budget "
-                       f"there is {format_bytes(n['budget'])}; {_what_to_shrink(preds.get(fit_source), d, plan.estimator)}"
+                       f"there is {format_bytes(n['budget'])}; "
+                       f"{_what_to_shrink(preds.get(fit_source), d, plan.estimator, bool(inv.accelerators()))}"
                        ", or raise JUPYTER_LLAMA_MEMORY_LIMIT")
                 self.events.emit(EventKind.FIT, ref.name, "does not fit: " + msg, fits=False, devices=numbers)
                 raise DoesNotFit(msg)
@@ -1270,7 +1273,8 @@ class Scheduler:
                 # would only lose their work. (Alone, a model still gets to try: see "first".)
                 msg = (f"cannot load {ref.name}: {reason}; unloading every other model would not make room "
                        f"({plan.estimator} estimate), so none was unloaded. "
-                       + _sentence(_what_to_shrink(preds.get(fit_source), next(iter(short)), plan.estimator))
+                       + _sentence(_what_to_shrink(preds.get(fit_source), next(iter(short)), plan.estimator,
+                                                 bool(inv.accelerators())))
                        + ", or unload the others yourself to let it try alone")
                 self.events.emit(EventKind.FIT, ref.name, msg, fits=False, devices=numbers)
                 raise DoesNotFit(msg)

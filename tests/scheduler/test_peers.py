@@ -212,6 +212,10 @@ def test_the_advice_and_the_fit_words_say_which_way_to_go():
     rep.add(HOST, WEIGHTS, 900 << 20)
     rep.add("rpc:127.0.0.1:50052", WEIGHTS, 900 << 20)
     assert _what_to_shrink(rep, HOST, DETAILED).endswith("or put more layers on devices (num_gpu)")
+    alone = MemoryReport(DETAILED)  # a machine with no GPU and no worker: no devices to name
+    alone.add(HOST, WEIGHTS, 900 << 20)
+    assert _what_to_shrink(alone, HOST, DETAILED, offload=False).endswith(
+        "use a smaller quantisation of the model, or a smaller model")
     assert _what_to_shrink(rep, "rpc:127.0.0.1:50052", DETAILED).endswith("or put fewer layers here (num_gpu)")
     numbers = {"rpc:127.0.0.1:50052": {"need": 70 << 20, "available": 60 << 20, "in_use": 0, "budget": 60 << 20,
                                        "checked": False, "fits": True}}

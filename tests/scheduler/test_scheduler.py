@@ -269,6 +269,20 @@ async def test_model_larger_than_the_budget_is_refused_with_numbers(make_schedul
     assert not sched.loaded
 
 
+async def test_advice_for_weights_too_large_names_no_devices_the_machine_lacks(make_scheduler, make_model):
+    """Over the host's budget by its weights, on a machine with no GPU and no RPC worker: the
+    advice is a smaller model or quantisation, not "more layers on devices" it does not have."""
+    wide = str(make_model("wide", layers=4, embd=512, heads=8, kv_heads=4, ctx=256, type="f16"))
+    sched = make_scheduler(budget=4 << 20)
+    if (await sched.inventory()).accelerators():
+        pytest.skip("this machine has a GPU or an RPC worker to put layers on")
+    with pytest.raises(DoesNotFit) as refused:
+        await sched.load(wide, OPTS)
+    said = str(refused.value)
+    assert "the weights: use a smaller quantisation of the model, or a smaller model" in said, said
+    assert "num_gpu" not in said and "devices" not in said, said
+
+
 # ----------------------------------------------------------------------------- queue, errors, expiry
 
 
