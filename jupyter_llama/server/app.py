@@ -530,7 +530,9 @@ class LlamaExtension(ExtensionApp):
         runners loaded under it from what it named before."""
         self.store_changed()
         if self.scheduler is not None:
-            await self.scheduler.name_changed(name)
+            files = {lo.ref.path for lo in self.scheduler.live()}
+            heirs = await asyncio.to_thread(self.store.names_of_files, files) if files else []
+            await self.scheduler.name_changed(name, heirs)
 
     @contextlib.contextmanager
     def work(self):
