@@ -152,6 +152,12 @@ class SendAhead:
         self.missed = 0  # ... that were not
         self.learned = 0  # recipes learned
 
+    def summary(self) -> str:
+        """What it did, in a sentence (``serve`` logs it as it stops)."""
+        return (f"send ahead: stream requests sent to their child before their handler ran: {self.sent:,} "
+                f"({self.taken:,} taken by their handler, {self.missed:,} not its request and dropped); "
+                f"recipes learned: {self.learned:,}")
+
     def intake(self, head: bytes, body: bytes) -> http1.Early | None:
         """What the server hands a POST read whole (its head without the blank line, its
         body): an :class:`.http1.Early` for its handler's streams, with the child's request

@@ -262,6 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         app.start()
     finally:
+        early = getattr(getattr(app, "_http_server", None), "early", None)
+        if early is not None:
+            app.log.info("jupyter-llama: %s", early.summary())
         # If the loop ended without the normal clean-up (an exception), stop the children now.
         ext = _extension(app)
         if ext is not None and ext.scheduler is not None:

@@ -3,7 +3,9 @@ whether it is stopped (SIGTERM, SIGINT) or killed (SIGKILL: the children's paren
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,12 +93,23 @@ def test_no_child_outlives_the_server(serve, sig, tmp_path):
                                          "options": dict(OPTS, num_predict=3)})
         assert r.status_code == 200 and r.json()["eval_count"] == 3
         pid = c.get("api/ps").json()["models"][0]["pid"]
+        # each answer teaches a recipe; the second stream, of the first one's shape, is sent ahead
+        # when the first one's handler has finished by then (its end can come after the client's)
+        for prompt in ("Once", "Twice"):
+            with c.stream("POST", "api/generate", json={"model": "tiny", "prompt": prompt, "raw": True,
+                                                        "options": dict(OPTS, num_predict=3)}) as r:
+                assert r.status_code == 200 and json.loads(list(r.iter_lines())[-1])["eval_count"] == 3
     assert is_alive(pid) and pid in llama_children(proc.pid)
     proc.send_signal(sig)
     assert proc.wait(30) is not None
     assert _wait_gone([pid]) == [], f"llama-server {pid} outlived the server ({sig.name})"
     assert llama_children(proc.pid) == []
     log = (tmp_path / "serve.log").read_text(errors="replace")
+    if sig != signal.SIGKILL:  # (what it sent ahead, said as it stops)
+        said = re.search(r"send ahead: stream requests sent to their child before their handler ran: (\d+) "
+                         r"\((\d+) taken by their handler, (\d+) not its request and dropped\); recipes learned: (\d+)",
+                         log)
+        assert said and said[1] == said[2] and said[3] == "0" and int(said[4]) >= 1, log
     assert "Authorization: token <your token>" in log
     assert token not in log, "a token given to serve (--token) is the user's secret: never logged"
 
