@@ -74,7 +74,6 @@ class EventKind(enum.StrEnum):
     ERROR = "error"
     BUSY = "busy"
     RECOVER = "recover"
-    RENAME = "rename"  # a runner whose name went now answers as another name of its file
 
 
 class FileResolver:
@@ -287,17 +286,10 @@ class Loaded:
     last_used: float = field(default_factory=time.monotonic)
     load_duration: float = 0.0
     also_as: set[str] = field(default_factory=set)  # other names of the same file it has served
-    answers_as: str | None = None  # the name it took over when the one it was loaded under went
 
     @property
     def name(self) -> str:
         return self.ref.name
-
-    @property
-    def loaded_as(self) -> str:
-        """The name this runner stands for: the one it was loaded under (its child's alias), or
-        the one it took over when that name was deleted or moved to another file."""
-        return self.answers_as or (self.runner.name if self.runner is not None else self.name)
 
     @property
     def pinned(self) -> bool:
@@ -653,17 +645,15 @@ class Scheduler:
             if lo.ref.path == path:
                 await self._unload(lo, reason, rule="explicit")
 
-    async def name_changed(self, name: str, heirs: Iterable[str] = ()) -> list[str]:
+    async def name_changed(self, name: str) -> list[str]:
         """``name`` was created, copied over or deleted: retire the runners loaded under it
         whose name (the one they were loaded under) no longer points at their file (another
         file, or nothing), so that ``stop``, ``rm``, the cap and the next request all see what
-        the name means now; but one whose file another model still names (a name it has also
-        served, or one of ``heirs``: the store's names for the files of loaded models) stays,
-        as that model: a model renamed by ``cp a b`` and ``rm a`` keeps its runner. One whose
-        name still points at its file stays, shown by the name that file is shown by now (a
-        pulled model loaded by its full name is ``tiny:latest`` once no model made here has
-        that name, and its full name again beside one). Names it has also served
-        (``also_as``) that no longer point at it are dropped. Returns the names retired."""
+        the name means now. One whose name still points at its file stays, shown by the name
+        that file is shown by now (a pulled model loaded by its full name is ``tiny:latest``
+        once no model made here has that name, and its full name again beside one). Names
+        it has also served (``also_as``) that no longer point at it are dropped. Returns the
+        names retired."""
         try:
             named = (await self.resolver(name)).key
         except SchedulerError:
@@ -672,45 +662,24 @@ class Scheduler:
             return []  # the store cannot say now: every runner is left as it is
         retired = []
         for lo in self.live():
+            loaded_as = lo.runner.name if lo.runner is not None else lo.name
             if named != lo.ref.key:
                 lo.also_as = {n for n in lo.also_as if not same_model(n, name)}
-            if not same_model(lo.loaded_as, name):  # (its shown name is a spelling of the same)
+            if not same_model(loaded_as, name):  # (its shown name is a spelling of the same)
                 continue
             try:
-                ref = await self.resolver(lo.loaded_as)
+                ref = await self.resolver(loaded_as)
             except SchedulerError:
                 ref = None  # deleted
             except (OSError, ValueError):
                 continue
-            if ref is not None and ref.key == lo.ref.key:
-                if ref.name != lo.ref.name:  # ps shows it as tags does
-                    lo.ref = dataclasses.replace(lo.ref, name=ref.name)
-                continue
-            heir = await self._heir(lo, [*sorted(lo.also_as), *heirs], name)
-            if heir is not None:
-                self.events.emit(EventKind.RENAME, heir.name,
-                                 f"{name} {'now names another file' if ref is not None else 'was deleted'}; its "
-                                 f"runner answers as {heir.name}, which names the same file", was=lo.name)
-                lo.ref, lo.answers_as = dataclasses.replace(lo.ref, name=heir.name, digest=heir.digest), heir.name
-                lo.also_as = {n for n in lo.also_as if not same_model(n, heir.name)}
-                continue
-            what = "now names another file" if ref is not None else "was deleted"
-            await self._unload(lo, f"{name} {what}", rule="replaced")
-            retired.append(lo.name)
+            if ref is None or ref.key != lo.ref.key:
+                what = "now names another file" if ref is not None else "was deleted"
+                await self._unload(lo, f"{name} {what}", rule="replaced")
+                retired.append(lo.name)
+            elif ref.name != lo.ref.name:  # ps shows it as tags does
+                lo.ref = dataclasses.replace(lo.ref, name=ref.name)
         return retired
-
-    async def _heir(self, lo: Loaded, names: list[str], gone: str) -> ModelRef | None:
-        """The first of ``names`` (not ``gone``) that names ``lo``'s file now, resolved."""
-        for n in names:
-            if same_model(n, gone):
-                continue
-            try:
-                ref = await self.resolver(n)
-            except (SchedulerError, OSError, ValueError):
-                continue
-            if ref.key == lo.ref.key:
-                return ref
-        return None
 
     async def find_loaded(self, name: str) -> Loaded | None:
         """The loaded model ``name`` names, resolved as a load would resolve it (``m`` is

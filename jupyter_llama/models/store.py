@@ -1398,12 +1398,6 @@ class ModelStore:
     def names(self) -> list[str]:
         return [e.display for e in self.list()]
 
-    def names_of_files(self, paths: Iterable[str]) -> list[str]:
-        """The models whose weights are one of the files ``paths`` (blobs of this store), by
-        name: what may answer for a runner of such a file once the name it was loaded under is gone."""
-        wanted = {str(p) for p in paths}
-        return [e.display for e in self.list() if str(self.blob_path(e.model_digest)) in wanted] if wanted else []
-
     def weights_stay(self, name: str | ModelName) -> bool:
         """Whether removing ``name`` leaves its weights file (another model uses it: a copy, a
         model made FROM it), by the rule :meth:`prune` deletes blobs by."""

@@ -530,9 +530,7 @@ class LlamaExtension(ExtensionApp):
         runners loaded under it from what it named before."""
         self.store_changed()
         if self.scheduler is not None:
-            files = {lo.ref.path for lo in self.scheduler.live()}
-            heirs = await asyncio.to_thread(self.store.names_of_files, files) if files else []
-            await self.scheduler.name_changed(name, heirs)
+            await self.scheduler.name_changed(name)
 
     @contextlib.contextmanager
     def work(self):
