@@ -152,11 +152,11 @@ class Frontend:
         """Pull through the manager, showing progress; return the last status."""
         return self.progress(self.client().pull(source, name, stream=True))
 
-    def figure(self, fig) -> None:
-        """Show a matplotlib figure. Here: written as a PNG, and where is said."""
-        import tempfile
-
-        path = tempfile.NamedTemporaryFile(prefix="jupyter-llama-plot-", suffix=".png", delete=False).name
+    def figure(self, fig, output: str | None = None, name: str = "plot") -> None:
+        """Show a matplotlib figure, and write it to ``output`` (a PNG file) when given. Here:
+        written as a PNG, to ``output`` or else to this user's ``NAME.png`` in the temporary
+        folder (the next figure of that name replaces it), and where is said."""
+        path = output or _scratch_path(f"{name}.png")
         fig.savefig(path, dpi=110)
         self.out(f"plot written to {path}")
 
@@ -394,6 +394,8 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
 
     p = add("plot", cmd_plot, "plot predicted against actual memory for a model")
     p.add_argument("model")
+    p.add_argument("--output", "-o", metavar="FILE.png",
+                   help="write the figure to this PNG file too (in a terminal: there, not to a temporary file)")
     _model_options(p, sampling=False, keep_alive=False)
 
     add("picker", lambda a, fe: fe.widget("picker"), "a widget to pick, estimate, load and run models")
@@ -887,16 +889,35 @@ def cmd_synth(args, fe: Frontend):
         raise CommandError(f"synth: cannot write {args.output or e.filename}: {e.strerror or e}") from None
 
 
-def _check_output(path: str) -> None:
+def _check_output(path: str, example: str = "model.gguf") -> None:
     """A file the user names for us to write: not a folder, in a folder that exists."""
     import os
 
     if os.path.isdir(path):
-        raise CommandError(f"{path} is a folder: give the file to write, such as {os.path.join(path, 'model.gguf')}",
+        raise CommandError(f"{path} is a folder: give the file to write, such as {os.path.join(path, example)}",
                            EXIT_USAGE)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise CommandError(f"cannot write {path}: the folder {folder} does not exist (make it first)", EXIT_USAGE)
+
+
+def _scratch_path(filename: str) -> str:
+    """``filename`` in this user's folder of the temporary folder (``jupyter-llama-UID``,
+    made private on first use): where a figure goes that the user named no file for. Should
+    that folder be someone else's, or open to others, a new file of our own is made instead."""
+    import os
+    import stat
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), f"jupyter-llama-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    st = os.lstat(folder)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+        return os.path.join(folder, filename)
+    stem, ext = os.path.splitext(filename)
+    fd, path = tempfile.mkstemp(prefix=f"jupyter-llama-{stem}-", suffix=ext)
+    os.close(fd)
+    return path
 
 
 def cmd_cp(args, fe: Frontend):
@@ -1117,13 +1138,24 @@ def cmd_plot(args, fe: Frontend):
     from .plots import plot_memory
 
     opts = {k: getattr(args, k) for k in LOAD_OPTIONS if getattr(args, k, None) is not None}
+    if args.output:
+        _check_output(args.output, example=f"{_file_safe(args.model)}.png")
     data = _call(fe, fe.client().estimate, args.model, opts or None, model=args.model)
     reports = {k: MemoryReport.from_dict(v) for k, v in data["estimates"].items()}
     if data.get("actual"):
         reports["actual"] = MemoryReport.from_dict(data["actual"])
     fig = plot_memory(reports, model=args.model, options=LoadOptions(**opts))
-    fe.figure(fig)
+    fe.figure(fig, output=args.output, name=f"plot-{_file_safe(args.model)}")
     return fig
+
+
+def _file_safe(name: str) -> str:
+    """A model's name (or a file's path: its file name) as part of a file name: ``tiny:latest``
+    -> ``tiny-latest``."""
+    import os
+
+    base = os.path.basename(name.rstrip("/")) if "/" in name else name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-.") or "model"
 
 
 def _serve_elsewhere(args, fe: Frontend):

@@ -105,13 +105,16 @@ class NotebookFrontend(Frontend):
 
         return pull_progress(self.client(), source, name, raise_errors=True)
 
-    def figure(self, fig) -> None:
+    def figure(self, fig, output: str | None = None, name: str = "plot") -> None:
         from IPython.display import display
 
         if self._prints():
-            super().figure(fig)
-        else:
-            display(fig)
+            super().figure(fig, output, name)
+            return
+        display(fig)
+        if output:
+            fig.savefig(output, dpi=110)
+            self.note(f"plot written to {output}")
 
     def widget(self, name: str, **kw):
         from IPython.display import display

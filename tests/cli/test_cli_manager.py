@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -60,6 +61,19 @@ def test_lifecycle_through_the_cli(manager, tmp_path):
     assert est.returncode == 0, est.stderr
     assert "coarse" in est.stdout and "detailed" in est.stdout
     assert "\nfit (detailed+10%): fits\n" in est.stdout, est.stdout  # the scheduler's verdict, as a load would act
+
+    # a plot is a PNG: where it is asked for, else this user's one for that model, replaced each time
+    png = tmp_path / "memory.png"
+    plotted = cli(env, "plot", "tiny", "-o", str(png))
+    assert plotted.returncode == 0 and f"plot written to {png}" in plotted.stdout, plotted.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    firsts = [cli(env, "plot", "tiny:latest").stdout.strip() for _ in range(2)]
+    scratch = os.path.join(tempfile.gettempdir(), f"jupyter-llama-{os.getuid()}", "plot-tiny-latest.png")
+    assert firsts == [f"plot written to {scratch}"] * 2, firsts
+    for where, said in ((tmp_path, f"is a folder: give the file to write, such as {tmp_path / 'tiny.png'}"),
+                        (tmp_path / "no" / "m.png", f"the folder {tmp_path / 'no'} does not exist")):
+        bad = cli(env, "plot", "tiny", "--output", str(where))
+        assert bad.returncode == 2 and said in bad.stderr, bad.stderr
 
     assert cli(env, "stop", "tiny").returncode == 0
     assert loaded() == set()

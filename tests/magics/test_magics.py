@@ -262,6 +262,7 @@ def test_terminal_ipython_streams_the_answer_once_and_names_what_it_cannot_show(
                       f"r = %llama run {registered} 'Once upon a time' --num-predict 40\n"
                       "print('\\x02' + r.text + '\\x03')\n"
                       f"%llama plot {registered}\n"
+                      f"%llama plot {registered} -o {tmp_path / 'mine.png'}\n"
                       "%llama panel\n")
     done = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--colors=nocolor", "--simple-prompt",
                            str(script)], env=manager["env"], capture_output=True, text=True, timeout=300)
@@ -269,5 +270,6 @@ def test_terminal_ipython_streams_the_answer_once_and_names_what_it_cannot_show(
     text = out.split("\x02", 1)[1].split("\x03", 1)[0]  # (the result's text, printed between the markers)
     assert text.strip() and out.count(text.strip()) == 2, out  # streamed once, then the print of the result
     assert "plot written to " in out and ".png" in out and "<Figure" not in out, out
+    assert f"plot written to {tmp_path / 'mine.png'}" in out and (tmp_path / "mine.png").stat().st_size > 0, out
     assert "`%llama panel` shows a widget, which needs a notebook" in out + done.stderr, out + done.stderr
     assert "RunningPanel(" not in out

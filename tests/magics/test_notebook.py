@@ -23,7 +23,7 @@ class CountingClient(NotebookClient):
         return super().process_message(msg, cell, cell_index)
 
 
-def test_notebook_streams_remembers_and_reports_errors_briefly(manager, monkeypatch):
+def test_notebook_streams_remembers_and_reports_errors_briefly(manager, monkeypatch, tmp_path):
     for k in ("JUPYTER_LLAMA_URL", "JUPYTER_LLAMA_TOKEN"):
         monkeypatch.setenv(k, manager["env"][k])  # what the server extension exports to its kernels
     cells = [
@@ -35,6 +35,7 @@ def test_notebook_streams_remembers_and_reports_errors_briefly(manager, monkeypa
         "turns = _LlamaMagics_conversations = get_ipython().magics_manager.registry['LlamaMagics'].conversations"
         "['story']\n[m['role'] for m in turns], turns[0]['content']",
         "%llama run no-such-model hello",
+        f"%llama plot nb-tiny -o {tmp_path / 'nb.png'}",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     client = CountingClient(nb, timeout=300, kernel_name="python3", allow_errors=True)
@@ -54,3 +55,9 @@ def test_notebook_streams_remembers_and_reports_errors_briefly(manager, monkeypa
     assert len(err) == 1 and err[0]["output_type"] == "stream" and err[0]["name"] == "stderr"
     assert err[0]["text"].startswith('UsageError: model "no-such-model" not found')
     assert len(err[0]["text"].strip().splitlines()) == 1 and "Traceback" not in err[0]["text"]
+
+    # a plot is shown in the cell, and written where -o says too
+    plot = nb.cells[7].outputs
+    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {}) for o in plot), plot
+    assert (tmp_path / "nb.png").read_bytes()[:4] == b"\x89PNG"
+    assert any(f"plot written to {tmp_path / 'nb.png'}" in o.get("text", "") for o in plot), plot
