@@ -154,9 +154,12 @@ class Frontend:
 
     def figure(self, fig, output: str | None = None, name: str = "plot") -> None:
         """Show a matplotlib figure, and write it to ``output`` (a PNG file) when given. Here:
-        written as a PNG, to ``output`` or else to this user's ``NAME.png`` in the temporary
-        folder (the next figure of that name replaces it), and where is said."""
-        path = output or _scratch_path(f"{name}.png")
+        written as a PNG, to ``output`` or else to this user's ``jupyter-llama-NAME.png`` in
+        the manager's state folder (the next figure of that name replaces it)."""
+        self.write_figure(fig, output or _scratch_path(f"{name}.png"))
+
+    def write_figure(self, fig, path: str) -> None:
+        """Write a figure to ``path`` as a PNG, and say where."""
         fig.savefig(path, dpi=110)
         self.out(f"plot written to {path}")
 
@@ -902,22 +905,13 @@ def _check_output(path: str, example: str = "model.gguf") -> None:
 
 
 def _scratch_path(filename: str) -> str:
-    """``filename`` in this user's folder of the temporary folder (``jupyter-llama-UID``,
-    made private on first use): where a figure goes that the user named no file for. Should
-    that folder be someone else's, or open to others, a new file of our own is made instead."""
-    import os
-    import stat
-    import tempfile
+    """``jupyter-llama-FILENAME`` in this user's private folder (the background manager's state
+    folder, as the shell's conversations use): where a figure goes that the user named no file for."""
+    from .background import state_dir
 
-    folder = os.path.join(tempfile.gettempdir(), f"jupyter-llama-{os.getuid()}")
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    st = os.lstat(folder)
-    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
-        return os.path.join(folder, filename)
-    stem, ext = os.path.splitext(filename)
-    fd, path = tempfile.mkstemp(prefix=f"jupyter-llama-{stem}-", suffix=ext)
-    os.close(fd)
-    return path
+    folder = state_dir()
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return str(folder / f"jupyter-llama-{filename}")
 
 
 def cmd_cp(args, fe: Frontend):

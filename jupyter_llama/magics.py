@@ -113,8 +113,7 @@ class NotebookFrontend(Frontend):
             return
         display(fig)
         if output:
-            fig.savefig(output, dpi=110)
-            self.note(f"plot written to {output}")
+            self.write_figure(fig, output)
 
     def widget(self, name: str, **kw):
         from IPython.display import display

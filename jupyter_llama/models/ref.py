@@ -20,13 +20,7 @@ class ModelRef:
     info: GGUFInfo
     mmproj: str | None = None
     digest: str | None = None
-    projector_arch: str | None = None  # the projector's architecture, where its manifest says it
-
-    @property
-    def projector_family(self) -> str | None:
-        """The projector among the model's families (``details``): its architecture, or
-        ``clip`` for one its manifest does not describe; None without a projector."""
-        return (self.projector_arch or "clip") if self.mmproj else None
+    projector_family: str | None = None  # the projector among the model's families (ModelEntry.projector_family)
 
     @property
     def key(self) -> str:

@@ -1591,7 +1591,7 @@ class ModelStore:
         pdig = e.projector_digest
         return ModelRef(name=e.display, path=mpath, info=info,
                         mmproj=str(self.blob_path(pdig)) if pdig else None, digest=e.digest,
-                        projector_arch=e.projector_family)
+                        projector_family=e.projector_family)
 
     def _read_info(self, path: str) -> GGUFInfo:
         st = os.stat(path)

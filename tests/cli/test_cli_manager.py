@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -68,8 +67,9 @@ def test_lifecycle_through_the_cli(manager, tmp_path):
     assert plotted.returncode == 0 and f"plot written to {png}" in plotted.stdout, plotted.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     firsts = [cli(env, "plot", "tiny:latest").stdout.strip() for _ in range(2)]
-    scratch = os.path.join(tempfile.gettempdir(), f"jupyter-llama-{os.getuid()}", "plot-tiny-latest.png")
-    assert firsts == [f"plot written to {scratch}"] * 2, firsts
+    scratch = firsts[0].removeprefix("plot written to ")
+    assert firsts[1] == firsts[0] and scratch.endswith(f"{os.sep}jupyter-llama-plot-tiny-latest.png"), firsts
+    assert os.path.isfile(scratch) and not os.stat(os.path.dirname(scratch)).st_mode & 0o077  # (this user's alone)
     for where, said in ((tmp_path, f"is a folder: give the file to write, such as {tmp_path / 'tiny.png'}"),
                         (tmp_path / "no" / "m.png", f"the folder {tmp_path / 'no'} does not exist")):
         bad = cli(env, "plot", "tiny", "--output", str(where))
