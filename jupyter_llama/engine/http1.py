@@ -158,9 +158,10 @@ class _LineProtocol(asyncio.Protocol):
         self._in_head = True
         self._error_body: list[bytes] | None = None
         self._run: native.Run | None = None  # the relay below Python, while it has the stream
+        self._head_below = False  # ... and it was given the stream before the child's head (_go_native_first)
         self._abort_after = False  # hung up while it had it: the connection closes when it returns
-        # batches to deliver here before the C relay is tried (again): the head goes out from
-        # here, and the C relay has the stream while the child makes its first token
+        # batches to deliver here before the C relay is tried (again): where it could not have
+        # the stream before the child's head (_go_native_first), the head goes out from here
         self._native_after = 1
         # a request sent ahead of its caller (Ahead.send_ahead): its answer, held until claimed
         self._held: list[bytes] = []
@@ -173,6 +174,8 @@ class _LineProtocol(asyncio.Protocol):
         self.early = None
         if self.request:  # (what the socket did not take before, see send_early)
             transport.write(self.request)
+        if self.sink is not None and self.request is not None:
+            self._go_native_first()
 
     def begin(self, request: bytes, sink: LineSink) -> None:
         """Give a connection opened ahead its request: written now (to its transport, or to
@@ -181,6 +184,7 @@ class _LineProtocol(asyncio.Protocol):
         self.request, self.sink = request, sink
         if self.transport is not None:
             self.transport.write(request)
+            self._go_native_first()
         elif self.early is not None:
             self.send_early()
 
@@ -202,6 +206,8 @@ class _LineProtocol(asyncio.Protocol):
             self.data_received(data)
         if end is not None:
             self.connection_lost(end[0])
+        else:
+            self._go_native_first()
 
     def send_early(self) -> None:
         """Write the request to the connected socket now, before the transport exists;
@@ -388,7 +394,8 @@ class _LineProtocol(asyncio.Protocol):
         (see ``_native_after``), so the first token is its own; after a return, a few batches go
         through Python before it is tried again (the stream's last event and its end come
         in quick succession; a stream of events it does not relay, a thinking model's, is
-        tried again now and then)."""
+        tried again now and then). Where the client's connection can hold our head for it,
+        the C relay has the stream before the child's head instead (:meth:`_go_native_first`)."""
         target = getattr(self.sink, "native", None)
         if target is None or self._native_after > 0:
             return
@@ -404,18 +411,55 @@ class _LineProtocol(asyncio.Protocol):
         run.start(self.transport.get_extra_info("socket").fileno(), dst, target.spec,
                   lambda why: self._native_done(target, why))
 
+    def _go_native_first(self) -> None:
+        """Hand the stream to the C relay as soon as its request is on its way, before the
+        child's head, when the sink's target can lend its socket so (``lend_before_head``):
+        llama-server sends its head as it takes the request, and read here that cost ~0.17 ms
+        of Python (parse it, send our head, lend the socket, start the relay) beside the
+        child's prompt, which on two cores slowed it by more (bench/PERFORMANCE.md). The
+        relay reads the child's head itself and sends ours; a head it does not go on from (an
+        error's) comes back unread, ours unsent and unsaid, and is read here as ever (see
+        :meth:`_native_done`)."""
+        target = getattr(self.sink, "native", None)
+        lend = getattr(target, "lend_before_head", None)
+        if (lend is None or not self._in_head or self._buf or self._run is not None or self.done.done()
+                or self.transport is None or not self.transport.is_reading()):
+            return
+        run = native.Run.make()
+        if run is None:
+            return
+        lent = lend(run.stop)
+        if lent is None:
+            run.close()
+            return
+        dst, head = lent
+        self.transport.pause_reading()
+        self._run, self._head_below = run, True
+        run.start(self.transport.get_extra_info("socket").fileno(), dst, target.spec,
+                  lambda why: self._native_done(target, why), head)
+
     def _native_done(self, target: "native.Target", why: int) -> None:
         run, self._run = self._run, None
         left = run.leftover()
+        head = run.state.head if self._head_below else None
+        self._head_below = False
         self._native_after = 2 if run.state.events else 16
-        target.take_back(run.unsent(), why == native.CLIENT_GONE, why == native.FINISHED)
+        target.take_back(run.unsent(), why == native.CLIENT_GONE, why == native.FINISHED, head)
         run.close()
+        if head:  # the relay read the child's head: a 200, chunked (what follows it is in ``left``)
+            self._in_head, self._status, self._chunked, self._left = False, 200, True, None
         if self._abort_after:  # the request ended meanwhile (see hang_up)
             self.transport.abort()
             return
         if why == native.CLIENT_GONE:  # its connection closed now, which ends the request and so this
             return
         self.transport.resume_reading()
+        if head:
+            try:
+                self._deliver([])  # (the answer has begun, as a head read here says)
+            except BaseException as e:  # noqa: BLE001 - the sink's failure ends the request
+                self._fail(e)
+                return
         if left:
             self.data_received(left)
 

@@ -8,10 +8,13 @@ caches cold after the child's own work), where a C relay costs 55-60, as llama-s
 router does (a probe relaying an event every 6 ms beside a busy process, by /proc's CPU
 times; bench/api_overhead.py's "relay CPU per token" fell from 290-378 us to 123-164 with
 this relay, on the host at 1 stream). The tokens the C relay writes are
-byte for byte what the Python relay would write; everything else in a stream (its head, its
-last event with the timings, an error, a tool call, the end) stays in Python: the C relay
-stops at the first chunk that is not a token of text and hands it back, unread, with the
-rest (see ``relay.c``).
+byte for byte what the Python relay would write; everything else in a stream (its last event
+with the timings, an error, a tool call, the end) stays in Python: the C relay stops at the
+first chunk that is not a token of text and hands it back, unread, with the rest (see
+``relay.c``). The answer's head is made in Python too; on serve's connection the C relay
+has the stream before the child's head comes, reads that head itself and sends ours with
+the first token, unless the child's is not a stream's (an error's), which it leaves unread
+for Python (:class:`Target`).
 
 Why one thread for every stream: with a thread a stream, a batch of eight slots' tokens
 woke eight threads, each to relay one token and sleep again (perf put ~30% of the manager's
@@ -47,6 +50,10 @@ __all__ = ["Run", "Target", "library", "prepare", "sse", "status", "template"]
 SOURCE = Path(__file__).with_name("relay.c")
 TEMPLATE, SSE = 0, 1
 GIVE_BACK, CHILD_ENDED, CLIENT_GONE, STOPPED, FINISHED = 1, 2, 3, 4, 5
+# a run started before the child's head (Run.state.head): the child's head is unread (not come,
+# or not one it goes on from: every byte of it is left), or it was read (200, chunked) and ours
+# went (or waits in what is unsent)
+HEAD_UNREAD, HEAD_SENT = 0, 1
 READ_BUFFER = 64 * 1024  # the child's bytes one read may bring (a larger chunk goes to Python)
 OUT_BUFFER = 96 * 1024
 MAX_RUNS = 64  # streams relayed below Python at once (each holds its buffers, 160 KiB); more use the Python relay
@@ -70,7 +77,8 @@ class _Spec(ctypes.Structure):
 class _State(ctypes.Structure):
     _fields_ = [("events", ctypes.c_long),
                 ("left_off", ctypes.c_int), ("left_len", ctypes.c_int),
-                ("unsent_off", ctypes.c_int), ("unsent_len", ctypes.c_int)]
+                ("unsent_off", ctypes.c_int), ("unsent_len", ctypes.c_int),
+                ("head", ctypes.c_int)]
 
 
 def _spec(mode: int, pat=b"", head=b"", key=b"", tail=b"", from_=b"", to=b"", end=b"", done=b"", done_key=b"",
@@ -164,7 +172,7 @@ def _build() -> None:
     lib.jl_stream_size.restype = ctypes.c_int
     lib.jl_start.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                              ctypes.c_int, ctypes.POINTER(_Spec), ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                             ctypes.c_int]
+                             ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.jl_start.restype = ctypes.c_int
     lib.jl_result.argtypes = [ctypes.c_char_p, ctypes.POINTER(_State)]
     lib.jl_result.restype = ctypes.c_int
@@ -211,14 +219,24 @@ class Target:
     """The client's side of a stream the C relay may write: ``spec`` (what it writes, see
     :func:`template` and :func:`sse`), and the client connection's ``lend(stop)``, which gives
     its socket's descriptor (None when it cannot be lent now: something of ours is still to
-    be written, or it has closed) and keeps it untouched until ``take_back(unsent, gone, ended)``;
-    ``stop`` is for the connection to end the relay early (it is closing). ``take_back`` gets
-    what the client had not taken yet (to be written first), whether the client has left, and
-    whether the C relay has written the answer's end (FINISHED: nothing more is to be written)."""
+    be written, or it has closed) and keeps it untouched until ``take_back(unsent, gone, ended,
+    head)``; ``stop`` is for the connection to end the relay early (it is closing).
+    ``take_back`` gets what the client had not taken yet (to be written first), whether the
+    client has left, whether the C relay has written the answer's end (FINISHED: nothing more
+    is to be written) and, for a socket lent before the child's head, how far the run got
+    with the heads (``head``, HEAD_*; None otherwise).
+
+    ``lend_before_head(stop)``, where the connection offers it: the same, for an answer whose
+    head has not gone: it makes our head now (the handler's, unsent) and gives (descriptor,
+    head) for the C relay to send once the child's head says the answer goes on (see
+    ``relay.c``), or None; ``take_back`` then forgets ours (HEAD_SENT: it went, or is in
+    what is unsent) or makes it unsaid (HEAD_UNREAD: the child's head, an error's perhaps, is
+    Python's to read, and the handler's to answer)."""
 
     def __init__(self, spec: _Spec, lend: Callable[[Callable[[], None]], int | None],
-                 take_back: Callable[[bytes, bool, bool], None]):
-        self.spec, self.lend, self.take_back = spec, lend, take_back
+                 take_back: Callable[..., None],
+                 lend_before_head: Callable[[Callable[[], None]], tuple[int, bytes] | None] | None = None):
+        self.spec, self.lend, self.take_back, self.lend_before_head = spec, lend, take_back, lend_before_head
 
 
 def _start_hub(lib: ctypes.CDLL) -> None:
@@ -336,15 +354,19 @@ class Run:
             _made += 1
             return run
 
-    def start(self, src: int, dst: int, spec: _Spec, done: Callable[[int], None]) -> None:
+    def start(self, src: int, dst: int, spec: _Spec, done: Callable[[int], None], head: bytes = b"") -> None:
+        """Relay from ``src`` to ``dst`` as ``spec`` says; ``head``: ours, for a stream whose
+        child has not sent its head yet (see ``relay.c``; ``state.head`` says how far it got)."""
         loop = asyncio.get_running_loop()
         self._spec = spec  # (kept alive while the hub reads it)
+        self._head = head  # (likewise)
         ears = self._ears = _ears_of(loop)  # (kept while the hub has this run: see _Ears)
         self._done = done
         self.state = _State()
         _running[self.number] = self
         if self._lib.jl_start(_hub.fileno(), self._mem, src, dst, self._stop_r, self.number, ears.w,
-                              ctypes.byref(spec), self._buf, READ_BUFFER, self._out, OUT_BUFFER) < 0:
+                              ctypes.byref(spec), self._buf, READ_BUFFER, self._out, OUT_BUFFER,
+                              head, len(head)) < 0:
             # Its sockets cannot be watched: nothing was read. The hub may still be about to look
             # at it (see jl_start), so it is kept, never started again nor freed.
             del _running[self.number]
@@ -382,5 +404,5 @@ class Run:
         self._done = None
         self._ears = None
         if self not in _spoilt:
-            self._spec = None
+            self._spec = self._head = None
             _idle.append(self)

@@ -27,6 +27,14 @@
  *   JL_SSE       the event as it came ("data: ", its JSON, a blank line), with its first
  *                `from` replaced by `to` when `from` is given (the model's name).
  *
+ * A stream may also be started before the child's answer has begun, with our answer's head
+ * (`ours`), which the handler has made and not sent: the relay then reads the child's head
+ * first. When it is "HTTP/1.1 200" with chunked framing, ours goes out at once, as Python
+ * would send it (llama-server sends its head as it takes the request, and the client reads
+ * ours while the first token is made), without the Python beside the child's prompt; any
+ * other head (an error's status, a body of fixed length) stops it, with every byte of it
+ * left unread, and ours unsent, for Python (jl_state.head says which).
+ *
  * A JL_TEMPLATE spec with a `done` pattern ends the client's answer too: the child's last
  * event (one that starts as that pattern says, with its stop type and timings) becomes
  * Ollama's last line, head, the time, `done_key`, the reason ("length" for a stop at the
@@ -39,6 +47,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <stdint.h>
@@ -70,7 +79,10 @@ struct jl_state {
     long events;      /* events relayed */
     int left_off, left_len;      /* the child's bytes not relayed, in buf */
     int unsent_off, unsent_len;  /* our bytes the client has not taken, in out */
+    int head;         /* started with ours: JL_HEAD_SENT once the child's was read (200, chunked) and ours put out */
 };
+
+enum { JL_HEAD_SENT = 1 };
 
 #define FRAME 12 /* room before a chunk's data for its size line */
 #define LAST "\r\n0\r\n\r\n" /* a chunk's end, then the body's last chunk */
@@ -288,6 +300,15 @@ static int stamp_now(char *buf) {
     return 32;
 }
 
+/* Is line[0..len) a header named `name` (with its colon), in any case, whose value has `has`? */
+static int header_has(const char *line, int len, const char *name, const char *has) {
+    int n = (int)strlen(name), h = (int)strlen(has);
+    if (len < n || strncasecmp(line, name, n) != 0) return 0;
+    for (const char *p = line + n; p + h <= line + len; p++)
+        if (strncasecmp(p, has, h) == 0) return 1;
+    return 0;
+}
+
 /* A chunk's size line ("%x\r\n") ending at end: its length. */
 static int size_line(char *end, int n) {
     char *p = end;
@@ -301,6 +322,8 @@ static int size_line(char *end, int n) {
 struct jl_stream {
     int src, dst, stop, id, notify;
     const struct jl_spec *spec;
+    const char *ours; int ours_len; /* our answer's head, to go once the child's has come */
+    int in_head;            /* the child's head is still to be read */
     char *buf; int cap;     /* the child's bytes: [pos, have) not parsed yet */
     char *out; int ocap;    /* ours: [unsent_off, unsent_off + unsent_len) not taken by the client */
     int have, pos;
@@ -313,6 +336,29 @@ struct jl_stream {
 };
 
 enum { SRC = 0, DST = 1, STOP = 2 };
+
+/* The child's head, at the start of what has come: 1 read (a 200 with chunked framing: s->pos
+ * is past it), 0 not all here yet, -1 not one the relay goes on from (nothing is consumed). */
+static int child_head(struct jl_stream *s) {
+    const char *b = s->buf + s->pos, *end = s->buf + s->have;
+    const char *e = memmem(b, end - b, "\r\n\r\n", 4);
+    if (e == NULL) return s->have == s->cap ? -1 : 0;
+    if (e - b < 12 || memcmp(b, "HTTP/1.1 200", 12) != 0 || (e - b > 12 && b[12] != ' ' && b[12] != '\r')) return -1;
+    int chunked = 0;
+    for (const char *l = memchr(b, '\n', e - b); l != NULL && l < e;) {
+        l++; /* (past the previous line's end) */
+        const char *nl = memchr(l, '\n', e + 2 - l);
+        int len = (int)((nl != NULL ? nl : e) - l);
+        if (len > 0 && l[len - 1] == '\r') len--;
+        if (header_has(l, len, "content-length:", "")) return -1; /* (a body of its own length: Python's) */
+        if (header_has(l, len, "transfer-encoding:", "chunked")) chunked = 1;
+        l = nl;
+    }
+    if (!chunked) return -1;
+    s->pos = (int)(e + 4 - s->buf);
+    s->in_head = 0;
+    return 1;
+}
 
 static int arm(int ep, int op, int fd, unsigned events, struct jl_stream *s, int role) {
     struct epoll_event e = {.events = events, .data.u64 = (uint64_t)(uintptr_t)s | (uint64_t)role};
@@ -393,8 +439,17 @@ static int pump(int ep, struct jl_stream *s) {
                 return JL_STOPPED;
         }
         if (s->why) return s->why; /* (what came before the chunk it stopped at has gone) */
-        int relayed, full;
-        int o = translate(s, &relayed, &full);
+        if (s->in_head) {
+            int r = child_head(s);
+            if (r < 0) return JL_GIVE_BACK; /* (all of it unread: Python's) */
+            if (r > 0) { /* ours goes now, as the child's came: the client reads it while the first token is made */
+                memcpy(s->out, s->ours, s->ours_len);
+                s->st.unsent_off = 0; s->st.unsent_len = s->ours_len;
+                s->st.head = JL_HEAD_SENT;
+                continue;
+            }
+        }
+        int relayed = 0, full = 0, o = s->in_head ? FRAME : translate(s, &relayed, &full);
         if (o > FRAME) {
             int hl = size_line(s->out + FRAME, o - FRAME);
             int tail = s->why == JL_FINISHED ? ROOM : 2; /* (the body's last chunk too) */
@@ -428,13 +483,15 @@ int jl_stream_size(void) { return (int)sizeof(struct jl_stream); }
  * (nothing is read then: Python goes on with it, and does not start this one again, which
  * the hub may still be about to look at). The hub may hear of a socket before the next is
  * added: the lock keeps it waiting until all three are. Its number goes to `notify` when
- * it stops. */
+ * it stops. With `ours` (ours_len > 0, less than half of ocap), the child's head is still
+ * to come: see the top. */
 int jl_start(int ep, struct jl_stream *s, int src, int dst, int stop, int id, int notify,
-             const struct jl_spec *spec, char *buf, int cap, char *out, int ocap) {
+             const struct jl_spec *spec, char *buf, int cap, char *out, int ocap, const char *ours, int ours_len) {
     memset(s, 0, sizeof *s);
     pthread_mutex_init(&s->lock, NULL);
     s->src = src; s->dst = dst; s->stop = stop; s->id = id; s->notify = notify; s->spec = spec;
     s->buf = buf; s->cap = cap; s->out = out; s->ocap = ocap;
+    if (ours_len > 0 && ours_len < ocap / 2) { s->ours = ours; s->ours_len = ours_len; s->in_head = 1; }
     const int fds[3] = {src, dst, stop};
     const unsigned what[3] = {EPOLLIN, EPOLLRDHUP, EPOLLIN};
     int ok = 1;

@@ -43,7 +43,7 @@ from typing import Any, Callable
 from tornado import httputil, iostream
 from tornado.httpserver import HTTPServer
 
-from ..engine import http1
+from ..engine import http1, native
 from .early import SendAhead
 
 __all__ = ["FrontServer", "MAX_BODY", "front_for"]
@@ -173,6 +173,10 @@ class _LeanConnection(httputil.HTTPConnection):
         self._lent: Callable[[], None] | None = None  # the socket is the C relay's: how to stop it
         self._back: asyncio.Future | None = None  # resolved when the C relay gives it back
         self._close_when_back = False
+        # an answer's head made but not sent, for the C relay to send after the child's
+        # (lend_before_head): its bytes, its headers, and how to make it unsaid
+        self._held_head: tuple[bytes, httputil.HTTPHeaders, Callable[[], None] | None] | None = None
+        self._capture = False  # write_headers keeps the head it makes (lend_before_head)
         self._ended = False  # this answer's end has gone (end_body, or the C relay): nothing more of it goes out
         self._coming: tuple[bytes, bytearray, int] | None = None  # a request whose body is still arriving
         self._early: tuple[SendAhead, http1.Early] | None = None  # this request's, for its streams (server/early.py)
@@ -380,6 +384,10 @@ class _LeanConnection(httputil.HTTPConnection):
         data = "\r\n".join(lines).encode("latin1") + b"\r\n\r\n"
         if chunk:
             data += self._frame(chunk)
+        if self._capture:  # (lend_before_head: kept, not sent)
+            self._capture = False
+            self._held_head = (data, headers, None)
+            return self._send(b"")
         return self._send(data)
 
     def write(self, chunk: bytes) -> asyncio.Future:
@@ -442,15 +450,61 @@ class _LeanConnection(httputil.HTTPConnection):
         self._watch(False)  # (the relay watches for the client hanging up)
         return self.fd
 
-    def take_back(self, unsent: bytes, gone: bool, ended: bool = False) -> None:
+    def lend_before_head(self, stop: Callable[[], None], flush: Callable[[], Any],
+                         unsaid: Callable[[], None]) -> tuple[int, bytes] | None:
+        """:meth:`lend` for an answer whose head has not gone yet (engine/native.py's
+        ``Target.lend_before_head``): the handler's ``flush`` makes it now, and it is kept
+        here, unsent, for the C relay to send once the child's head has come; (descriptor, head), or
+        None, with nothing made, when the socket cannot be lent. ``unsaid`` makes the handler
+        take its head as not sent (``take_back`` calls it when the relay does not send it:
+        the child's answer is not one it goes on from, perhaps an error, which the handler
+        then answers with a status of its own)."""
+        if self._closed or self._out or not self._answering or self._lent is not None or self._ended:
+            return None
+        self._capture = True
+        try:
+            flush()
+        except Exception:  # noqa: BLE001 - (a header it cannot send: the handler's next flush says so)
+            made = None
+        else:
+            made = self._held_head
+        self._capture, self._held_head = False, None
+        if made is None:  # (it failed, or made no head)
+            self._status, self._chunked = 0, False
+            unsaid()
+            return None
+        held = (made[0], made[1], unsaid)
+        fd = self.lend(stop)
+        if fd is None:
+            self._unsay_head(held)
+            return None
+        self._held_head = held
+        return fd, held[0]
+
+    def _unsay_head(self, held) -> None:
+        """Make a head kept by lend_before_head unsaid: this answer's state, and the handler's, as
+        before it was made (Tornado's next flush makes it again, or an error's)."""
+        _data, headers, unsaid = held
+        self._status, self._chunked = 0, False
+        if "Transfer-Encoding" in headers:  # (write_headers set it; the handler never does)
+            del headers["Transfer-Encoding"]
+        unsaid()
+
+    def take_back(self, unsent: bytes, gone: bool, ended: bool = False, head: int | None = None) -> None:
         """The socket is ours again: ``unsent``, what the relay wrote that the client had not
         taken yet, goes first; ``gone``: the client hung up; ``ended``: the relay wrote the
         answer's end (its last event and the body's last chunk, engine/native.py's
         FINISHED), and what the handler writes after it (the same last event, the end)
-        goes nowhere."""
+        goes nowhere. ``head``, for a socket lent before the answer's head had gone
+        (:meth:`lend_before_head`), whether the relay sent ours (engine/native.py's
+        HEAD_SENT: the child's answer goes on) or not (it is made unsaid: the child's head is
+        still to be read)."""
         self._lent = None
         self._ended = ended
         self._back.set_result(None)
+        held, self._held_head = self._held_head, None
+        if held is not None and head != native.HEAD_SENT:
+            self._unsay_head(held)
         if gone or self._close_when_back:
             self.close_now()
             return

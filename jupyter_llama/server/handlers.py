@@ -392,7 +392,26 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         lend = getattr(conn, "lend", None)
         if lend is None or self._transforms:
             return None
-        return native.Target(spec, lend, conn.take_back)
+        return native.Target(spec, lend, conn.take_back, self._lend_before_head)
+
+    def _lend_before_head(self, stop):
+        """The lean connection's ``lend_before_head`` with this handler's head (see
+        :meth:`native_target`): made by Tornado's flush, and made unsaid when the relay does
+        not send it (``_headers_written`` False again, and the cookies that flush added to
+        the headers taken out: the next flush adds them), so that the child's error still
+        gets a status of its own."""
+        if self._headers_written or self._gone:
+            return None
+        cookies = self._headers.get_list("Set-Cookie")
+
+        def unsaid() -> None:
+            self._headers_written = False
+            if "Set-Cookie" in self._headers:
+                del self._headers["Set-Cookie"]
+            for cookie in cookies:
+                self._headers.add("Set-Cookie", cookie)
+
+        return self.request.connection.lend_before_head(stop, self.flush, unsaid)
 
     def end_stream(self, content_type: str, last: bytes = b""):
         """Finish the open stream, ``last`` its last bytes: on serve's lean connection they

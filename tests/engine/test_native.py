@@ -451,7 +451,151 @@ async def test_a_child_stream_is_lent_once_its_head_is_in_and_every_token_is_the
                                 + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         await asyncio.wait_for(task, 10)
         assert dechunk(pair.read_client()) == b"".join(b"data: " + e + b"\n\n" for e in events)
-        assert in_python == [[]] and taken == [(b"", False, False)]
+        assert in_python == [[]] and taken == [(b"", False, False, None)]
+    finally:
+        task.cancel()
+        listener.close()
+        if conn is not None:
+            conn.close()
+
+
+OURS = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+CHILD_HEAD = b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def start_before_head(pair: Pair, spec, ours: bytes = OURS) -> tuple[native.Run, asyncio.Future]:
+    fut = asyncio.get_running_loop().create_future()
+    run = native.Run.make()
+    run.start(pair.src.fileno(), pair.dst.fileno(), spec, fut.set_result, ours)
+    return run, fut
+
+
+async def test_started_before_the_childs_head_it_reads_that_head_and_sends_ours(pair):
+    """The child's head, in pieces: once it is all in, ours goes to the client (as Python
+    would send it, before the first token), and nothing of the child's; then the tokens."""
+    run, fut = start_before_head(pair, native.sse(b'"model":"a"', b'"model":"b"'))
+    for i in range(0, len(CHILD_HEAD) - 1, 9):
+        pair.child.send(CHILD_HEAD[i:min(i + 9, len(CHILD_HEAD) - 1)])
+        await asyncio.sleep(0.002)
+    await asyncio.sleep(0.02)
+    assert pair.read_client() == b""  # (the child's head is not all in: nothing of ours yet)
+    pair.child.send(CHILD_HEAD[-1:])
+    got = b""
+    while len(got) < len(OURS):
+        await asyncio.sleep(0.002)
+        got += pair.read_client()
+    assert got == OURS
+    events = [b'{"n":%d,"model":"a"}' % i for i in range(3)]
+    pair.child.send(b"".join(chunk(b"data: " + e + b"\n\n") for e in events) + chunk(b"data: [DONE]\n\n"))
+    assert await asyncio.wait_for(fut, 10) == native.GIVE_BACK
+    assert run.state.head == native.HEAD_SENT and run.state.events == 3
+    assert run.leftover() == chunk(b"data: [DONE]\n\n") and run.unsent() == b""
+    run.close()
+    got = pair.read_client()
+    assert dechunk(got) == b"".join(b"data: " + e.replace(b'"a"', b'"b"') + b"\n\n" for e in events)
+
+
+@pytest.mark.parametrize("head", [
+    b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 17\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 17\r\n\r\n",  # (a whole answer, not a stream)
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n",
+    b"HTTP/1.1 2000 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+])
+async def test_a_childs_head_it_does_not_go_on_from_goes_back_unread_and_ours_unsent(pair, head):
+    """An error's status, a body of its own length, anything but a 200 with chunked framing:
+    every byte the child sent goes back to Python as it came, and nothing of ours has gone."""
+    run, fut = start_before_head(pair, native.sse())
+    body = b'{"error":"nope"}\n'
+    pair.child.send(head + body)
+    assert await asyncio.wait_for(fut, 10) == native.GIVE_BACK
+    assert run.leftover() == head + body and run.unsent() == b""
+    assert run.state.head == native.HEAD_UNREAD and run.state.events == 0
+    run.close()
+    assert pair.read_client() == b""
+
+
+async def test_a_first_chunk_it_does_not_write_goes_back_after_the_childs_head_and_ours(pair):
+    """The child's head is a stream's, but its first event is not a token (an error event):
+    ours has gone (HEAD_SENT), and the relay stops at that chunk, for Python."""
+    run, fut = start_before_head(pair, native.sse())
+    rest = chunk(b'data: {"error":{"message":"boom"}}\n\n') + b"0\r\n\r\n"
+    pair.child.send(CHILD_HEAD + rest)
+    assert await asyncio.wait_for(fut, 10) == native.GIVE_BACK
+    assert run.state.head == native.HEAD_SENT and run.leftover() == rest and run.unsent() == b""
+    run.close()
+    assert pair.read_client() == OURS
+
+
+async def test_a_child_that_ends_or_a_client_that_leaves_before_the_head_leaves_it_unread(pair):
+    run, fut = start_before_head(pair, native.sse())
+    pair.child.send(CHILD_HEAD[:20])
+    pair.child.shutdown(socket.SHUT_WR)
+    assert await asyncio.wait_for(fut, 10) == native.CHILD_ENDED
+    assert run.leftover() == CHILD_HEAD[:20] and run.state.head == native.HEAD_UNREAD
+    run.close()
+    other = Pair()
+    try:
+        run, fut = start_before_head(other, native.sse())
+        other.client.close()
+        assert await asyncio.wait_for(fut, 10) == native.CLIENT_GONE and run.state.head == native.HEAD_UNREAD
+        run.close()
+    finally:
+        other.close()
+
+
+async def _child_for(listener) -> tuple[socket.socket, bytes]:
+    loop = asyncio.get_running_loop()
+    conn, _ = await asyncio.wait_for(loop.sock_accept(listener), 10)
+    request = b""
+    while not request.endswith(b'"stream": true}'):
+        request += await asyncio.wait_for(loop.sock_recv(conn, 65536), 10)
+    return conn, request
+
+
+@pytest.mark.parametrize("answer", ["stream", "error"])
+async def test_a_child_stream_is_lent_before_its_head_where_the_connection_can_hold_ours(pair, answer):
+    """http1's side of lend_before_head: the stream goes below Python once its request is
+    sent; a stream's head and tokens never pass through Python (the relay sends our head,
+    HEAD_SENT); an error's head comes back unread (HEAD_UNREAD), and Python reads
+    it as ever: the request fails with the child's message, and nothing went to the client."""
+    loop = asyncio.get_running_loop()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    lent, taken, in_python = asyncio.Event(), [], []
+
+    def lend_before_head(stop):
+        lent.set()
+        return pair.dst.fileno(), OURS
+
+    def on_data(batch):
+        in_python.append(batch)
+
+    on_data.native = native.Target(native.sse(), lambda stop: None, lambda *back: taken.append(back),
+                                   lend_before_head)
+    task = loop.create_task(http1.relay_sse(listener.getsockname()[1], "/v1/chat/completions", {"n": 1}, "",
+                                            on_data))
+    conn = None
+    try:
+        conn, _ = await _child_for(listener)
+        await asyncio.wait_for(lent.wait(), 10)  # (before the child's head)
+        if answer == "error":
+            body = b'{"error":{"code":400,"message":"the prompt is too long","type":"invalid_request_error"}}'
+            await loop.sock_sendall(conn, b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
+                                          b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+            with pytest.raises(http1.RequestError, match="the prompt is too long"):
+                await asyncio.wait_for(task, 10)
+            assert taken == [(b"", False, False, native.HEAD_UNREAD)] and in_python == []
+            assert pair.read_client() == b""
+            return
+        events = [b'{"choices":[{"delta":{"content":"%d"}}]}' % i for i in range(3)]
+        await loop.sock_sendall(conn, CHILD_HEAD + b"".join(chunk(b"data: " + e + b"\n\n") for e in events)
+                                + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await asyncio.wait_for(task, 10)
+        got = pair.read_client()
+        assert got.startswith(OURS) and dechunk(got[len(OURS):]) == b"".join(b"data: " + e + b"\n\n" for e in events)
+        assert taken == [(b"", False, False, native.HEAD_SENT)]
+        assert in_python == [[]]  # (the answer's beginning, told once the relay has given the stream back)
     finally:
         task.cancel()
         listener.close()

@@ -14,7 +14,7 @@ from srvutil import OPTS, wait_until
 
 from jupyter_llama.engine import http1, native
 from jupyter_llama.engine.runner import free_port
-from jupyter_llama.server.front import front_for
+from jupyter_llama.server.front import _LeanConnection, front_for
 
 pytestmark = pytest.mark.engine
 
@@ -28,20 +28,35 @@ async def served(jp_serverapp, jp_base_url, token):
     server = front_for(jp_serverapp)
     port = free_port()
     server.listen(port, "127.0.0.1")
+    _SERVERS.append(server)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}{jp_base_url}llama/", trust_env=False,
                                      timeout=60, headers={"Authorization": f"token {token}"}) as c:
             yield server, c
     finally:
+        _SERVERS.remove(server)
         server.stop()
         await server.close_all_connections()
+
+
+_SERVERS: list = []  # the fronts the tests' requests go to (the served fixture's)
+
+
+async def handlers_ended() -> None:
+    """Wait for every request's handler to have ended: a client has an answer's end before its
+    handler does (the C relay writes it), and a recipe is learned, and a lease released, only
+    then; a request that must be sent ahead waits for the one before it."""
+    await wait_until(lambda: not any(getattr(conn, "_answering", False) for server in _SERVERS
+                                     for conn in server._connections), timeout=5)
 
 
 async def generate(c: httpx.AsyncClient, prompt: str, **extra) -> list[dict]:
     body = {"model": "tiny", "prompt": prompt, "raw": True, "options": GREEDY, **extra}
     async with c.stream("POST", "api/generate", json=body) as r:
         assert r.status_code == 200, await r.aread()
-        return [json.loads(ln) async for ln in r.aiter_lines() if ln.strip()]
+        chunks = [json.loads(ln) async for ln in r.aiter_lines() if ln.strip()]
+    await handlers_ended()
+    return chunks
 
 
 async def counted(early, sent: int, taken: int, missed: int = 0) -> None:
@@ -82,6 +97,7 @@ async def test_a_stream_of_a_shape_answered_before_goes_to_the_child_before_its_
         r = await c.post("v1/chat/completions", json={"model": "tiny", "stream": True, "max_tokens": 3,
                                                       "messages": [{"role": "user", "content": content}]})
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        await handlers_ended()
         await counted(early, 2 + n, 2 + n)
     # a body of another shape (another option) is not sent ahead, and its answer teaches it
     await generate(c, "Once upon a time", keep_alive="5m")
@@ -204,3 +220,45 @@ async def test_a_request_refused_after_its_recipe_was_learned_drops_the_recipe(s
     finally:
         jp_serverapp.identity_provider.token = token_before
     assert early._recipes == {} or all(not v for v in early._recipes.values())
+
+
+async def test_a_streams_child_that_answers_an_error_still_gets_its_status_through_the_lean_front(
+        served, ext, monkeypatch):
+    """On serve's connection a stream goes to the C relay as soon as its request is sent,
+    with our head made and held for it to send (server/front.py's lend_before_head).
+    A child that answers with an error's status instead gives that back unread: the client
+    gets a 400 with a sentence, not a 200 with an error line. A chat longer than the context
+    is refused by the child, then sent again shorter (its head made unsaid, then made again,
+    its login cookie once), and later streams are whole."""
+    server, c = served
+    heads = []  # how far each hand-back's relay got with the heads (None: lent after the child's head)
+    take_back = _LeanConnection.take_back
+
+    def told(self, unsent, gone, ended=False, head=None):
+        heads.append(head)
+        return take_back(self, unsent, gone, ended, head)
+
+    monkeypatch.setattr(_LeanConnection, "take_back", told)
+    # a grammar the child cannot read: it answers 400 before any token
+    r = await c.post("v1/chat/completions", json={"model": "tiny", "stream": True, "max_tokens": 3,
+                                                  "grammar": "root ::= (((",
+                                                  "messages": [{"role": "user", "content": "hello"}]})
+    assert r.status_code == 400, r.text
+    assert "failed to parse grammar" in r.json()["error"]["message"]
+    assert heads == [native.HEAD_UNREAD]
+    await handlers_ended()
+    # longer than the context: refused, then cut to its last turn and sent again
+    messages = [{"role": "user", "content": "once upon a time " * 1000}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "hello"}]
+    async with c.stream("POST", "v1/chat/completions",
+                        json={"model": "tiny", "stream": True, "max_tokens": 3, "messages": messages}) as r:
+        text = (await r.aread()).decode()
+    assert r.status_code == 200 and text.rstrip().endswith("data: [DONE]") and '"content":' in text, text
+    assert len(r.headers.get_list("set-cookie")) <= 1 and r.headers["content-type"].startswith("text/event-stream")
+    assert heads[1:] == [native.HEAD_UNREAD, native.HEAD_SENT]
+    await handlers_ended()
+    relayed = native.relayed_events
+    chunks = await generate(c, "Once upon a time")
+    assert chunks[-1]["done"] and chunks[-1]["eval_count"] == 8 and texts(chunks)
+    assert native.relayed_events > relayed  # (its tokens went below Python)
+    assert heads[3] == native.HEAD_SENT  # (and our head with them)
