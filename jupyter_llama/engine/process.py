@@ -41,10 +41,17 @@ class ChildProcess:
     @classmethod
     async def start(cls, argv: Sequence[str], env: dict[str, str], *, preexec_fn: Callable[[], None] | None = None,
                     limit: int = 1 << 20) -> "ChildProcess":
-        """Start ``argv`` in a new session (its own process group), stdin from /dev/null,
-        stdout and stderr into one pipe read by the loop."""
+        """Start ``argv`` in a process group of its own (what stops it stops any helper it
+        forks), stdin from /dev/null, stdout and stderr into one pipe read by the loop.
+
+        It stays in this process's session, as Ollama's runners and llama-server's router's
+        children do. Linux schedules each session's processes as one group (autogroup); in a
+        session of its own the child was a group apart from the manager that relays its
+        tokens, and a relayed stream ran ~1% slower against the same child asked directly
+        (four alternating probes of 60 single streams on two RPC workers: ours / bare 0.986-0.993
+        in sessions apart, 0.993-1.003 in one; bench/PERFORMANCE.md)."""
         popen = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=preexec_fn)
+                                 stderr=subprocess.STDOUT, env=env, process_group=0, preexec_fn=preexec_fn)
         try:  # room for a while of output between reads (hold_output): the default pipe holds 64 KiB
             fcntl.fcntl(popen.stdout.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         except (AttributeError, OSError):  # not Linux, or over /proc/sys/fs/pipe-max-size
