@@ -116,7 +116,12 @@ def run_worker(engine: Engine, *, host: str = "127.0.0.1", port: int = rpc.DEFAU
             if not stopping and proc.poll() is None:
                 note(f"RPC worker on {host}:{port}; on the manager set JUPYTER_LLAMA_RPC_WORKERS="
                      f"{'THIS-HOST' if host in ('0.0.0.0', '::') else host}:{port} (Ctrl-C stops it)")
-            code = proc.wait()
+            code = None
+            while code is None and not stopping:  # (once told to stop, it is given a while, then killed)
+                try:
+                    code = proc.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    pass
         except KeyboardInterrupt:
             stopping.append(signal.SIGINT)
             if proc.poll() is None:
