@@ -158,7 +158,6 @@ class _LineProtocol(asyncio.Protocol):
         self._in_head = True
         self._error_body: list[bytes] | None = None
         self._run: native.Run | None = None  # the relay below Python, while it has the stream
-        self._head_below = False  # ... and it was given the stream before the child's head (_go_native_first)
         self._abort_after = False  # hung up while it had it: the connection closes when it returns
         # batches to deliver here before the C relay is tried (again): where it could not have
         # the stream before the child's head (_go_native_first), the head goes out from here
@@ -399,17 +398,7 @@ class _LineProtocol(asyncio.Protocol):
         target = getattr(self.sink, "native", None)
         if target is None or self._native_after > 0:
             return
-        run = native.Run.make()
-        if run is None:
-            return
-        dst = target.lend(run.stop)
-        if dst is None:
-            run.close()
-            return
-        self.transport.pause_reading()
-        self._run = run
-        run.start(self.transport.get_extra_info("socket").fileno(), dst, target.spec,
-                  lambda why: self._native_done(target, why))
+        self._relay_below(target, before_head=False)
 
     def _go_native_first(self) -> None:
         """Hand the stream to the C relay as soon as its request is on its way, before the
@@ -421,28 +410,36 @@ class _LineProtocol(asyncio.Protocol):
         error's) comes back unread, ours unsent and unsaid, and is read here as ever (see
         :meth:`_native_done`)."""
         target = getattr(self.sink, "native", None)
-        lend = getattr(target, "lend_before_head", None)
-        if (lend is None or not self._in_head or self._buf or self._run is not None or self.done.done()
+        if (getattr(target, "lend_before_head", None) is None or not self._in_head or self._buf or self._run is not None or self.done.done()
                 or self.transport is None or not self.transport.is_reading()):
             return
+        self._relay_below(target, before_head=True)
+
+    def _relay_below(self, target: "native.Target", before_head: bool) -> None:
+        """Start the C relay on this stream with the client's socket that ``target`` lends
+        (``before_head``: with our head, for a child whose head is still to come); nothing
+        when no run is free or the socket cannot be lent now."""
         run = native.Run.make()
         if run is None:
             return
-        lent = lend(run.stop)
+        if before_head:
+            lent = target.lend_before_head(run.stop)
+        else:
+            fd = target.lend(run.stop)
+            lent = None if fd is None else (fd, b"")
         if lent is None:
             run.close()
             return
         dst, head = lent
         self.transport.pause_reading()
-        self._run, self._head_below = run, True
+        self._run = run
         run.start(self.transport.get_extra_info("socket").fileno(), dst, target.spec,
                   lambda why: self._native_done(target, why), head)
 
     def _native_done(self, target: "native.Target", why: int) -> None:
         run, self._run = self._run, None
         left = run.leftover()
-        head = run.state.head if self._head_below else None
-        self._head_below = False
+        head = run.state.head if run.before_head else None
         self._native_after = 2 if run.state.events else 16
         target.take_back(run.unsent(), why == native.CLIENT_GONE, why == native.FINISHED, head)
         run.close()

@@ -326,6 +326,7 @@ class Run:
         self._stop_r, self._stop_w = os.pipe()
         os.set_blocking(self._stop_r, False)
         self._done: Callable[[int], None] | None = None
+        self._head: bytes | None = b""  # ours, while the hub has a run started before the child's head
         self._ears: _Ears | None = None
         self._stopped = False
 
@@ -372,6 +373,11 @@ class Run:
             del _running[self.number]
             _spoilt.append(self)
             loop.call_soon(done, GIVE_BACK)
+
+    @property
+    def before_head(self) -> bool:
+        """Started before the child's head, with ours (``start``'s ``head``)."""
+        return bool(self._head)
 
     def _ended(self) -> None:
         """(In its event loop, as the hub has told it.)"""

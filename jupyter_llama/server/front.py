@@ -385,7 +385,6 @@ class _LeanConnection(httputil.HTTPConnection):
         if chunk:
             data += self._frame(chunk)
         if self._capture:  # (lend_before_head: kept, not sent)
-            self._capture = False
             self._held_head = (data, headers, None)
             return self._send(b"")
         return self._send(data)
@@ -465,10 +464,10 @@ class _LeanConnection(httputil.HTTPConnection):
         try:
             flush()
         except Exception:  # noqa: BLE001 - (a header it cannot send: the handler's next flush says so)
-            made = None
-        else:
-            made = self._held_head
-        self._capture, self._held_head = False, None
+            self._held_head = None
+        finally:
+            self._capture = False
+        made, self._held_head = self._held_head, None
         if made is None:  # (it failed, or made no head)
             self._status, self._chunked = 0, False
             unsaid()

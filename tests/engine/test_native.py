@@ -416,14 +416,30 @@ async def test_a_stream_whose_sockets_cannot_be_watched_goes_back_to_python_and_
     again.close()
 
 
+def _listening() -> socket.socket:
+    """A child's listening socket, for http1 to connect to (the test plays the child)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    return listener
+
+
+async def _child_for(listener) -> tuple[socket.socket, bytes]:
+    """The child's side of the connection http1 makes, once its stream's request is in."""
+    loop = asyncio.get_running_loop()
+    conn, _ = await asyncio.wait_for(loop.sock_accept(listener), 10)
+    request = b""
+    while not request.endswith(b'"stream": true}'):
+        request += await asyncio.wait_for(loop.sock_recv(conn, 65536), 10)
+    return conn, request
+
+
 async def test_a_child_stream_is_lent_once_its_head_is_in_and_every_token_is_the_relays(pair):
     """http1's side of the hand-over: the stream goes below Python as soon as the child's
     head is in, while the child makes its first token, so the first token is written by the
     relay like every other; what is not a token (here [DONE], then the body's end) comes back
     to Python, and the request ends there."""
     loop = asyncio.get_running_loop()
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.setblocking(False)
+    listener = _listening()
     lent, taken, in_python = asyncio.Event(), [], []
 
     def lend(stop):
@@ -438,10 +454,7 @@ async def test_a_child_stream_is_lent_once_its_head_is_in_and_every_token_is_the
                                             on_data))
     conn = None
     try:
-        conn, _ = await asyncio.wait_for(loop.sock_accept(listener), 10)
-        request = b""
-        while not request.endswith(b'"stream": true}'):
-            request += await asyncio.wait_for(loop.sock_recv(conn, 65536), 10)
+        conn, _ = await _child_for(listener)
         await loop.sock_sendall(conn, b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                                       b"Transfer-Encoding: chunked\r\n\r\n")
         await asyncio.wait_for(lent.wait(), 10)  # (no token has been sent yet)
@@ -544,15 +557,6 @@ async def test_a_child_that_ends_or_a_client_that_leaves_before_the_head_leaves_
         other.close()
 
 
-async def _child_for(listener) -> tuple[socket.socket, bytes]:
-    loop = asyncio.get_running_loop()
-    conn, _ = await asyncio.wait_for(loop.sock_accept(listener), 10)
-    request = b""
-    while not request.endswith(b'"stream": true}'):
-        request += await asyncio.wait_for(loop.sock_recv(conn, 65536), 10)
-    return conn, request
-
-
 @pytest.mark.parametrize("answer", ["stream", "error"])
 async def test_a_child_stream_is_lent_before_its_head_where_the_connection_can_hold_ours(pair, answer):
     """http1's side of lend_before_head: the stream goes below Python once its request is
@@ -560,8 +564,7 @@ async def test_a_child_stream_is_lent_before_its_head_where_the_connection_can_h
     HEAD_SENT); an error's head comes back unread (HEAD_UNREAD), and Python reads
     it as ever: the request fails with the child's message, and nothing went to the client."""
     loop = asyncio.get_running_loop()
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.setblocking(False)
+    listener = _listening()
     lent, taken, in_python = asyncio.Event(), [], []
 
     def lend_before_head(stop):
