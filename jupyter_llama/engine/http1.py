@@ -410,7 +410,8 @@ class _LineProtocol(asyncio.Protocol):
         error's) comes back unread, ours unsent and unsaid, and is read here as ever (see
         :meth:`_native_done`)."""
         target = getattr(self.sink, "native", None)
-        if (getattr(target, "lend_before_head", None) is None or not self._in_head or self._buf or self._run is not None or self.done.done()
+        if (getattr(target, "lend_before_head", None) is None or not self._in_head or self._buf
+                or self._run is not None or self.done.done()
                 or self.transport is None or not self.transport.is_reading()):
             return
         self._relay_below(target, before_head=True)

@@ -128,7 +128,7 @@ def run_worker(engine: Engine, *, host: str = "127.0.0.1", port: int = rpc.DEFAU
                 proc.send_signal(signal.SIGINT)
             code = _wait_or_kill(proc)
         if stopping:
-            if code is None or proc.poll() is None:
+            if code is None:
                 code = _wait_or_kill(proc)
             return 0
         note(f"the RPC worker on {host}:{port} ended by itself ({exit_words(code)}); its own lines above say why")

@@ -173,10 +173,11 @@ class _LeanConnection(httputil.HTTPConnection):
         self._lent: Callable[[], None] | None = None  # the socket is the C relay's: how to stop it
         self._back: asyncio.Future | None = None  # resolved when the C relay gives it back
         self._close_when_back = False
-        # an answer's head made but not sent, for the C relay to send after the child's
-        # (lend_before_head): its bytes, its headers, and how to make it unsaid
-        self._held_head: tuple[bytes, httputil.HTTPHeaders, Callable[[], None] | None] | None = None
-        self._capture = False  # write_headers keeps the head it makes (lend_before_head)
+        # lend_before_head: while the handler's flush runs, the heads write_headers makes
+        # (bytes, headers), kept here unsent; then, while the C relay holds ours, its headers
+        # and how to make it unsaid
+        self._captured: list[tuple[bytes, httputil.HTTPHeaders]] | None = None
+        self._held_head: tuple[httputil.HTTPHeaders, Callable[[], None]] | None = None
         self._ended = False  # this answer's end has gone (end_body, or the C relay): nothing more of it goes out
         self._coming: tuple[bytes, bytearray, int] | None = None  # a request whose body is still arriving
         self._early: tuple[SendAhead, http1.Early] | None = None  # this request's, for its streams (server/early.py)
@@ -384,8 +385,8 @@ class _LeanConnection(httputil.HTTPConnection):
         data = "\r\n".join(lines).encode("latin1") + b"\r\n\r\n"
         if chunk:
             data += self._frame(chunk)
-        if self._capture:  # (lend_before_head: kept, not sent)
-            self._held_head = (data, headers, None)
+        if self._captured is not None:  # (lend_before_head: kept, not sent)
+            self._captured.append((data, headers))
             return self._send(b"")
         return self._send(data)
 
@@ -460,32 +461,30 @@ class _LeanConnection(httputil.HTTPConnection):
         then answers with a status of its own)."""
         if self._closed or self._out or not self._answering or self._lent is not None or self._ended:
             return None
-        self._capture = True
+        captured = self._captured = []
         try:
             flush()
         except Exception:  # noqa: BLE001 - (a header it cannot send: the handler's next flush says so)
-            self._held_head = None
+            captured.clear()
         finally:
-            self._capture = False
-        made, self._held_head = self._held_head, None
-        if made is None:  # (it failed, or made no head)
-            self._status, self._chunked = 0, False
-            unsaid()
+            self._captured = None
+        if not captured:  # (it failed, or made no head)
+            self._unsay_head(None, unsaid)
             return None
-        held = (made[0], made[1], unsaid)
+        data, headers = captured[0]
         fd = self.lend(stop)
         if fd is None:
-            self._unsay_head(held)
+            self._unsay_head(headers, unsaid)
             return None
-        self._held_head = held
-        return fd, held[0]
+        self._held_head = (headers, unsaid)
+        return fd, data
 
-    def _unsay_head(self, held) -> None:
-        """Make a head kept by lend_before_head unsaid: this answer's state, and the handler's, as
-        before it was made (Tornado's next flush makes it again, or an error's)."""
-        _data, headers, unsaid = held
+    def _unsay_head(self, headers: httputil.HTTPHeaders | None, unsaid: Callable[[], None]) -> None:
+        """Make a head lend_before_head made (``headers``; None: it made none) unsaid: this
+        answer's state, and the handler's, as before it was made (Tornado's next flush makes it
+        again, or an error's)."""
         self._status, self._chunked = 0, False
-        if "Transfer-Encoding" in headers:  # (write_headers set it; the handler never does)
+        if headers is not None and "Transfer-Encoding" in headers:  # (write_headers set it; the handler never does)
             del headers["Transfer-Encoding"]
         unsaid()
 
@@ -503,7 +502,7 @@ class _LeanConnection(httputil.HTTPConnection):
         self._back.set_result(None)
         held, self._held_head = self._held_head, None
         if held is not None and head != native.HEAD_SENT:
-            self._unsay_head(held)
+            self._unsay_head(*held)
         if gone or self._close_when_back:
             self.close_now()
             return
