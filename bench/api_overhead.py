@@ -52,7 +52,10 @@ to the last byte (the stream's wall time). Rounds alternate the order of the sid
   machine, and the report says so (its figures still print).
 
 Usage: ``.venv/bin/python bench/api_overhead.py [--rounds N] [--n-predict N] [--swap-rounds N]
-[--phases all|streams|swap] [--no-workers] [--keep-alive] [--save FILE]``
+[--phases all|streams|swap] [--no-workers] [--keep-alive] [--save FILE]``; and
+``... --pool FILE [FILE ...]``, which measures nothing and says what runs saved with ``--save``
+say together (:func:`pool_report`): which cells' gaps are real, and how often one more run
+would meet every throughput goal.
 """
 
 from __future__ import annotations
@@ -376,20 +379,21 @@ def ratio_interval(sides: dict, num: str, den: str, vs: tuple[str, str] | None =
 
     rng = random.Random(7)
     n = len(sides[num]["rounds"])
-
-    def ratio(picks, a, b):
-        ta = sum(sides[a]["rounds"][i][0] for i in picks)
-        wa = sum(sides[a]["rounds"][i][1] for i in picks)
-        tb = sum(sides[b]["rounds"][i][0] for i in picks)
-        wb = sum(sides[b]["rounds"][i][1] for i in picks)
-        return (ta / wa) / (tb / wb)
-
     values = []
     for _ in range(draws):
         picks = [rng.randrange(n) for _ in range(n)]
-        r = ratio(picks, num, den)
-        values.append(r - ratio(picks, *vs) if vs else r)
+        r = tps_ratio(sides, picks, num, den)
+        values.append(r - tps_ratio(sides, picks, *vs) if vs else r)
     return middle_95(values)
+
+
+def tps_ratio(sides: dict, picks, num: str, den: str) -> float:
+    """Tokens/s of ``num`` over ``den`` in the rounds ``picks`` (all tokens over all wall time)."""
+    ta = sum(sides[num]["rounds"][i][0] for i in picks)
+    wa = sum(sides[num]["rounds"][i][1] for i in picks)
+    tb = sum(sides[den]["rounds"][i][0] for i in picks)
+    wb = sum(sides[den]["rounds"][i][1] for i in picks)
+    return (ta / wa) / (tb / wb)
 
 
 def ttft_interval(sides: dict, num: str, den: str, draws: int = 2000) -> tuple[float, float, float]:
@@ -736,6 +740,84 @@ def report(title: str, res: dict) -> bool:
     return ok
 
 
+def _saved_run(path: str) -> dict:
+    """A run written by ``--save``; ValueError, with a sentence, for anything else."""
+    try:
+        run = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError:
+        raise ValueError(f"{path} is not JSON") from None
+    try:
+        cells = [sides for where in ("host", "workers") for key, sides in run.get(where, {}).items() if "/" in key]
+        whole = cells and all(len(sides[s]["rounds"]) > 1 and all(len(r) == 2 for r in sides[s]["rounds"])
+                              for sides in cells for s in ("ours", "bare", "router", "rbare"))
+    except (AttributeError, KeyError, TypeError):
+        whole = False
+    if not whole:
+        raise ValueError(f"{path} is not a run written by --save (its cells' rounds of ours, bare, router and "
+                         "rbare are missing)")
+    return run
+
+
+def pool_report(paths: list[str], draws: int = 2000) -> None:
+    """What several runs saved with ``--save`` say together about the throughput goals, cell
+    by cell: each run's ours/bare minus the router's own ratio, their mean with a 95% interval
+    (each draw resamples every run's rounds, as :func:`ratio_interval` does one run's, and
+    averages the runs), and the chance that one more run like them meets the cell's goals
+    (ours/bare >= the router's ratio and >= 0.97), from that mean and a run's own spread (a
+    normal approximation). A goal that compares two ratios each a few per cent wide from run
+    to run is met by the draw when the two relays are level: a mean whose interval holds 0
+    says the runs cannot tell them apart, and the chance says how often a run will print
+    "ok" all the same."""
+    import math
+    import random
+
+    def chance(mean: float, spread: float) -> float:  # P(a normal draw of this mean and spread >= 0)
+        return 0.5 * (1 + math.erf(mean / (spread * math.sqrt(2)))) if spread > 0 else float(mean >= 0)
+
+    runs = [_saved_run(p) for p in paths]
+    rng = random.Random(11)
+    print(f"{len(runs)} runs: {', '.join(paths)}")
+    print("per cell: ours/bare minus router/rchild in each run; their mean and its 95% interval; a run's own "
+          "spread (sd)\nand the chance that one more run meets the cell: at or past the router's ratio, and "
+          "ours/bare >= 0.97")
+    head = f"{'placement':<10}{'cell':<11}{'each run':<36}{'mean':>7}  {'95% interval':<18}{'sd':>6}{'>=router':>9}{'>=0.97':>8}"
+    print(head)
+    print("-" * len(head))
+    every = 1.0
+    for where in ("host", "workers"):
+        cells = sorted({k for run in runs for k in run.get(where, {}) if "/" in k},
+                       key=lambda k: (k.split("/")[0], int(k.split("/")[1])))
+        for key in cells:
+            sides = [run[where][key] for run in runs if key in run.get(where, {})]
+            whole = [range(len(x["ours"]["rounds"])) for x in sides]
+            diffs = [tps_ratio(x, r, "ours", "bare") - tps_ratio(x, r, "router", "rbare") for x, r in zip(sides, whole)]
+            floors = [tps_ratio(x, r, "ours", "bare") for x, r in zip(sides, whole)]
+            pooled, spreads, floor_spreads = [], [], []
+            for x in sides:
+                n, own, own_floor = len(x["ours"]["rounds"]), [], []
+                for _ in range(draws):
+                    picks = [rng.randrange(n) for _ in range(n)]
+                    ob = tps_ratio(x, picks, "ours", "bare")
+                    own.append(ob - tps_ratio(x, picks, "router", "rbare"))
+                    own_floor.append(ob)
+                pooled.append(own)
+                spreads.append(statistics.stdev(own))
+                floor_spreads.append(statistics.stdev(own_floor))
+            lo, hi = middle_95([statistics.fmean(draw) for draw in zip(*pooled)])
+            mean, spread = statistics.fmean(diffs), statistics.fmean(spreads)
+            beat = chance(mean, spread)
+            floor = chance(statistics.fmean(floors) - 0.97, statistics.fmean(floor_spreads))
+            every *= beat * floor
+            shown = ", ".join(f"{d:+.3f}" for d in diffs)
+            verdict = "" if lo <= 0 <= hi else (" ours ahead" if lo > 0 else " ours behind")
+            print(f"{where:<10}{key:<11}{shown:<36}{mean:>+7.3f}  [{lo:+.3f}, {hi:+.3f}]{spread:>7.3f}{beat:>8.0%}"
+                  f"{floor:>8.0%}{verdict}")
+    print(f"\nthe chance that one more run meets every throughput goal: {every:.2%}; two runs in a row: "
+          f"{every * every:.4%} (cells taken as independent)")
+
+
 async def main_async(args) -> int:
     global KEPT
     engine = find_engine()
@@ -780,7 +862,16 @@ def main() -> int:
                     help="the client keeps its connections open between requests, as ollama-python's and "
                          "openai-python's do (a server that closes them after a stream gets new ones)")
     ap.add_argument("--save", metavar="FILE", help="write every sample (JSON) to FILE")
-    return asyncio.run(main_async(ap.parse_args()))
+    ap.add_argument("--pool", metavar="FILE", nargs="+",
+                    help="measure nothing: what runs saved with --save say together about the throughput goals")
+    args = ap.parse_args()
+    if args.pool:
+        try:
+            pool_report(args.pool)
+        except ValueError as e:
+            ap.error(f"--pool takes files written by --save: {e}")
+        return 0
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
