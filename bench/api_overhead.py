@@ -740,36 +740,52 @@ def report(title: str, res: dict) -> bool:
     return ok
 
 
+_SIDES_SAVED = {"ours": "ours", "bare": "our child", "router": "the router", "rbare": "the router's child"}
+# the 97.5th percentile of Student's t for 1-10 degrees of freedom (a 95% interval of the mean of a few runs)
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
 def _saved_run(path: str) -> dict:
-    """A run written by ``--save``; ValueError, with a sentence, for anything else."""
+    """A run written by ``--save``, with its stream cells; ValueError, with a sentence, for
+    anything else."""
     try:
         run = json.loads(Path(path).read_text())
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
     except ValueError:
         raise ValueError(f"{path} is not JSON") from None
-    try:
-        cells = [sides for where in ("host", "workers") for key, sides in run.get(where, {}).items() if "/" in key]
-        whole = cells and all(len(sides[s]["rounds"]) > 1 and all(len(r) == 2 for r in sides[s]["rounds"])
-                              for sides in cells for s in ("ours", "bare", "router", "rbare"))
-    except (AttributeError, KeyError, TypeError):
-        whole = False
-    if not whole:
-        raise ValueError(f"{path} is not a run written by --save (its cells' rounds of ours, bare, router and "
-                         "rbare are missing)")
+    if not isinstance(run, dict) or not any(isinstance(run.get(w), dict) for w in ("host", "workers")):
+        raise ValueError(f"{path} is not a run of this bench (it has no host or workers part)")
+    cells = [(f"{where} {key}", sides) for where in ("host", "workers") if isinstance(run.get(where), dict)
+             for key, sides in run[where].items() if "/" in key]
+    if not cells:
+        raise ValueError(f"{path} has no stream cells (a run of --phases swap has none to pool)")
+    for name, sides in cells:
+        counts = set()
+        for side, said in _SIDES_SAVED.items():
+            rounds = sides.get(side, {}).get("rounds") if isinstance(sides, dict) else None
+            if (not isinstance(rounds, list) or len(rounds) < 2 or not all(
+                    isinstance(r, list) and len(r) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in r)
+                    for r in rounds)):
+                raise ValueError(f"{path}: the cell {name} needs two or more rounds of {said}, each its tokens and "
+                                 "its seconds, above 0")
+            counts.add(len(rounds))
+        if len(counts) > 1:
+            raise ValueError(f"{path}: the sides of the cell {name} have different numbers of rounds")
     return run
 
 
 def pool_report(paths: list[str], draws: int = 2000) -> None:
     """What several runs saved with ``--save`` say together about the throughput goals, cell
-    by cell: each run's ours/bare minus the router's own ratio, their mean with a 95% interval
-    (each draw resamples every run's rounds, as :func:`ratio_interval` does one run's, and
-    averages the runs), and the chance that one more run like them meets the cell's goals
-    (ours/bare >= the router's ratio and >= 0.97), from that mean and a run's own spread (a
-    normal approximation). A goal that compares two ratios each a few per cent wide from run
-    to run is met by the draw when the two relays are level: a mean whose interval holds 0
-    says the runs cannot tell them apart, and the chance says how often a run will print
-    "ok" all the same."""
+    by cell: each run's ours/bare minus the router's own ratio; their mean, with a 95% interval
+    that takes the runs as the samples (Student's t over their differences, so what moves from
+    run to run counts; a single run's comes from its rounds, as :func:`ratio_interval`); and
+    the chance that one more run meets the cell's goals, at or past the router's ratio and
+    ours/bare >= 0.97. That chance takes the mean as exact and a run's spread from its own
+    rounds (a paired bootstrap, a normal approximation), and multiplies the two goals' and the
+    cells' chances as if they were independent: it says roughly how often a run prints "ok",
+    not a figure to two places. A goal that compares two ratios each a few per cent wide from
+    run to run is met by the draw where the two relays are level."""
     import math
     import random
 
@@ -779,10 +795,11 @@ def pool_report(paths: list[str], draws: int = 2000) -> None:
     runs = [_saved_run(p) for p in paths]
     rng = random.Random(11)
     print(f"{len(runs)} runs: {', '.join(paths)}")
-    print("per cell: ours/bare minus router/rchild in each run; their mean and its 95% interval; a run's own "
-          "spread (sd)\nand the chance that one more run meets the cell: at or past the router's ratio, and "
-          "ours/bare >= 0.97")
-    head = f"{'placement':<10}{'cell':<11}{'each run':<36}{'mean':>7}  {'95% interval':<18}{'sd':>6}{'>=router':>9}{'>=0.97':>8}"
+    print("per cell: ours/bare minus router/rchild in each run (- where a run has no such cell); their mean and "
+          "its 95%\ninterval over the runs; a run's own spread (sd, from its rounds); and the chance that one more "
+          "run is at or\npast the router's ratio, and that its ours/bare is 0.97 or more")
+    head = (f"{'placement':<10}{'cell':<11}{'each run':<36}{'mean':>7}  {'95% interval':<18}{'sd':>6}{'>=router':>9}"
+            f"{'>=0.97':>8}")
     print(head)
     print("-" * len(head))
     every = 1.0
@@ -790,32 +807,40 @@ def pool_report(paths: list[str], draws: int = 2000) -> None:
         cells = sorted({k for run in runs for k in run.get(where, {}) if "/" in k},
                        key=lambda k: (k.split("/")[0], int(k.split("/")[1])))
         for key in cells:
-            sides = [run[where][key] for run in runs if key in run.get(where, {})]
-            whole = [range(len(x["ours"]["rounds"])) for x in sides]
-            diffs = [tps_ratio(x, r, "ours", "bare") - tps_ratio(x, r, "router", "rbare") for x, r in zip(sides, whole)]
-            floors = [tps_ratio(x, r, "ours", "bare") for x, r in zip(sides, whole)]
-            pooled, spreads, floor_spreads = [], [], []
-            for x in sides:
-                n, own, own_floor = len(x["ours"]["rounds"]), [], []
+            shown, diffs, floors, spreads, floor_spreads, own = [], [], [], [], [], []
+            for run in runs:
+                x = run.get(where, {}).get(key)
+                if x is None:
+                    shown.append("-")
+                    continue
+                n = len(x["ours"]["rounds"])
+                ob = tps_ratio(x, range(n), "ours", "bare")
+                diffs.append(ob - tps_ratio(x, range(n), "router", "rbare"))
+                floors.append(ob)
+                shown.append(f"{diffs[-1]:+.3f}")
+                own, own_floor = [], []
                 for _ in range(draws):
                     picks = [rng.randrange(n) for _ in range(n)]
                     ob = tps_ratio(x, picks, "ours", "bare")
                     own.append(ob - tps_ratio(x, picks, "router", "rbare"))
                     own_floor.append(ob)
-                pooled.append(own)
                 spreads.append(statistics.stdev(own))
                 floor_spreads.append(statistics.stdev(own_floor))
-            lo, hi = middle_95([statistics.fmean(draw) for draw in zip(*pooled)])
             mean, spread = statistics.fmean(diffs), statistics.fmean(spreads)
+            if len(diffs) > 1:
+                df = len(diffs) - 1  # (past ten, 1.96 + 2.4/df is within 0.03 of Student's t)
+                half = (_T975.get(df) or 1.96 + 2.4 / df) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+                lo, hi = mean - half, mean + half
+            else:
+                lo, hi = middle_95(own)
             beat = chance(mean, spread)
             floor = chance(statistics.fmean(floors) - 0.97, statistics.fmean(floor_spreads))
             every *= beat * floor
-            shown = ", ".join(f"{d:+.3f}" for d in diffs)
             verdict = "" if lo <= 0 <= hi else (" ours ahead" if lo > 0 else " ours behind")
-            print(f"{where:<10}{key:<11}{shown:<36}{mean:>+7.3f}  [{lo:+.3f}, {hi:+.3f}]{spread:>7.3f}{beat:>8.0%}"
-                  f"{floor:>8.0%}{verdict}")
+            print(f"{where:<10}{key:<11}{', '.join(shown):<36}{mean:>+7.3f}  [{lo:+.3f}, {hi:+.3f}]{spread:>7.3f}"
+                  f"{beat:>8.0%}{floor:>8.0%}{verdict}")
     print(f"\nthe chance that one more run meets every throughput goal: {every:.2%}; two runs in a row: "
-          f"{every * every:.4%} (cells taken as independent)")
+          f"{every * every:.4%} (roughly: see --pool in the README)")
 
 
 async def main_async(args) -> int:
@@ -869,7 +894,7 @@ def main() -> int:
         try:
             pool_report(args.pool)
         except ValueError as e:
-            ap.error(f"--pool takes files written by --save: {e}")
+            ap.error(f"--pool: {e}")
         return 0
     return asyncio.run(main_async(args))
 
