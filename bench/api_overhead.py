@@ -375,16 +375,22 @@ def ratio_interval(sides: dict, num: str, den: str, vs: tuple[str, str] | None =
     differ by a few per cent from round to round (the hand-started control shows how much),
     so a point ratio alone cannot tell 0.98 from 0.99: the interval says what the rounds
     can tell apart."""
+    return middle_95(ratio_draws(sides, num, den, vs, draws))
+
+
+def ratio_draws(sides: dict, num: str, den: str, vs: tuple[str, str] | None = None, draws: int = 2000,
+                seed: int = 7) -> list[float]:
+    """The bootstrap's draws behind :func:`ratio_interval` (the rounds resampled with ``seed``)."""
     import random
 
-    rng = random.Random(7)
+    rng = random.Random(seed)
     n = len(sides[num]["rounds"])
     values = []
     for _ in range(draws):
         picks = [rng.randrange(n) for _ in range(n)]
         r = tps_ratio(sides, picks, num, den)
         values.append(r - tps_ratio(sides, picks, *vs) if vs else r)
-    return middle_95(values)
+    return values
 
 
 def tps_ratio(sides: dict, picks, num: str, den: str) -> float:
@@ -787,13 +793,11 @@ def pool_report(paths: list[str], draws: int = 2000) -> None:
     not a figure to two places. A goal that compares two ratios each a few per cent wide from
     run to run is met by the draw where the two relays are level."""
     import math
-    import random
 
     def chance(mean: float, spread: float) -> float:  # P(a normal draw of this mean and spread >= 0)
         return 0.5 * (1 + math.erf(mean / (spread * math.sqrt(2)))) if spread > 0 else float(mean >= 0)
 
     runs = [_saved_run(p) for p in paths]
-    rng = random.Random(11)
     print(f"{len(runs)} runs: {', '.join(paths)}")
     print("per cell: ours/bare minus router/rchild in each run (- where a run has no such cell); their mean and "
           "its 95%\ninterval over the runs; a run's own spread (sd, from its rounds); and the chance that one more "
@@ -807,25 +811,19 @@ def pool_report(paths: list[str], draws: int = 2000) -> None:
         cells = sorted({k for run in runs for k in run.get(where, {}) if "/" in k},
                        key=lambda k: (k.split("/")[0], int(k.split("/")[1])))
         for key in cells:
-            shown, diffs, floors, spreads, floor_spreads, own = [], [], [], [], [], []
-            for run in runs:
+            shown, diffs, floors, spreads, floor_spreads = [], [], [], [], []
+            for i, run in enumerate(runs):
                 x = run.get(where, {}).get(key)
                 if x is None:
                     shown.append("-")
                     continue
-                n = len(x["ours"]["rounds"])
-                ob = tps_ratio(x, range(n), "ours", "bare")
-                diffs.append(ob - tps_ratio(x, range(n), "router", "rbare"))
-                floors.append(ob)
+                whole = range(len(x["ours"]["rounds"]))
+                floors.append(tps_ratio(x, whole, "ours", "bare"))
+                diffs.append(floors[-1] - tps_ratio(x, whole, "router", "rbare"))
                 shown.append(f"{diffs[-1]:+.3f}")
-                own, own_floor = [], []
-                for _ in range(draws):
-                    picks = [rng.randrange(n) for _ in range(n)]
-                    ob = tps_ratio(x, picks, "ours", "bare")
-                    own.append(ob - tps_ratio(x, picks, "router", "rbare"))
-                    own_floor.append(ob)
+                own = ratio_draws(x, "ours", "bare", ("router", "rbare"), draws, seed=i)
                 spreads.append(statistics.stdev(own))
-                floor_spreads.append(statistics.stdev(own_floor))
+                floor_spreads.append(statistics.stdev(ratio_draws(x, "ours", "bare", None, draws, seed=i)))
             mean, spread = statistics.fmean(diffs), statistics.fmean(spreads)
             if len(diffs) > 1:
                 df = len(diffs) - 1  # (past ten, 1.96 + 2.4/df is within 0.03 of Student's t)
