@@ -34,7 +34,9 @@ class EmbeddedManager:
         self.port = free_port()
         self.token = secrets.token_urlsafe(24)
         self.url = f"http://127.0.0.1:{self.port}/llama/"
-        self.log_path = log_path or os.path.join(tempfile.gettempdir(), f"jupyter-llama-embedded-{os.getpid()}.log")
+        # (by default in a folder of its own that only this user can enter, named at random: a
+        # fixed name in the shared temporary folder is one another user could have made first)
+        self.log_path = log_path or os.path.join(tempfile.mkdtemp(prefix="jupyter-llama-embedded-"), "manager.log")
         self.proc: subprocess.Popen | None = None
 
     @property
