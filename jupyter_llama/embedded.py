@@ -34,9 +34,7 @@ class EmbeddedManager:
         self.port = free_port()
         self.token = secrets.token_urlsafe(24)
         self.url = f"http://127.0.0.1:{self.port}/llama/"
-        # (by default in a folder of its own that only this user can enter, named at random: a
-        # fixed name in the shared temporary folder is one another user could have made first)
-        self.log_path = log_path or os.path.join(tempfile.mkdtemp(prefix="jupyter-llama-embedded-"), "manager.log")
+        self.log_path = log_path  # None: chosen as it starts (see :meth:`start`)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -50,6 +48,9 @@ class EmbeddedManager:
     def start(self, timeout: float = START_TIMEOUT) -> "EmbeddedManager":
         from .background import ManagerStartFailed, start_serve
 
+        if self.log_path is None:  # a folder of its own that only this user can enter, named at random (a fixed
+            # name in the shared temporary folder is one another user could have made first)
+            self.log_path = os.path.join(tempfile.mkdtemp(prefix="jupyter-llama-embedded-"), "manager.log")
         atexit.register(self.stop)  # never outlive the interpreter that started it
         try:
             self.proc = start_serve(self.port, self.token, self.log_path, what="embedded jupyter-llama manager",

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -218,25 +220,23 @@ def test_an_embedded_manager_keeps_its_log_where_only_its_user_can_look(alone):
     folder of its own, named at random and closed to other users: a fixed name in the shared
     temporary folder is one another user could have made first (a link to a file of ours).
     A manager that cannot start says so, naming that log, which holds its own words."""
-    from pathlib import Path
-
     from jupyter_llama.client import ServerNotFound
     from jupyter_llama.embedded import EmbeddedManager
 
-    import shutil
-
-    m, other = EmbeddedManager(env={"JUPYTER_LLAMA_KEEP_ALIVE": "banana"}), EmbeddedManager()
+    made = [EmbeddedManager(env={"JUPYTER_LLAMA_KEEP_ALIVE": "banana"}) for _ in range(2)]
     try:
-        folder = Path(m.log_path).parent
+        for m in made:
+            with pytest.raises(ServerNotFound) as caught:
+                m.start(timeout=60)
+            said = str(caught.value)
+            assert said.startswith("the embedded jupyter-llama manager exited at start (code 1); its log: "
+                                   f"{m.log_path}"), said
+            assert '"banana" is not a duration' in Path(m.log_path).read_text() and not m.running
+        folder = Path(made[0].log_path).parent
         assert folder.is_dir() and folder.stat().st_mode & 0o077 == 0 and str(os.getpid()) not in folder.name
-        assert Path(other.log_path).parent != folder  # (another of this process's: a folder of its own)
-        with pytest.raises(ServerNotFound) as caught:
-            m.start(timeout=60)
-        said = str(caught.value)
-        assert said.startswith("the embedded jupyter-llama manager exited at start (code 1); its log: "
-                               f"{m.log_path}"), said
-        assert '"banana" is not a duration' in Path(m.log_path).read_text() and not m.running
+        assert Path(made[1].log_path).parent != folder  # (another of this process's: a folder of its own)
     finally:
-        m.stop()
-        for made in (m, other):
-            shutil.rmtree(Path(made.log_path).parent, ignore_errors=True)
+        for m in made:
+            m.stop()
+            if m.log_path is not None:
+                shutil.rmtree(Path(m.log_path).parent, ignore_errors=True)
