@@ -67,6 +67,11 @@ OOM_MARKERS = (
     "erroroutofdevicememory",
     "erroroutofhostmemory",
     "device memory allocation of size",
+    # A buffer that could not be allocated, passed on unchecked (clip.cpp's projector weights
+    # on a full device): ggml asserts on it and aborts. The allocator's own "failed to
+    # allocate" line goes through llama-server's logger, whose thread writes it later, and the
+    # abort can come first (ggml_abort writes to stderr itself): then this line is all there is.
+    "ggml_assert(buffer) failed",
 )
 ERROR_MARKERS = (
     "error:",

@@ -318,6 +318,9 @@ def test_prefix_does_not_matter():
     ("CUDA error: OUT OF MEMORY", True),
     ("ggml_vulkan: vk::Device::allocateMemory: ErrorOutOfDeviceMemory", True),
     ("ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size 123", True),
+    # a projector's weights that no device could hold, when the abort beat the logger's thread
+    ("/llama.cpp/ggml/src/ggml-backend.cpp:328: GGML_ASSERT(buffer) failed", True),
+    ("/llama.cpp/ggml/src/ggml.c:1714: GGML_ASSERT(view_src == NULL || data_size == 0) failed", False),
     ("llama_context: compute buffer allocation failed, retrying without pipeline parallelism", False),
     ("srv  update_slots: all slots are idle", False),
 ])
