@@ -580,20 +580,6 @@ class Scheduler:
         finally:
             self._pending -= 1
 
-    def serving_on(self, port: int, waiting: int | None = None) -> Runner | None:
-        """The runner listening on ``port`` when a request for its model, under the options it
-        was loaded with, would be given it at once (:meth:`acquire`'s fast path: ready, no
-        unload waiting, the child serving) and, with ``waiting`` given, one of its slots is
-        free with that many more requests on their way to it; else None."""
-        if self._closed:
-            return None
-        for lo in self.loaded.values():
-            r = lo.runner
-            if r is not None and r.port == port:
-                ok = lo.state == ModelState.READY and not lo.unload_when_idle and r.serving
-                return r if ok and (waiting is None or lo.refcount + waiting < r.slots) else None
-        return None
-
     @contextlib.asynccontextmanager
     async def use(self, name: str, options: LoadOptions | None = None, keep_alive=None) -> AsyncIterator[Lease]:
         """``async with scheduler.use(name) as lease:`` — acquire and always release."""

@@ -782,28 +782,13 @@ def ndjson(obj) -> bytes:
 
 
 # The child's most common events, one token of text and nothing else, as it writes them; the
-# JSON string of the text is captured as it is and carried into our line unparsed. Anything
-# else (the last event, tool calls, thinking, another build's key order) takes feed().
-# Each is spelled once, as pieces: literal bytes, and the three marks below, from which come
-# both its regular expression (for the Python relay) and its pattern (the same marks, for the
-# relay below Python: engine/relay.c reads them).
-_DIGITS, _STRING, _DIGIT_LIST = b"\x01", b"\x02", b"\x03"
-_PIECE_RE = {_DIGITS: rb"\d+", _STRING: rb'("(?:[^"\\]|\\.)*")', _DIGIT_LIST: rb"([\d,]*)"}
-
-
-def _text_event(*pieces: bytes) -> tuple[re.Pattern, bytes]:
-    """A text-only event's expression (the text's JSON string in group 1, any digit list
-    after it in group 2) and its pattern for the C relay."""
-    return re.compile(b"".join(_PIECE_RE.get(p) or re.escape(p) for p in pieces)), b"".join(pieces)
-
-
-# (its token ids in group 2, for the answers that carry ``context``)
-_COMPLETION_TEXT = _text_event(b'{"index":', _DIGITS, b',"content":', _STRING, b',"tokens":[', _DIGIT_LIST,
-                               b'],"stop":false,')
-_CHAT_TEXT = _text_event(b'{"choices":[{"finish_reason":null,"index":0,"delta":{"content":', _STRING, b"}}]")
-# The child's last ``/completion`` event of a stream, as it writes it (no text; its stop type
-# and timings further on): the C relay writes our last line for it (see _Lines.native_done).
-_COMPLETION_DONE = b'{"index":' + _DIGITS + b',"content":"","tokens":[],"id_slot":' + _DIGITS + b',"stop":true,'
+# JSON string of the text (group 1) is carried into our line unparsed, and for /completion the
+# token ids after it (group 2, for the answers that carry ``context``). Anything else (the last
+# event, tool calls, thinking, another build's key order) takes feed().
+_JSON_STRING = rb'("(?:[^"\\]|\\.)*")'
+_COMPLETION_TEXT = re.compile(rb'\{"index":\d+,"content":' + _JSON_STRING + rb',"tokens":\[([\d,]*)\],"stop":false,')
+_CHAT_TEXT = re.compile(rb'\{"choices":\[\{"finish_reason":null,"index":0,"delta":\{"content":' + _JSON_STRING
+                        + rb'\}\}\]')
 
 
 def _token_logprobs(entries, top: int) -> list[dict]:
@@ -839,7 +824,7 @@ class _Lines:
 
     top: int | None = None  # logprobs asked: how many of the likeliest tokens come with each; None: not asked
 
-    _text_event: tuple[re.Pattern, bytes]  # a text-only event (see _text_event), its text's JSON string in group 1
+    _text_event: re.Pattern  # a text-only event (_COMPLETION_TEXT, _CHAT_TEXT), its text's JSON string in group 1
     _text_key: bytes  # our line between the time stamp and that string
     _text_tail: bytes  # and after it
     feed: Callable[[dict], list[dict]]  # each translator's own
@@ -863,28 +848,8 @@ class _Lines:
             self.logprobs += lp
         return chunk
 
-    def native_template(self) -> tuple[bytes, bytes, bytes, bytes] | None:
-        """What the relay below Python needs to write this translator's text-only lines as
-        :meth:`lines` does (the event's pattern, the line's head, key and tail), or None when
-        a text line keeps something of its event (``_text``, log probabilities)."""
-        if type(self)._text is not _Lines._text or self.top is not None:
-            return None
-        return self._text_event[1], self._head, self._text_key, self._text_tail
-
-    # our last line between its time and its reason, for a translator whose last line the C
-    # relay may write (its last event is _COMPLETION_DONE's, its stats stats_from_timings')
-    _done_key: bytes | None = None
-
-    def native_done(self) -> tuple[bytes, bytes, bytes, int] | None:
-        """What the relay below Python needs to write this translator's last line as
-        :meth:`feed` does (see :func:`.native.template`), or None when that line is Python's."""
-        if self._done_key is None or self.native_template() is None:
-            return None
-        return (_COMPLETION_DONE, self._done_key, b',"load_duration":%d' % int(self.load_s * 1e9),
-                int(self.started * 1e9))
-
     def lines(self, data: bytes) -> bytes:
-        m = self._text_event[0].match(data) if self.top is None else None
+        m = self._text_event.match(data) if self.top is None else None
         if m is not None and m.group(1) != b'""':
             self._text(m)
             return self._head + rfc3339().encode() + self._text_key + m.group(1) + self._text_tail
@@ -900,7 +865,6 @@ class GenerateTranslator(_Lines):
     _text_event = _COMPLETION_TEXT
     _text_key = b'","response":'
     _text_tail = b',"done":false}\n'
-    _done_key = b'","response":"","done":true,"done_reason":"'
 
     def __init__(self, model: str, started: float, load_s: float, *, logprobs: int | None = None):
         self.model = model
@@ -992,7 +956,6 @@ class TemplatedChatTranslator(GenerateTranslator):
 
     _text_key = b'","message":{"role":"assistant","content":'
     _text_tail = b'},"done":false}\n'
-    _done_key = None  # (its last line puts the message after the stats: Python's)
 
     @staticmethod
     def _as_chat(d: dict) -> dict:

@@ -1,49 +1,33 @@
-"""Streamed answers from a llama-server child, read in the event loop's own callbacks.
+"""Requests to a llama-server child, and its streamed answers read in the event loop's own callbacks.
 
 Every token a user receives crosses this code, so it is built for the cost per token: an
 :class:`asyncio.Protocol` parses the child's HTTP/1.1 answer (chunked or not) and its
 server-sent events as bytes arrive, and hands each batch of complete lines to a callback
-*synchronously*, inside the read callback. A relay that writes them on from there (the
-server's handlers do) costs one read and one write per token and no task switch, no
-generator chain, no httpx; under load, every event that came in one read goes out in one
-write. A callback that returns a pending future (the client is slower than the child)
-pauses reading from the child until it resolves, so nothing piles up.
+*synchronously*, inside the read callback: no task and no generator per token, and every
+event that came in one read goes on together. A callback that returns a pending future
+(its reader is slower than the child) pauses reading from the child until the future
+resolves, so nothing piles up.
 
 A successful answer's head reaches the callback at once, as a batch of no lines: llama-server
-sends its head (200, or an error status) as soon as a stream's first result is in, and its
-first token can be milliseconds behind (the prompt is still being read). A relay sends its
-own head then, while the child works, and not on the first token's way out.
+sends its head as soon as it has taken a stream's request, while it still reads the prompt,
+so a relay can send its own head then, off the first token's way.
 
-A connection can be opened ahead of its request (:class:`Ahead`): a runner opens one to its
-child as soon as a request has that runner, and the stream's request goes out on
-it once its body is ready (a prompt templated, a payload written), so the connection (0.4
-ms on 2 slow cores, and the child's accept) is not on the way to the first token.
+A request goes out in the step that makes it: on loopback the kernel completes a
+non-blocking ``connect`` inside the call (:func:`_connect_now`), and the request is written
+straight to that socket before the transport that reads the answer is made. In a burst of
+streams, a connection made in a later turn of the event loop would wait behind every other
+request's handler.
 
-A request goes out the moment it is given, not in a later turn of the event loop: a
-connection to the child (on loopback) is made with a non-blocking ``connect`` that the kernel
-completes before returning (:func:`_connect_now`), and the request is written straight to
-its socket; the transport that reads the answer is made after. In a burst of streams (eight
-requests read in one turn of the loop) a connection's callback would otherwise wait behind
-every other request's handler, and the first request reached the child 5-6 ms after it
-was ready, all eight together, where asked directly they arrive ~0.5 ms apart.
-
-A stream's request can reach the child before its handler has even run (:class:`Early`,
-made by the server as the client's request is read; see server/early.py): the request the
-handler will make is sent ahead, and :func:`post` takes that connection, with whatever of the
-answer has come meanwhile, when the request it is given is byte for byte the one sent;
-otherwise the one sent ahead is closed, which makes the child drop it.
-
-On top of the same parser: :func:`post_lines` (an async iterator of lines, what the bench
-uses as its client), :func:`sse_data` and :func:`sse_events` (events as bytes or objects,
-for callers that want an iterator). Closing or cancelling any of them closes the
-connection, which makes llama-server stop generating for the request.
+This module knows only the child's side: its callers give it a port, a path, a body and a
+callback. On top of the same parser: :func:`post_lines` (an async iterator of lines),
+:func:`sse_data` and :func:`sse_events` (events as bytes or objects). Closing or cancelling
+any of them closes the connection, which makes llama-server stop generating for the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextvars
 import errno
 import json
 import re
@@ -51,17 +35,13 @@ import socket
 from typing import AsyncIterator, Awaitable, Callable
 
 from ..errors import RequestError
-from . import native
 
-__all__ = ["Ahead", "BadResponse", "EARLY", "Early", "post", "post_lines", "request_json", "relay_sse", "sse_data",
-           "sse_events", "error_text"]
+__all__ = ["BadResponse", "post", "post_lines", "request_json", "relay_sse", "sse_data", "sse_events", "error_text"]
 
 CONNECT_TIMEOUT_S = 5.0
 
-# what a line callback gets (complete lines, without line ends; no lines at all, once, when an
-# answer of status below 400 has begun and none of its lines has come with its head) and may return.
-# A sink with a ``native`` attribute (a :class:`.native.Target`) lets the relay below Python
-# write the tokens it can to the client itself (see _LineProtocol._go_native).
+# What a line callback gets (complete lines, without line ends; no lines at all, once, when an
+# answer of status below 400 has begun and none of its lines came with its head) and may return.
 LineSink = Callable[[list[bytes]], "Awaitable | None"]
 
 
@@ -142,13 +122,12 @@ class _LineProtocol(asyncio.Protocol):
     ends before the body does, or whatever the sink raised.
     """
 
-    def __init__(self, request: bytes | None, sink: LineSink | None):
-        self.request = request  # None: connected ahead of its request (see :meth:`begin`)
+    def __init__(self, request: bytes, sink: LineSink):
+        self.request = request  # what is still to be written (see send_now)
         self.sink = sink
-        self.early: socket.socket | None = None  # connected, its transport not made yet: begin writes to it
+        self.sock: socket.socket | None = None  # connected, its transport not made yet (see _connect)
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
-        self.lost = False  # the connection closed before its request was given
         self._buf = b""  # bytes not yet parsed (head, chunk framing)
         self._pending: list[bytes] = []  # body bytes after the last line end (a long line comes in many reads)
         self._status = 0
@@ -157,78 +136,32 @@ class _LineProtocol(asyncio.Protocol):
         self._chunk_crlf = False  # a chunk's data has ended; its CRLF is next
         self._in_head = True
         self._error_body: list[bytes] | None = None
-        self._run: native.Run | None = None  # the relay below Python, while it has the stream
-        self._abort_after = False  # hung up while it had it: the connection closes when it returns
-        # batches to deliver here before the C relay is tried (again): where it could not have
-        # the stream before the child's head (_go_native_first), the head goes out from here
-        self._native_after = 1
-        # a request sent ahead of its caller (Ahead.send_ahead): its answer, held until claimed
-        self._held: list[bytes] = []
-        self._held_end: tuple[BaseException | None] | None = None  # (the connection closed meanwhile: why)
 
     # ------------------------------------------------------------------ asyncio callbacks
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.early = None
-        if self.request:  # (what the socket did not take before, see send_early)
+        self.sock = None
+        if self.request:  # what the socket did not take in send_now
             transport.write(self.request)
-        if self.sink is not None and self.request is not None:
-            self._go_native_first()
 
-    def begin(self, request: bytes, sink: LineSink) -> None:
-        """Give a connection opened ahead its request: written now (to its transport, or to
-        its socket when that is connected and the transport not made yet), or once it is
-        connected."""
-        self.request, self.sink = request, sink
-        if self.transport is not None:
-            self.transport.write(request)
-            self._go_native_first()
-        elif self.early is not None:
-            self.send_early()
-
-    def answered(self) -> bool:
-        """Whether a request sent ahead can still be claimed: its connection is open, or the
-        child has answered something before closing it (a child that closed it without a
-        word never took the request: the caller asks afresh)."""
-        return self._held_end is None or bool(self._held)
-
-    def claim(self, sink: LineSink) -> None:
-        """Give a request sent ahead its sink: what of its answer has come is parsed now, as if
-        just read, and reading goes on."""
-        self.sink = sink
-        held, self._held = self._held, []
-        end, self._held_end = self._held_end, None
-        if end is None:
-            self.transport.resume_reading()  # (first: a stream goes below Python only while reading)
-        for data in held:
-            self.data_received(data)
-        if end is not None:
-            self.connection_lost(end[0])
-        else:
-            self._go_native_first()
-
-    def send_early(self) -> None:
-        """Write the request to the connected socket now, before the transport exists;
-        what it does not take, the transport writes once made."""
+    def send_now(self) -> None:
+        """Write the request to the connected socket now, before the transport exists; what
+        it does not take, the transport writes once made."""
         try:
-            sent = self.early.send(self.request)
-        except OSError:  # (a full buffer, or a broken connection, which the transport then reports)
+            sent = self.sock.send(self.request)
+        except OSError:  # a full buffer, or a broken connection, which the transport then reports
             sent = 0
         self.request = self.request[sent:]
 
-    def drop_early(self, _task=None) -> None:
-        """Close the socket connected now that no transport took (its connecting failed or
-        was cancelled; once a transport has it, closing that closes the socket)."""
-        if self.early is not None:
-            self.early.close()
-            self.early = None
+    def close_unused_socket(self, _task=None) -> None:
+        """Close the socket connected in :func:`_connect` that no transport took (connecting
+        failed or was cancelled; once a transport has it, closing that closes the socket)."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
     def data_received(self, data: bytes) -> None:
-        if self.sink is None:  # the answer to a request sent ahead: held, unread after this, until claimed
-            self._held.append(data)
-            self.transport.pause_reading()
-            return
         if self.done.done():
             return
         try:
@@ -243,30 +176,16 @@ class _LineProtocol(asyncio.Protocol):
                     self._lines(body)
             if self._ended():
                 self._finish()
-            elif self._between_chunks():
-                self._go_native()
         except BaseException as e:  # noqa: BLE001 - the sink's or the parser's failure ends the request
             self._fail(e)
 
     def connection_lost(self, exc) -> None:
-        if self.request is None:  # never used: the caller connects afresh
-            self.lost = True
-            return
-        if self.sink is None:  # a request sent ahead, not claimed yet: told when it is
-            self._held_end = (exc,)
-            return
         if self.done.done():
             return
         if not self._in_head and not self._chunked and self._left is None:
             self._finish()  # a body delimited by the end of the connection
         else:
             self._fail(exc or ConnectionResetError("the connection closed before the answer ended"))
-
-    def pause_writing(self) -> None:  # the request is written once, whole, and the transport buffers it
-        pass
-
-    def resume_writing(self) -> None:
-        pass
 
     # ------------------------------------------------------------------ parsing
 
@@ -357,7 +276,6 @@ class _LineProtocol(asyncio.Protocol):
         self._deliver([ln[:-1] if ln.endswith(b"\r") else ln for ln in lines])
 
     def _deliver(self, lines: list[bytes]) -> None:
-        self._native_after -= 1
         waiting = self.sink(lines)
         if waiting is None:
             return
@@ -377,97 +295,9 @@ class _LineProtocol(asyncio.Protocol):
         if not reading:
             self.transport.resume_reading()
 
-    # ------------------------------------------------------------------ the relay below Python
-
-    def _between_chunks(self) -> bool:
-        """A chunked answer whose every byte so far has been parsed and delivered: the next
-        bytes are a chunk's size line, and nothing waits for the sink."""
-        return (self._chunked and not self._in_head and not self._buf and not self._pending and self._left is None
-                and not self._chunk_crlf and self._error_body is None and self._run is None
-                and not self.done.done() and self.transport is not None and self.transport.is_reading())
-
-    def _go_native(self) -> None:
-        """Hand the stream to the C relay (native.py) when its sink offers a target and the
-        client's socket can be lent; it returns the stream at the first chunk it does not
-        relay, which is then parsed here as if just read. It is first tried after the head
-        (see ``_native_after``), so the first token is its own; after a return, a few batches go
-        through Python before it is tried again (the stream's last event and its end come
-        in quick succession; a stream of events it does not relay, a thinking model's, is
-        tried again now and then). Where the client's connection can hold our head for it,
-        the C relay has the stream before the child's head instead (:meth:`_go_native_first`)."""
-        target = getattr(self.sink, "native", None)
-        if target is None or self._native_after > 0:
-            return
-        self._relay_below(target, before_head=False)
-
-    def _go_native_first(self) -> None:
-        """Hand the stream to the C relay as soon as its request is on its way, before the
-        child's head, when the sink's target can lend its socket so (``lend_before_head``):
-        llama-server sends its head as it takes the request, and read here that cost ~0.17 ms
-        of Python (parse it, send our head, lend the socket, start the relay) beside the
-        child's prompt, which on two cores slowed it by more (bench/PERFORMANCE.md). The
-        relay reads the child's head itself and sends ours; a head it does not go on from (an
-        error's) comes back unread, ours unsent and unsaid, and is read here as ever (see
-        :meth:`_native_done`)."""
-        target = getattr(self.sink, "native", None)
-        if (getattr(target, "lend_before_head", None) is None or not self._in_head or self._buf
-                or self._run is not None or self.done.done()
-                or self.transport is None or not self.transport.is_reading()):
-            return
-        self._relay_below(target, before_head=True)
-
-    def _relay_below(self, target: "native.Target", before_head: bool) -> None:
-        """Start the C relay on this stream with the client's socket that ``target`` lends
-        (``before_head``: with our head, for a child whose head is still to come); nothing
-        when no run is free or the socket cannot be lent now."""
-        run = native.Run.make()
-        if run is None:
-            return
-        if before_head:
-            lent = target.lend_before_head(run.stop)
-        else:
-            fd = target.lend(run.stop)
-            lent = None if fd is None else (fd, b"")
-        if lent is None:
-            run.close()
-            return
-        dst, head = lent
-        self.transport.pause_reading()
-        self._run = run
-        run.start(self.transport.get_extra_info("socket").fileno(), dst, target.spec,
-                  lambda why: self._native_done(target, why), head)
-
-    def _native_done(self, target: "native.Target", why: int) -> None:
-        run, self._run = self._run, None
-        left = run.leftover()
-        head = run.state.head if run.before_head else None
-        self._native_after = 2 if run.state.events else 16
-        target.take_back(run.unsent(), why == native.CLIENT_GONE, why == native.FINISHED, head)
-        run.close()
-        if head:  # the relay read the child's head: a 200, chunked (what follows it is in ``left``)
-            self._in_head, self._status, self._chunked, self._left = False, 200, True, None
-        if self._abort_after:  # the request ended meanwhile (see hang_up)
-            self.transport.abort()
-            return
-        if why == native.CLIENT_GONE:  # its connection closed now, which ends the request and so this
-            return
-        self.transport.resume_reading()
-        if head:
-            try:
-                self._deliver([])  # (the answer has begun, as a head read here says)
-            except BaseException as e:  # noqa: BLE001 - the sink's failure ends the request
-                self._fail(e)
-                return
-        if left:
-            self.data_received(left)
-
     def hang_up(self) -> None:
-        """Close the connection at once (which makes llama-server stop generating for it);
-        while the C relay has it, as soon as that returns (it is told to, now)."""
-        if self._run is not None:
-            self._abort_after = True
-            self._run.stop()
-        elif self.transport is not None:
+        """Close the connection at once, which makes llama-server stop generating for it."""
+        if self.transport is not None:
             self.transport.abort()
 
     def _finish(self) -> None:
@@ -516,182 +346,29 @@ def _connect_now(host: str, port: int) -> socket.socket | None:
 
 
 def _connect(proto: _LineProtocol, host: str, port: int) -> asyncio.Task:
-    """The task that makes ``proto``'s connection: on a socket connected now, with its
-    request (when ``proto`` has one) written now, when :func:`_connect_now` gives one; else
-    ``create_connection`` as usual."""
+    """The task that makes ``proto``'s connection: on a socket connected now, with the
+    request written now, when :func:`_connect_now` gives one; else ``create_connection`` as
+    usual."""
     loop = asyncio.get_running_loop()
     sock = _connect_now(host, port)
     if sock is None:
         return loop.create_task(loop.create_connection(lambda: proto, host, port))
-    proto.early = sock
-    if proto.request:
-        proto.send_early()
+    proto.sock = sock
+    proto.send_now()
     task = loop.create_task(loop.create_connection(lambda: proto, sock=sock))
-    task.add_done_callback(proto.drop_early)
+    task.add_done_callback(proto.close_unused_socket)
     return task
 
 
-class Ahead:
-    """A connection to ``host:port`` opened now, for a request whose body is not ready yet
-    (:func:`post` takes it). One that is not taken is closed after ``ttl`` seconds, well
-    inside llama-server's keep-alive (5 s, after which it closes a connection that has
-    carried no request), and one the server has closed meanwhile is not used: the request
-    connects afresh."""
-
-    def __init__(self, port: int, host: str = "127.0.0.1", ttl: float = 1.0):
-        loop = asyncio.get_running_loop()
-        self.port, self.host = port, host
-        self.proto = _LineProtocol(None, None)
-        self._connecting = _connect(self.proto, host, port)
-        self._connecting.add_done_callback(_retrieved)
-        self._expiry = loop.call_later(ttl, self.close)
-        self.taken = False
-        self.sent: bytes | None = None  # the request sent on it ahead of its caller (send_ahead)
-        self.dropped = False
-
-    @property
-    def usable(self) -> bool:
-        """Whether :meth:`take` would give it (not taken, expired, closed, or failed to connect)."""
-        return not (self.taken or self.proto.lost or (self._connecting.done() and self.proto.transport is None))
-
-    def take(self) -> "Ahead | None":
-        """This connection for one request, or None when it has expired or closed already."""
-        if not self.usable:
-            return None
-        self.taken = True
-        self._expiry.cancel()
-        return self
-
-    def send_ahead(self, request: bytes, ttl: float = 10.0) -> None:
-        """Send ``request`` on it now, before anyone has asked for its answer: what comes of
-        the answer is held here, unread (the child writes on into the socket's buffers),
-        until :class:`Early` gives it to :func:`post`; one not taken (:meth:`keep`) within
-        ``ttl`` seconds is closed, as is one its request drops."""
-        self.taken = True
-        self.sent = request
-        self._expiry.cancel()
-        self._expiry = asyncio.get_running_loop().call_later(ttl, self.drop)
-        self.proto.begin(request, None)
-
-    def keep(self) -> None:
-        """A request sent ahead is its stream's now: no longer closed after its time."""
-        self._expiry.cancel()
-
-    def close(self) -> None:
-        """Close it unless a request has it."""
-        if not self.taken:
-            self.drop()
-
-    def drop(self) -> None:
-        """Close it (or stop connecting), whoever has it: at once, which makes a child stop
-        the stream it had begun on it (and what it had of an answer is no answer)."""
-        self.taken = True
-        self.dropped = True
-        self._expiry.cancel()
-        if not self._connecting.done():
-            self._connecting.cancel()
-        elif self.proto.transport is not None:
-            self.proto.hang_up()
-
-    async def connected(self) -> asyncio.Transport | None:
-        """Its transport once connected; None when connecting failed (the caller connects
-        afresh, and so hears why)."""
-        if not self._connecting.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(self._connecting), CONNECT_TIMEOUT_S)
-            except (OSError, asyncio.TimeoutError):
-                self._connecting.cancel()
-                return None
-        return self.proto.transport
-
-
-def _retrieved(task: asyncio.Task) -> None:
-    if not task.cancelled():
-        task.exception()  # a failed connection ahead is heard of by the request that takes it
-
-
-class Early:
-    """A client's request, as a server hands it to its handler, for the streams the handler
-    makes to a child: ``ahead``, the child's request sent before the handler ran (see
-    server/early.py), which :func:`post` takes when it is the request the handler makes, and
-    ``streams``, what :func:`post` was asked to send (from which the server learns what to
-    send ahead next time). Set in :data:`EARLY` while the handler runs."""
-
-    def __init__(self):
-        self.ahead: Ahead | None = None
-        self.streams: list[tuple[str, int, str, dict[str, str] | None, bytes]] = []  # host, port, path, headers, body
-        self.claimed = False  # ``ahead`` was the request: the handler's stream took its connection
-        self.missed = False  # ``ahead`` was not: it was closed, and the request sent afresh
-        self.trusted = False  # the request was authenticated by what its head carries (its handler says)
-        self.ended = False  # its handler is done: what runs on in its context finds nothing here
-
-    def take(self, host: str, port: int, request: bytes) -> "Ahead | None":
-        """The request sent ahead, when it is ``request`` (to the same place) and its answer
-        can still be had; a different stream request to the same child closes it."""
-        ahead = self.ahead
-        if ahead is None or (ahead.host, ahead.port) != (host, port):
-            return None
-        self.ahead = None
-        if ahead.sent == request and not ahead.dropped and ahead.proto.answered():
-            ahead.keep()
-            return ahead
-        self.missed = ahead.sent != request
-        ahead.drop()  # (the child stops the stream it had begun)
-        return None
-
-    def drop(self) -> None:
-        """Close the request sent ahead, unless it was taken (the handler is done)."""
-        if self.ahead is not None:
-            self.ahead.drop()
-            self.ahead = None
-
-
-async def _connected(conn: Ahead) -> asyncio.Transport | None:
-    """``conn``'s transport once connected; None, and ``conn`` closed, when connecting failed
-    (the request then connects afresh, and hears why); closed too when this is cancelled."""
-    try:
-        transport = await conn.connected()
-    except BaseException:
-        conn.drop()
-        raise
-    if transport is None:
-        conn.drop()
-    return transport
-
-
-# the request its server is answering, in the context its handler runs in (None: not a server's)
-EARLY: contextvars.ContextVar[Early | None] = contextvars.ContextVar("jupyter_llama_early", default=None)
-
-
 async def post(port: int, path: str, body: bytes | None, headers: dict[str, str] | None, sink: LineSink,
-               host: str = "127.0.0.1", ahead: Callable[[], "Ahead | None"] | None = None) -> None:
+               host: str = "127.0.0.1") -> None:
     """POST ``body`` (JSON; None: a GET) to ``host:port`` and feed the answer's lines to
     ``sink`` (from the event loop's read callback) until the body ends. An answer of 400 or
-    more is a RequestError carrying its text. Cancelling this closes the connection.
-
-    ``ahead``, for a stream: gives a connection to the same place opened earlier
-    (:meth:`Ahead.take`), used unless it has closed. A stream whose request was sent before
-    its handler ran (:class:`Early`) takes that connection instead, and the answer begun on it."""
-    request = request_bytes(host, port, path, body, headers)
-    transport = proto = None
-    early = EARLY.get() if ahead is not None else None
-    if early is not None and not early.ended:
-        early.streams.append((host, port, path, headers, body))
-        sent = early.take(host, port, request)
-        if sent is not None and (transport := await _connected(sent)) is not None:
-            early.claimed = True
-            proto = sent.proto
-            proto.claim(sink)
-    if transport is None:
-        opened = ahead() if ahead is not None else None
-        if opened is not None:
-            proto = opened.proto
-            proto.begin(request, sink)  # (written at once when it is connected)
-            transport = await _connected(opened)
-    if transport is None:
-        proto = _LineProtocol(request, sink)
-        transport, _ = await asyncio.wait_for(_connect(proto, host, port), CONNECT_TIMEOUT_S)
+    more is a RequestError carrying its text. Cancelling this closes the connection."""
+    proto = _LineProtocol(request_bytes(host, port, path, body, headers), sink)
+    connecting = _connect(proto, host, port)
     try:
+        await asyncio.wait_for(connecting, CONNECT_TIMEOUT_S)
         await proto.done
     except BaseException:
         # failed, or cancelled (which cancels ``done`` itself): hang up at once, which is
@@ -749,8 +426,6 @@ def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"], named: bool =
             on_data(data)
         return RequestError(500, message)
 
-    if not named:  # (the C relay passes on unnamed events only)
-        sink.native = getattr(on_data, "native", None)
     return sink
 
 
@@ -762,13 +437,12 @@ def sse_request(payload: dict, api_key: str) -> tuple[bytes, dict[str, str]]:
 
 
 async def relay_sse(port: int, path: str, payload: dict, api_key: str,
-                    on_data: Callable[[list[bytes]], "Awaitable | None"], named: bool = False,
-                    ahead: Callable[[], Ahead | None] | None = None) -> None:
+                    on_data: Callable[[list[bytes]], "Awaitable | None"], named: bool = False) -> None:
     """POST ``payload`` (with ``stream: true``) to a llama-server on 127.0.0.1:``port``; each
     batch of events' data goes to ``on_data`` as it arrives (see the module's docstring);
-    ``named``: events with their names (see :func:`sse_sink`); ``ahead``: see :func:`post`."""
+    ``named``: events with their names (see :func:`sse_sink`)."""
     body, headers = sse_request(payload, api_key)
-    await post(port, path, body, headers, sse_sink(on_data, named), ahead=ahead)
+    await post(port, path, body, headers, sse_sink(on_data, named))
 
 
 async def _iterate(start: Callable[[LineSink], Awaitable[None]], backlog: int = 256) -> AsyncIterator[bytes]:

@@ -173,7 +173,6 @@ class Runner:
         self._ready_line = asyncio.Event()
         self._exited = asyncio.Event()
         self._stop_lock = asyncio.Lock()
-        self._ahead: http1.Ahead | None = None  # the connection opened for the next stream (connect_ahead)
         self._lost_workers: list[str] | None = None
 
     # ------------------------------------------------------------------ properties
@@ -368,41 +367,6 @@ class Runner:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
 
-    def connect_ahead(self) -> None:
-        """Open the connection that the next stream to the child (:meth:`relay_sse`) will
-        use, unless one is open already: a server calls this as soon as a request has this
-        runner, and a stream calls it behind itself once its answer has begun and once it has
-        ended (:meth:`relay_sse`), so that a request following another finds its connection
-        made, off its way to the first token (on loopback the kernel makes the connection
-        inside ``connect``: 0.11 ms of the event loop's time, traced in ``serve``). One not
-        used within a second is closed (see :class:`.http1.Ahead`); requests answered whole
-        connect as they always did.
-
-        One waits at a time: each holds one of llama-server's HTTP threads (it has
-        n_parallel + 2 or more) until its stream is sent, and a request may first need a
-        thread of its own (a template applied, a prompt tokenized), so idle ones must never
-        take them all. In a burst the others connect as they always did."""
-        if self.state != RunnerState.READY or not self.alive:
-            return
-        if self._ahead is None or not self._ahead.usable:
-            self._ahead = http1.Ahead(self.port)
-
-    def _open_next(self) -> None:
-        """The next stream's connection (:meth:`connect_ahead`), opened once the current step of
-        the event loop is over: behind a stream, never on its way."""
-        asyncio.get_running_loop().call_soon(self.connect_ahead)
-
-    def take_ahead(self) -> http1.Ahead | None:
-        """The connection opened for the next stream (:meth:`connect_ahead`), taken for a
-        request now (None when there is none, or it has closed)."""
-        ahead, self._ahead = self._ahead, None
-        return ahead.take() if ahead is not None else None
-
-    def _close_ahead(self) -> None:
-        if self._ahead is not None:
-            self._ahead.close()
-            self._ahead = None
-
     async def lost_workers(self) -> list[str]:
         """The RPC workers of this child that no longer accept connections (asked once, after
         the child died: llama.cpp's abort says only that *a* remote RPC server failed)."""
@@ -509,34 +473,20 @@ class Runner:
         switch per token (see :mod:`.http1`; a pending future it returns pauses reading).
         ``named``: a stream of named events (Responses, Anthropic Messages), each passed on
         with its ``event:`` line (see :func:`.http1.sse_sink`). Returns when the stream
-        ends; cancelling it closes the child's connection.
-
-        Once the child's answer has begun, and again once it has ended, the next stream's
-        connection is opened behind it (:meth:`connect_ahead`): a request that follows
-        finds it made."""
+        ends; cancelling it closes the child's connection."""
         self._check_ready()
         loop = asyncio.get_running_loop()
         last = [loop.time()]
-        begun = False
 
         def progressing(batch):
-            nonlocal begun
             last[0] = loop.time()
-            if not begun:  # (the answer's head: the child has taken the request and is working on it)
-                begun = True
-                self._open_next()
             return on_data(batch)
-
-        # (the tokens the C relay writes are not seen here: a long stream of them is quiet to the
-        # watch, which then asks /health, every STALL_CHECK_S, and finds the child well)
-        progressing.native = getattr(on_data, "native", None)
 
         try:
             await self._watched(http1.relay_sse(self.port, path, self._windows(payload), self.api_key, progressing,
-                                                named, ahead=self.take_ahead), last)
+                                                named), last)
         except _TRANSPORT_ERRORS as e:
             raise await self._after_transport_error(e) from None
-        self._open_next()
 
     async def _watched(self, coro, last: list[float] | None = None):
         """Await ``coro`` (a request to the child) while watching for a wedged child: see
@@ -649,13 +599,6 @@ class Runner:
         """Requests the child works on at once (its ``n_seq_max``, from its log; before that, the
         slots it was asked for, or 1)."""
         return self.parser.n_seq or self.options.num_parallel or 1
-
-    def fits_as_is(self, prompt_bytes: int) -> bool:
-        """Whether :meth:`fit_to_context` leaves a prompt of ``prompt_bytes`` bytes as it is,
-        whatever a request keeps to generate in (at most half of the context: see
-        :meth:`_prompt_room`), without counting its tokens (a token is at least one byte)."""
-        n_ctx, most = self._prompt_room(1 << 62)
-        return n_ctx is None or prompt_bytes <= most
 
     async def fit_to_context(self, prompt: str, reserve: int, truncate: bool = True,
                              context: list[int] | None = None) -> str | list:
@@ -867,7 +810,6 @@ class Runner:
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Stop gracefully (SIGTERM to its group), then forcefully (SIGKILL); always reap."""
-        self._close_ahead()
         async with self._stop_lock:
             if self.proc is None:
                 self.state = RunnerState.STOPPED if self.state != RunnerState.FAILED else self.state

@@ -30,8 +30,8 @@ import asyncio
 import contextlib
 import os
 import time
+from datetime import datetime, timezone
 
-from jupyter_server._tz import utcnow
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.utils import url_path_join
 from tornado.ioloop import PeriodicCallback
@@ -514,7 +514,7 @@ class LlamaExtension(ExtensionApp):
             times = self.serverapp.web_app.settings.setdefault("last_activity_times", {})
         except AttributeError:  # no web app (yet)
             return
-        times[ACTIVITY_KEY] = utcnow()
+        times[ACTIVITY_KEY] = datetime.now(timezone.utc)
 
     def _tick_activity(self) -> None:
         if self.busy:

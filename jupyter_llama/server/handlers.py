@@ -45,13 +45,12 @@ import os
 import queue
 import time
 from http.client import responses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
-from tornado.iostream import IOStream, StreamClosedError
 
 from .._version import __version__
 from ..api import ollama as oa
@@ -61,7 +60,6 @@ from ..api import anthropic as anth
 from ..api.options import split_options
 from ..config import ConfigError
 from ..load_options import LoadOptionsError
-from ..engine import http1, native
 from ..engine.runner import EngineError, RequestError, RunnerCrashed, reserve_for
 from ..models.gguf_info import GGUFError
 from ..errors import NoSuchRoute, NotLoaded, NotSupported
@@ -155,12 +153,17 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
     """Base: auth resource, JSON bodies with a size limit, errors, cancellable streaming."""
 
     auth_resource = AUTH_RESOURCE
+    # False for a request that only watches (a panel polling ps, an event feed): it does not
+    # count as activity, so it does not keep an idle server from being culled
+    counts_as_activity = True
 
     def initialize(self, name: str, *args, **kwargs) -> None:
         super().initialize(name, *args, **kwargs)
         self._gone = False
         self._acquiring = False
         self._task: asyncio.Future | None = None
+        self._head_sent = False  # a stream's head has gone out (see stream_writer): an error is its last line
+        self._answered = False  # finish() has been called
 
     @property
     def ext(self) -> "LlamaExtension":
@@ -171,13 +174,12 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         key = self.request.headers.get("x-api-key")
         if key and "Authorization" not in self.request.headers:
             self.request.headers["Authorization"] = f"Bearer {key}"
+        if not self.counts_as_activity:  # (what a client asks of jupyter_server with ?no_track_activity=1)
+            self.request.arguments.setdefault("no_track_activity", [b"1"])
         await super().prepare()
         self.ext.ensure_started()
         # Who may name server files by path, for everything this request does (see store.local_caller).
         local_caller.set(self.ext.is_local_caller(self.request.headers.get(LOCAL_KEY_HEADER)))
-        early = http1.EARLY.get()
-        if early is not None:  # (serve's: only a request its head authenticates teaches what to send ahead)
-            early.trusted = self.token_authenticated or not self.identity_provider.auth_enabled
 
     # ------------------------------------------------------------------ bodies
 
@@ -207,9 +209,9 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             self.log.error("jupyter-llama: %s %s failed", self.request.method, self.request.path, exc_info=exc)
         else:
             self.log.info("jupyter-llama: %s %s -> %s %s", self.request.method, self.request.path, status, message)
-        if self._finished or self._gone:
+        if self._answered or self._gone:
             return
-        if self._headers_written:  # mid-stream: the error is the last line
+        if self._head_sent:  # mid-stream: the error is the last line
             with contextlib.suppress(ClientGone):
                 await self.send(self.error_line(message))
             self.finish()
@@ -288,7 +290,12 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         finally:
             self._task = None
 
+    # A streamed answer, on Tornado's public API: start_stream (its headers), then its bytes by
+    # stream_writer's function (from a callback) or send (from a coroutine), then end_stream.
+    # Its head goes out with the first bytes; until then an error still gets a status of its own.
+
     def start_stream(self, content_type: str) -> None:
+        """Make this answer a stream of ``content_type``; nothing is sent yet."""
         self.set_header("Content-Type", content_type)
         self.set_header("Cache-Control", "no-cache")
         self.set_header("X-Accel-Buffering", "no")  # reverse proxies: do not buffer the stream
@@ -300,131 +307,64 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             stream.set_nodelay(True)
 
     async def send(self, data: bytes) -> None:
-        """Write and flush one piece; ClientGone when the client has left."""
-        if self._gone:
-            raise ClientGone()
-        self.write(data)
-        try:
-            await self.flush()
-        except StreamClosedError:
-            self._gone = True
-            raise ClientGone() from None
+        """Send one piece of the stream (b"": only its head, when not sent yet) and wait until
+        the socket has taken it; ClientGone when the client has left."""
+        waiting = self.stream_writer()(data)
+        if waiting is not None:
+            await waiting
 
-    def stream_writer(self):
-        """A function that sends bytes on the open stream at once and may be called from any
-        callback (the child relay calls it from the read of each token). It returns None
-        when the bytes went out, or a future while the client's socket is full (the caller
-        waits for it before reading on); it raises ClientGone, or fails the future with it,
-        once the client has left.
+    def stream_writer(self) -> Callable[[bytes], "asyncio.Future | None"]:
+        """A function that sends bytes on the stream at once and may be called from any
+        callback (a child's relay calls it from the read of each batch of tokens). It returns
+        None when the socket took the bytes, or a future while the client's socket is full
+        (the caller waits for it before reading on); it raises ClientGone, or fails the
+        future with it, once the client has left. b"" sends the head alone."""
 
-        The first call goes through RequestHandler.flush, which sends the headers. After
-        it, on a plain (not TLS) chunked HTTP/1.1 stream with no output transforms, each
-        call frames its chunk and sends it on the socket itself whenever Tornado has nothing
-        of its own waiting to be written (so the order of bytes is kept): a token then costs
-        one send, where Tornado's write path costs a Future, a done-callback and an extra
-        turn of the event loop per write (bench/api_overhead.py). Anything the socket does
-        not take goes to Tornado's write buffer, and the caller waits for it.
-        """
-        conn = self.request.connection
-        stream = getattr(conn, "stream", None)
+        def failed(flushed: asyncio.Future) -> bool:
+            if flushed.cancelled() or flushed.exception() is not None:
+                self._gone = True
+                return True
+            return False
 
-        def sent(fut):
-            if fut.done():
-                if fut.cancelled() or fut.exception() is not None:
-                    self._gone = True
+        def write(data: bytes):
+            if self._gone:
+                raise ClientGone()
+            self.write(data)
+            self._head_sent = True
+            flushed = self.flush()
+            if flushed.done():
+                if failed(flushed):
                     raise ClientGone()
+                return None
+            stream = getattr(self.request.connection, "stream", None)
+            if stream is None or not stream.writing():  # the socket took it all
+                flushed.add_done_callback(failed)
                 return None
             waiting = asyncio.get_running_loop().create_future()
 
-            def settle(f) -> None:
-                if waiting.done():
-                    return
-                if f.cancelled() or f.exception() is not None:
-                    self._gone = True
-                    waiting.set_exception(ClientGone())
-                else:
-                    waiting.set_result(None)
+            def settle(f: asyncio.Future) -> None:
+                if not waiting.done():
+                    if failed(f):
+                        waiting.set_exception(ClientGone())
+                    else:
+                        waiting.set_result(None)
 
-            fut.add_done_callback(settle)
+            flushed.add_done_callback(settle)
             return waiting
-
-        direct: bool | None = None  # decided once the headers are out (did Tornado choose chunking?)
-
-        def write(data: bytes):
-            nonlocal direct
-            if self._gone:
-                raise ClientGone()
-            if direct is None and self._headers_written:
-                direct = (not self._transforms and type(stream) is IOStream
-                          and getattr(conn, "_chunking_output", False) is True)
-            if not direct:
-                if self._headers_written and not self._transforms:
-                    return sent(conn.write(data))
-                self.write(data)
-                return sent(self.flush())
-            if not data:
-                return None
-            if stream.closed():
-                self._gone = True
-                raise ClientGone()
-            framed = b"%x\r\n%b\r\n" % (len(data), data)
-            if not stream.writing():
-                try:
-                    n = stream.socket.send(framed)
-                except BlockingIOError:
-                    n = 0
-                except OSError:
-                    self._gone = True
-                    raise ClientGone() from None
-                if n == len(framed):
-                    return None
-                framed = framed[n:]
-            return sent(stream.write(framed))
 
         return write
 
-    def native_target(self, spec) -> native.Target | None:
-        """Where the relay below Python (engine/native.py) may write this stream's tokens:
-        on serve's lean connection (server/front.py), with nothing transforming the output.
-        None elsewhere (Tornado's connection, TLS, a test client), and every token goes
-        through the Python relay."""
-        conn = self.request.connection
-        lend = getattr(conn, "lend", None)
-        if lend is None or self._transforms:
-            return None
-        return native.Target(spec, lend, conn.take_back, self._lend_before_head)
-
-    def _lend_before_head(self, stop):
-        """The lean connection's ``lend_before_head`` with this handler's head (see
-        :meth:`native_target`): made by Tornado's flush, and made unsaid when the relay does
-        not send it (``_headers_written`` False again, and the cookies that flush added to
-        the headers taken out: the next flush adds them), so that the child's error still
-        gets a status of its own."""
-        if self._headers_written or self._gone:
-            return None
-        cookies = self._headers.get_list("Set-Cookie")
-
-        def unsaid() -> None:
-            self._headers_written = False
-            if "Set-Cookie" in self._headers:
-                del self._headers["Set-Cookie"]
-            for cookie in cookies:
-                self._headers.add("Set-Cookie", cookie)
-
-        return self.request.connection.lend_before_head(stop, self.flush, unsaid)
-
     def end_stream(self, content_type: str, last: bytes = b""):
-        """Finish the open stream, ``last`` its last bytes: on serve's lean connection they
-        go out in one send with the body's end (``hold``), elsewhere as one more write."""
+        """Finish the stream, ``last`` its last bytes."""
         if last:
             if self._gone:
                 raise ClientGone()
-            hold = getattr(self.request.connection, "hold", None)
-            if hold is not None and self._headers_written and not self._transforms:
-                hold(last)
-            else:
-                self.write(last)
+            self.write(last)
         return self.finish(set_content_type=content_type)
+
+    def finish(self, *args, **kwargs):
+        self._answered = True
+        return super().finish(*args, **kwargs)
 
     async def preset_of(self, body: dict):
         """The preset of the model a request names (empty for a GGUF path or an unknown name:
@@ -455,8 +395,7 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
 
         ``complete``: an async function that adds to the last chunk (a dict) once the child's
         stream has ended, before it goes out; streamed, the translator holds that chunk back
-        (its ``final``), and it is sent here. Without it, on serve's lean connection, the last
-        chunk goes out with the body's end as soon as the child's last event is in."""
+        (its ``final``), and it is sent here."""
         if not stream:
             def gather(batch: list[bytes]) -> None:
                 for data in batch:
@@ -471,26 +410,16 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         self.start_stream(NDJSON)
         write = self.stream_writer()
         last: list[bytes] = []  # the lines from the last chunk on: they go with the body's end
-        end_body = getattr(self.request.connection, "end_body", None)  # (serve's lean connection)
 
         def send_on(batch: list[bytes]):
             if not batch:  # the child's answer has begun: our head goes now, while it makes the first token
                 return write(b"")
             out = b"".join([translator.lines(data) for data in batch])
-            if translator.final is not None:  # (the child's stream ends here: its EOF is next)
-                # The answer is whole: on serve's connection its last line and the body's end go
-                # now, not after the child's EOF and this request's way back to end_stream.
-                if (complete is None and end_body is not None and self._headers_written and not self._transforms
-                        and not self._gone and end_body(out)):
-                    return None
+            if translator.final is not None:  # the child's stream ends here: its last line goes with the end
                 last.append(out)
                 return None
             return write(out) if out else None
 
-        spelled = translator.native_template()
-        if spelled is not None:  # (the last line too, when nothing is to be added to it)
-            done = translator.native_done() if complete is None else None
-            send_on.native = self.native_target(native.template(*spelled, done=done))
         try:
             await start(send_on)
         except Exception:
@@ -531,7 +460,6 @@ class GenerateHandler(LlamaHandler):
                                                load_s=lease.load_duration))
                 return
             runner = lease.runner
-            runner.connect_ahead()  # the stream's connection, made while its prompt is written
             thinking = req.thinks and lease.loaded.ref.has_chat_template  # the child's chat route separates the reasoning
             tr = (oa.ThinkingGenerateTranslator if thinking else oa.GenerateTranslator)(
                 req.model, started, lease.load_duration, logprobs=req.logprobs)
@@ -619,7 +547,6 @@ class ChatHandler(LlamaHandler):
                 self.finish_json(oa.load_chunk(req.model, "load", chat=True, total_s=time.monotonic() - started,
                                                load_s=lease.load_duration))
                 return
-            lease.runner.connect_ahead()  # the stream's connection, made while its prompt is written
             if req.has_images and not lease.loaded.ref.mmproj:
                 raise BadRequest(f"{lease.loaded.name} has no multimodal projector, so it cannot read images; "
                                  "use a vision model (one pulled with its mmproj file, or created with a projector)")
@@ -670,7 +597,7 @@ class EmbeddingsHandler(EmbedHandler):
 
 
 class PsHandler(LlamaHandler):
-    _track_activity = False  # a panel polling ps must not keep an idle server alive
+    counts_as_activity = False  # a panel polling ps must not keep an idle server alive
 
     @web.authenticated
     @authorized
@@ -686,7 +613,7 @@ class PsHandler(LlamaHandler):
 
 
 class TagsHandler(LlamaHandler):
-    _track_activity = False
+    counts_as_activity = False
 
     @web.authenticated
     @authorized
@@ -843,7 +770,7 @@ class BlobHandler(LlamaHandler):
     """``HEAD|POST api/blobs/sha256:<hex>``: the digest is checked before anything touches disk,
     the body streams to the store (hashed on the way, bounded by ``max_upload_size``)."""
 
-    _track_activity = True
+    counts_as_activity = True
 
     def initialize(self, name: str, *args, **kwargs) -> None:
         super().initialize(name, *args, **kwargs)
@@ -1012,9 +939,7 @@ class OpenAIHandler(LlamaHandler):
     async def _run(self, req: oai.OpenAIRequest) -> None:
         lease = await self.acquire(req.model, req.options, req.keep_alive, req.needs)
         try:
-            if req.stream:
-                lease.runner.connect_ahead()  # the stream's connection, made while the relay is set up
-            else:
+            if not req.stream:
                 try:  # (a chat longer than the context loses its oldest turns, as on /api/chat)
                     res = await (lease.runner.send_chat(req.body) if req.endpoint == "/v1/chat/completions"
                                  else lease.runner.post(req.endpoint, req.body))
@@ -1045,9 +970,6 @@ class OpenAIHandler(LlamaHandler):
             else:
                 def frame(batch):
                     return write(b"".join([head + d.replace(alias, asked, 1) + b"\n\n" for d in batch]))
-            if not req.named:  # (the relay below Python writes our [DONE] and the end: they are end_stream's)
-                frame.native = self.native_target(native.sse(*((alias, asked) if alias != asked else ()),
-                                                             end=oai.SSE_DONE))
             if req.endpoint == "/v1/chat/completions":
                 await lease.runner.send_chat(req.body, frame)
             else:
@@ -1079,7 +1001,7 @@ class AnthropicHandler(OpenAIHandler):
 
 
 class OpenAIModelsHandler(OpenAIHandler):
-    _track_activity = False
+    counts_as_activity = False
     post = web.RequestHandler.post  # GET only: a POST is a 405 (in OpenAI's error shape), not OpenAIHandler's
 
     @web.authenticated
@@ -1102,7 +1024,7 @@ class OpenAIModelsHandler(OpenAIHandler):
 
 
 class VersionHandler(LlamaHandler):
-    _track_activity = False
+    counts_as_activity = False
 
     @web.authenticated
     @authorized
@@ -1132,7 +1054,7 @@ def openapi_body(base_url: str) -> str:
 class OpenAPIHandler(LlamaHandler):
     """``GET api/openapi.json``: the description, its server URL set to this server's base URL."""
 
-    _track_activity = False
+    counts_as_activity = False
 
     @web.authenticated
     @authorized
@@ -1142,7 +1064,7 @@ class OpenAPIHandler(LlamaHandler):
 
 
 class RootHandler(LlamaHandler):
-    _track_activity = False
+    counts_as_activity = False
 
     @web.authenticated
     @authorized
@@ -1171,7 +1093,7 @@ class PushHandler(LlamaHandler):
 class UnknownRouteHandler(LlamaHandler):
     """Any other path under ``/llama/``: a JSON 404 that names the path, not Jupyter's HTML page."""
 
-    _track_activity = False
+    counts_as_activity = False
 
     @web.authenticated
     @authorized
@@ -1194,7 +1116,7 @@ class UnknownRouteHandler(LlamaHandler):
 
 
 class DevicesHandler(LlamaHandler):
-    _track_activity = False
+    counts_as_activity = False
 
     @web.authenticated
     @authorized
@@ -1226,7 +1148,7 @@ class DevicesHandler(LlamaHandler):
 class LogHandler(LlamaHandler):
     """A loaded model's llama-server log: what llama.cpp said about devices, layers and memory."""
 
-    _track_activity = False
+    counts_as_activity = False
 
     @web.authenticated
     @authorized
@@ -1288,7 +1210,7 @@ class EstimateHandler(LlamaHandler):
 
 
 class EventsHandler(LlamaHandler):
-    _track_activity = False  # a live event feed is watching, not working
+    counts_as_activity = False  # a live event feed is watching, not working
 
     @web.authenticated
     @authorized

@@ -25,7 +25,6 @@ from typing import Sequence
 from .._version import __version__
 from ..config import ConfigError
 from ..errors import SchedulerError
-from ..engine import native
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +100,6 @@ def make_server(argv: Sequence[str] | None = None, *, args: argparse.Namespace |
     app.initialize(argv=server_argv(args), find_extensions=False, starter_extension="jupyter_llama")
     ext = _extension(app)
     skip_unshown_records(app.log, logging.getLogger("tornado"), *([ext.log] if ext is not None else []))
-    app.llama_front = use_front(app)
     log_only_what_shows(app)
     return app
 
@@ -138,21 +136,6 @@ def log_only_what_shows(app) -> None:
         full(handler)
 
     settings["log_function"] = log_function
-
-
-def use_front(app) -> str:
-    """Serve with :class:`.front.FrontServer`: Tornado's server, with the API's requests on
-    a lean connection of our own (see that module), unless ``JUPYTER_LLAMA_FRONT=tornado``;
-    returns which (logged at start). jupyter_server binds its server once the loop runs, so
-    it can be swapped until then."""
-    from ..config import env_choice
-    from .front import front_for
-
-    if env_choice("FRONT", FRONTS) == "tornado" or getattr(app, "_http_server", None) is None:
-        return "tornado"
-    app._http_server = front_for(app, early=env_choice("SEND_AHEAD", SEND_AHEAD) == "on")
-    native.prepare()  # the relay below Python, which the lean connection lends its socket to
-    return "lean"
 
 
 def skip_unshown_records(*loggers: logging.Logger) -> None:
@@ -198,8 +181,6 @@ def use_fast_loop() -> str:
 
 
 EVENT_LOOPS = ("uvloop", "asyncio")  # JUPYTER_LLAMA_EVENT_LOOP
-FRONTS = ("lean", "tornado")  # JUPYTER_LLAMA_FRONT: who reads the API's connections (see front.py)
-SEND_AHEAD = ("on", "off")  # JUPYTER_LLAMA_SEND_AHEAD: streams' requests sent before their handler runs (early.py)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -207,10 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..config import env_choice
 
     args = build_parser().parse_args(list(argv) if argv is not None else None)
-    try:  # (the settings of how it serves, each a word: one it does not know is said, not ignored)
-        for name, choices in (("EVENT_LOOP", EVENT_LOOPS), ("FRONT", FRONTS), ("RELAY", native.RELAYS),
-                              ("SEND_AHEAD", SEND_AHEAD)):
-            env_choice(name, choices)
+    try:  # (the event loop's setting is a word: one it does not know is said, not ignored)
+        env_choice("EVENT_LOOP", EVENT_LOOPS)
     except ConfigError as e:
         print(f"jupyter-llama serve: {e}", file=sys.stderr)
         return 2
@@ -238,14 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Stop cleanly on Ctrl-C whether or not a terminal is attached (jupyter_server asks for
     # confirmation only on a tty; without one Python's default would skip the extension's
     # clean-up and rely on the children's parent-death signal alone).
-    signal.signal(signal.SIGINT, app._signal_stop)
+    signal.signal(signal.SIGINT, lambda sig, frame: _stop_on_signal(app, sig))
     url = app.connection_url.rstrip("/") + "/llama"
     token = app.identity_provider.token
-    front = getattr(app, "llama_front", "tornado")
-    if front == "lean":
-        native.library(wait=True)  # (building since make_server, on a machine's first start)
-    app.log.info("jupyter-llama %s serving %s (event loop: %s, connections: %s, token relay: %s)", __version__, url,
-                 loop_name, front, native.status() if front == "lean" else "python")
+    app.log.info("jupyter-llama %s serving %s (event loop: %s)", __version__, url, loop_name)
     # A token made for this run is shown, so that a person can use it; one given to us
     # (--token, JUPYTER_TOKEN) is the user's secret and stays out of the log.
     shown = token if getattr(app.identity_provider, "token_generated", False) else "<your token>"
@@ -262,9 +237,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         app.start()
     finally:
-        early = getattr(getattr(app, "_http_server", None), "early", None)
-        if early is not None:
-            app.log.info("jupyter-llama: %s", early.summary())
         # If the loop ended without the normal clean-up (an exception), stop the children now.
         ext = _extension(app)
         if ext is not None and ext.scheduler is not None:
@@ -272,12 +244,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _stop_on_signal(app, sig: int) -> None:
+    app.log.info("jupyter-llama: %s received, stopping", signal.Signals(sig).name)
+    app.stop(from_signal=True)
+
+
 def _exit_when_idle(app, seconds: float) -> None:
     """Stop the server once nothing is loaded, nothing is in flight, and the last request is
     ``seconds`` old (a loaded model keeps it: its keep_alive is a promise to the user)."""
     from tornado.ioloop import PeriodicCallback
 
-    from jupyter_server._tz import utcnow
+    from datetime import datetime, timezone
 
     seconds = max(1.0, seconds)  # at least long enough for the starter's first request
 
@@ -285,7 +262,7 @@ def _exit_when_idle(app, seconds: float) -> None:
         ext = _extension(app)
         if ext is None or ext.busy or (ext.scheduler is not None and ext.scheduler.loaded):
             return
-        idle = (utcnow() - app.web_app.last_activity()).total_seconds()
+        idle = (datetime.now(timezone.utc) - app.web_app.last_activity()).total_seconds()
         if idle >= seconds:
             timer.stop()
             app.log.info("jupyter-llama: nothing loaded and no request for %.0fs: exiting", idle)

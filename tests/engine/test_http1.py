@@ -277,149 +277,6 @@ async def test_request_json_gets_and_posts():
             await http1.request_json(srv.port, "/tokenize", {"content": "x"})
 
 
-class Accepting(LocalServer):
-    """A server that records each connection: whether it was made before its request came,
-    and its request; it answers with ``SSE``, or, with ``idle`` set, closes a connection
-    that has sent nothing for that long (as llama-server does after 5 s)."""
-
-    def __init__(self, idle: float | None = None):
-        self.idle = idle
-        self.accepted = asyncio.Event()
-        self.closed_idle = asyncio.Event()
-        self.hung_up = asyncio.Event()  # a client closed a connection without a request
-        self.requests: list[bytes] = []
-        self.connections = 0
-
-    async def _serve(self, reader, writer):
-        self.connections += 1
-        self.accepted.set()
-        try:
-            try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.idle)
-            except asyncio.TimeoutError:
-                self.closed_idle.set()
-                return
-            except asyncio.IncompleteReadError as e:
-                if not e.partial:
-                    self.hung_up.set()
-                return
-            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            self.requests.append(head + await reader.readexactly(length))
-            writer.write(HEAD_CHUNKED + chunked(SSE, []))
-            await writer.drain()
-        finally:
-            writer.close()
-
-
-async def test_a_connection_opened_ahead_carries_the_request_given_later():
-    """What takes the connection off the way to a stream's first token: it is made first,
-    and the request, once written, goes out on it (one connection in all)."""
-    async with Accepting() as srv:
-        ahead = http1.Ahead(srv.port)
-        await asyncio.wait_for(srv.accepted.wait(), 5)
-        assert srv.requests == []  # connected, and nothing sent yet
-        batches = []
-        await http1.relay_sse(srv.port, "/completion", {"prompt": "x"}, "", batches.append, ahead=ahead.take)
-        assert srv.connections == 1 and srv.requests[0].startswith(b"POST /completion HTTP/1.1\r\n")
-        assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
-        assert ahead.take() is None  # a connection carries one request
-
-        # given its request before it is even connected: written once it is
-        batches = []
-        await http1.relay_sse(srv.port, "/completion", {}, "", batches.append, ahead=http1.Ahead(srv.port).take)
-        assert srv.connections == 2 and len(srv.requests) == 2
-        assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
-
-
-async def relay_early(early: http1.Early, port: int, payload: dict, batches: list) -> None:
-    """A runner's stream of ``payload`` (it passes ``ahead``) for a request whose server made ``early``."""
-    token = http1.EARLY.set(early)
-    try:
-        await http1.relay_sse(port, "/completion", payload, "", batches.append, ahead=lambda: None)
-    finally:
-        http1.EARLY.reset(token)
-
-
-def _early(ahead: http1.Ahead) -> http1.Early:
-    early = http1.Early()
-    early.ahead = ahead
-    return early
-
-
-async def test_a_stream_sent_ahead_is_taken_with_the_answer_begun_on_it_when_it_is_the_request_made():
-    """A stream's request sent before its caller asked (server/early.py): the answer that
-    came meanwhile is held (reading paused after its first read), and the stream that makes
-    the same request takes it (no second connection); one that makes another request closes
-    it and sends its own."""
-    async with Accepting() as srv:
-        body, headers = http1.sse_request({"prompt": "x"}, "")
-        ahead = http1.Ahead(srv.port)
-        ahead.send_ahead(http1.request_bytes("127.0.0.1", srv.port, "/completion", body, headers))
-        while not ahead.proto._held:  # answered, nobody reading
-            await asyncio.sleep(0.005)
-        early = _early(ahead)
-        batches = []
-        await relay_early(early, srv.port, {"prompt": "x"}, batches)
-        assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
-        assert srv.connections == 1 and early.claimed and not early.missed
-        assert early.streams == [("127.0.0.1", srv.port, "/completion", headers, body)]
-
-        ahead = http1.Ahead(srv.port)
-        ahead.send_ahead(http1.request_bytes("127.0.0.1", srv.port, "/completion", body, headers))
-        early, batches = _early(ahead), []
-        await relay_early(early, srv.port, {"prompt": "y"}, batches)
-        assert early.missed and not early.claimed and early.ahead is None
-        assert ahead.proto.transport is None or ahead.proto.transport.is_closing()  # (closed, whether made or not)
-        assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
-        while len(srv.requests) < 3:
-            await asyncio.sleep(0.005)
-        assert srv.connections == 3 and srv.requests[2].endswith(b'{"prompt": "y", "stream": true}')
-
-
-async def test_a_stream_sent_ahead_and_taken_lasts_as_long_as_its_answer():
-    """A request sent ahead and not taken is closed after its time; once a stream has taken
-    it, it is the stream's, however long the answer runs."""
-    body = chunked(SSE, [10, 10, 10, 10])
-    pieces = [HEAD_CHUNKED] + [body[i:i + 20] for i in range(0, len(body), 20)]
-    async with Answer(pieces, gap=0.05) as srv:  # (an answer of ~0.3 s)
-        sse_body, headers = http1.sse_request({"prompt": "x"}, "")
-        ahead = http1.Ahead(srv.port)
-        ahead.send_ahead(http1.request_bytes("127.0.0.1", srv.port, "/completion", sse_body, headers), ttl=0.1)
-        early, batches = _early(ahead), []
-        await relay_early(early, srv.port, {"prompt": "x"}, batches)
-        assert early.claimed and [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
-    async with Accepting() as srv:
-        ahead = http1.Ahead(srv.port)
-        ahead.send_ahead(http1.request_bytes("127.0.0.1", srv.port, "/completion", sse_body, headers), ttl=0.05)
-        while not ahead.dropped:
-            await asyncio.sleep(0.01)
-        early = _early(ahead)
-        # (what it held is no answer: the stream asks afresh)
-        await relay_early(early, srv.port, {"prompt": "x"}, batches)
-        assert not early.claimed and srv.connections == 2
-
-
-async def test_a_stream_sent_ahead_that_the_child_closed_unanswered_is_sent_afresh():
-    async with Accepting(idle=0.05) as srv:
-        ahead = http1.Ahead(srv.port)
-        await asyncio.wait_for(srv.closed_idle.wait(), 5)  # (closed before the request came)
-        body, headers = http1.sse_request({}, "")
-        ahead.send_ahead(http1.request_bytes("127.0.0.1", srv.port, "/completion", body, headers))
-        while ahead.proto._held_end is None:
-            await asyncio.sleep(0.005)
-        srv.idle = None
-        early, batches = _early(ahead), []
-        token = http1.EARLY.set(early)
-        try:
-            await http1.relay_sse(srv.port, "/completion", {}, "", batches.append)  # (no ahead: not a runner's stream)
-            assert early.ahead is ahead  # untouched by a request that is not a runner's stream
-            await http1.relay_sse(srv.port, "/completion", {}, "", batches.append, ahead=lambda: None)
-        finally:
-            http1.EARLY.reset(token)
-        assert not early.claimed and not early.missed and early.ahead is None
-        assert srv.connections == 3 and len(srv.requests) == 2
-
-
 def _received_now(listener: socket.socket, conns: list[socket.socket]) -> bytes | None:
     """The request a client has already sent on a connection the listener has (None when no
     connection is made yet; the connection goes on ``conns``); nothing here waits."""
@@ -438,76 +295,38 @@ def _received_now(listener: socket.socket, conns: list[socket.socket]) -> bytes 
 async def test_a_request_is_on_the_wire_before_the_event_loop_turns():
     """In a burst, a request waiting for a turn of the loop to connect waits behind every
     other request read in that turn; so the request is written in the step that gives it,
-    and a callback queued just after that step finds it at the server already (on a fresh
-    connection, and on one opened ahead)."""
+    and a callback queued just after that step finds it at the server already."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
     port = listener.getsockname()[1]
     loop = asyncio.get_running_loop()
     conns: list[socket.socket] = []
     try:
-        for ahead in (False, True):
-            taken = http1.Ahead(port).take if ahead else None
-            batches, seen = [], []
-            task = loop.create_task(http1.relay_sse(port, "/completion", {"prompt": "x"}, "", batches.append,
-                                                    ahead=taken))
-            loop.call_soon(lambda: seen.append(_received_now(listener, conns)))  # runs after the task's first step
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
-            assert seen and seen[0] is not None, "no connection was made in the step that gave the request"
-            request = seen[0]
-            assert request.startswith(b"POST /completion HTTP/1.1\r\n") and request.endswith(b'{"prompt": "x", "stream": true}')
-            conn = conns[-1]
-            conn.setblocking(True)
-            conn.sendall(HEAD_CHUNKED + chunked(SSE, []))
-            conn.close()
-            await asyncio.wait_for(task, 5)
-            assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
+        batches, seen = [], []
+        task = loop.create_task(http1.relay_sse(port, "/completion", {"prompt": "x"}, "", batches.append))
+        loop.call_soon(lambda: seen.append(_received_now(listener, conns)))  # runs after the task's first step
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert seen and seen[0] is not None, "no connection was made in the step that gave the request"
+        request = seen[0]
+        assert request.startswith(b"POST /completion HTTP/1.1\r\n") and request.endswith(b'{"prompt": "x", "stream": true}')
+        conn = conns[-1]
+        conn.setblocking(True)
+        conn.sendall(HEAD_CHUNKED + chunked(SSE, []))
+        conn.close()
+        await asyncio.wait_for(task, 5)
+        assert [json.loads(d)["content"] for b in batches for d in b] == ["Once", " upon\n", ""]
     finally:
         for conn in conns:
             conn.close()
         listener.close()
 
 
-async def test_a_connection_ahead_that_closed_or_failed_leaves_the_request_to_a_fresh_one():
-    async with Accepting(idle=0.05) as srv:  # closes a connection that sends nothing for 50 ms
-        ahead = http1.Ahead(srv.port)
-        await asyncio.wait_for(srv.closed_idle.wait(), 5)
-        while not ahead.proto.lost:  # (its end reaches this side a moment later)
-            await asyncio.sleep(0.005)
-        assert not ahead.usable and ahead.take() is None
-        srv.idle = None
-        await http1.relay_sse(srv.port, "/completion", {}, "", lambda b: None, ahead=ahead.take)
-        assert srv.connections == 2 and len(srv.requests) == 1
-
-    # nothing listening: an ahead that has failed is not taken, and one taken while it was
-    # still connecting leaves the request to a fresh connection, whose refusal the caller hears
+async def test_a_refused_connection_is_the_callers_to_hear():
+    """Nothing listening: the request fails with the refusal, and leaves no socket open."""
     probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     port = probe.sockets[0].getsockname()[1]
     probe.close()
     await probe.wait_closed()
-    failed = http1.Ahead(port)
     with pytest.raises(ConnectionRefusedError):
-        await failed._connecting
-    assert not failed.usable and failed.take() is None
-    with pytest.raises(ConnectionRefusedError):
-        await http1.relay_sse(port, "/completion", {}, "", lambda b: None, ahead=http1.Ahead(port).take)
-
-
-async def test_a_connection_ahead_nobody_takes_is_closed_after_its_time():
-    async with Accepting() as srv:
-        ahead = http1.Ahead(srv.port, ttl=0.05)
-        await asyncio.wait_for(srv.hung_up.wait(), 5)  # closed by this side, with no request
-        assert srv.requests == [] and not ahead.usable and ahead.take() is None
-        srv.hung_up.clear()
-        srv.accepted.clear()
-        ahead = http1.Ahead(srv.port)
-        await asyncio.wait_for(srv.accepted.wait(), 5)
-        ahead.close()  # (what a runner that stops does with its own)
-        await asyncio.wait_for(srv.hung_up.wait(), 5)
-        assert ahead.take() is None
-        ahead = http1.Ahead(srv.port)
-        ahead.close()  # closed while still connecting: no connection is left behind
-        assert ahead.take() is None
-        with pytest.raises(asyncio.CancelledError):
-            await ahead._connecting
+        await http1.relay_sse(port, "/completion", {}, "", lambda b: None)

@@ -324,7 +324,7 @@ def test_streamed_lines_equal_the_chunks_feed_makes(text):
         for wire in (json.dumps(event, separators=(",", ":")), json.dumps(event, separators=(",", ":"),
                                                                             ensure_ascii=False)):
             line = tr.lines(wire.encode())
-            assert tr._text_event[0].match(wire.encode()), "the fast path was not taken"
+            assert tr._text_event.match(wire.encode()), "the fast path was not taken"
             expect = oa.ndjson(tr.feed(event)[0])
             got, want = json.loads(line), json.loads(expect)
             assert line.endswith(b"\n") and line.count(b"\n") == 1
@@ -338,19 +338,15 @@ def test_streamed_lines_equal_the_chunks_feed_makes(text):
 
 
 def test_log_probabilities_keep_every_line_in_python():
-    """With logprobs asked, no line is written from the text template, in Python or by the C
-    relay (either would drop the probabilities): native_template and native_done are None;
-    without them nothing changes."""
+    """With logprobs asked, no line is written from the text template (it would drop the
+    probabilities): a text event's line carries its token's log probabilities."""
     from jupyter_llama.api import ollama as oa
 
     for cls in (oa.GenerateTranslator, oa.ContextGenerateTranslator, oa.TemplatedChatTranslator,
                 oa.ThinkingGenerateTranslator, oa.ChatTranslator):
         asked = cls("m", 0.0, 0.0, logprobs=2)
-        assert asked.native_template() is None and asked.native_done() is None, cls
         plain = cls("m", 0.0, 0.0)
         assert plain.top is None and asked.top == 2, cls
-        if cls in (oa.GenerateTranslator, oa.ChatTranslator):  # (those whose text lines the C relay may write)
-            assert plain.native_template() is not None, cls
     event = (b'{"index":0,"content":" a","tokens":[261],"stop":false,"id_slot":-1,"tokens_predicted":1,'
              b'"completion_probabilities":[{"id":261,"token":" a","bytes":[32,97],"logprob":-0.5,'
              b'"top_logprobs":[{"id":261,"token":" a","bytes":[32,97],"logprob":-0.5},'
