@@ -27,7 +27,10 @@ Every part starts with a letter, a digit or ``_``, and none contains ``..``. Nam
 case-insensitively (``Tiny`` and ``tiny`` are one model), as in Ollama; the case given
 first is the one shown. Since the parts become directory names in the store, anything
 else (path separators, ``..``, control characters, empty or over-long parts) is refused
-with a message that says what is wrong.
+with a message that says what is wrong. A control character (C0, DEL, C1) is refused even
+where a file's path may stand for a name (:func:`refuse_control_characters`, called by
+:func:`parse_name` and :func:`plainly_a_path`): such a text is neither, and a NUL in a path
+would reach the file system as ``ValueError: embedded null byte``, a 500.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ __all__ = [
     "without_registry",
     "plainly_a_path",
     "InvalidName",
+    "ControlCharacterInName",
+    "refuse_control_characters",
     "ModelName",
     "parse_name",
     "is_valid_name",
@@ -83,6 +88,42 @@ class InvalidName(BadRequest, ValueError):
         self.text = text
         self.reason = reason
         super().__init__(f"invalid model name {text!r}: {reason}")
+
+
+def _control_character(text: str) -> tuple[int, str] | None:
+    """(position from 1, character) of the first control character (C0, DEL, C1) in ``text``."""
+    for i, ch in enumerate(text, 1):
+        if ch < " " or "\x7f" <= ch <= "\x9f":
+            return i, ch
+    return None
+
+
+class ControlCharacterInName(InvalidName):
+    """A name (or path) with a control character in it: neither a model name nor a file a
+    request may name (a path cannot hold a NUL at all). Its message echoes no part of the
+    name, since the character itself would be lost or garble a log line or a terminal."""
+
+    def __init__(self, text: str, position: int, ch: str):
+        self.position = position
+        self.character = ch
+        self.text = text
+        self.reason = (f"it has a control character (U+{ord(ch):04X}) at character {position}; a model name "
+                       f"may hold only letters, digits, '_', '-' and '.', with '/' between its parts and ':' "
+                       f"before its tag ([host/][namespace/]model[:tag], such as llama3.2:1b), and a file's "
+                       f"path may hold no control character either")
+        super(InvalidName, self).__init__(f"invalid model name: {self.reason}")  # (no repr of the name)
+
+
+def refuse_control_characters(text: str) -> None:
+    """:class:`ControlCharacterInName` (a 400) when ``text`` holds a control character: C0
+    (U+0000 to U+001F), DEL or C1. Space, tab and line ends around the text are allowed, as
+    every name is read stripped of them. Names and paths both pass here first (through
+    :func:`parse_name` and :func:`plainly_a_path`), so no route can carry such a text to
+    the file system."""
+    found = _control_character(text.strip(" \t\r\n"))
+    if found is not None:
+        position = found[0] + (len(text) - len(text.lstrip(" \t\r\n")))
+        raise ControlCharacterInName(text, position, found[1])
 
 
 @dataclass(frozen=True)
@@ -172,6 +213,7 @@ def parse_name(text: str, default_tag: str = DEFAULT_TAG) -> ModelName:
     if not isinstance(text, str):
         raise InvalidName(repr(text), "a model name must be a string")
     raw = text
+    refuse_control_characters(raw)
     text = text.strip()
     if not text:
         raise InvalidName(raw, "the name is empty")
@@ -275,7 +317,10 @@ def without_registry(name: ModelName) -> ModelName | None:
 
 def plainly_a_path(text: str) -> bool:
     """Whether ``text`` can only be a file on this machine, never a model name: an absolute or
-    relative path, or a ``.gguf`` file name."""
+    relative path, or a ``.gguf`` file name. A text with a control character is neither a
+    name nor a path, and is refused here (:class:`ControlCharacterInName`, a 400), before
+    any caller that tells names from paths hands it to the file system."""
+    refuse_control_characters(text)
     return text.startswith(("/", "./", "../", "~")) or text.lower().endswith(".gguf")
 
 

@@ -60,7 +60,8 @@ from .. import config
 from ..errors import BadRequest, ModelNotFound, SchedulerError, StorageFull
 from .ref import ModelRef, model_details, parameter_size
 from .gguf_info import GGUFError, GGUFInfo, read_gguf_info
-from .names import InvalidName, ModelName, also_registry, parse_name, plainly_a_path, without_registry
+from .names import (InvalidName, ModelName, also_registry, parse_name, plainly_a_path, refuse_control_characters,
+                    without_registry)
 from .preset import MAX_LAYER_BYTES, PRESET_MEDIA_TYPES, Preset, PresetError
 
 __all__ = [
@@ -1650,6 +1651,7 @@ class ModelStore:
 
     def resolve_sync(self, name: str) -> ModelRef:
         """Name (or, with ``allow_paths``, a path to a .gguf file) -> ModelRef, blobs checked."""
+        refuse_control_characters(str(name))  # (a 400, before strip() could drop one or a path holds it)
         text = str(name).strip()
         try:
             mname = parse_name(text)
