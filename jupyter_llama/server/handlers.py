@@ -229,7 +229,9 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         cookie) is answered 401 with a sentence saying how to authenticate, as API clients
         (Ollama's, OpenAI's) expect; Jupyter answers it 403, and for a POST without a token
         it speaks of a missing '_xsrf' argument. 403 stays for a logged-in browser that
-        failed the XSRF check or a user who is not authorised."""
+        failed the XSRF check or a user who is not authorised, and for a request whose Host
+        header jupyter_server refused (``allow_remote_access``), which says so: its token may
+        be right, and a 401 would send its user after the token."""
         message = responses.get(status_code, "error")
         exc_info = kwargs.get("exc_info")
         if exc_info and exc_info[1] is not None:
@@ -239,7 +241,14 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             self.set_header("Allow", ", ".join(allowed))
             message = (f"{self.request.method} is not a method of {self.request.path}: "
                        f"use {' or '.join(allowed)}" if allowed else message)
-        if status_code == 403 and not self._authenticated():
+        if status_code == 403 and not self._authenticated() and not self.check_host():
+            host = "".join(ch for ch in self.request.host[:200] if ch.isprintable())
+            message = (f'forbidden: the Host header named "{host}", a host this Jupyter server does not allow (it '
+                       "answers only to local names, against DNS rebinding). To reach it by that name (behind a "
+                       "reverse proxy that keeps the Host, say), start it with "
+                       "--ServerApp.allow_remote_access=True (ServerApp.allow_remote_access = True in its config), "
+                       "or add the name to ServerApp.local_hostnames")
+        elif status_code == 403 and not self._authenticated():
             status_code = 401
             self.set_status(401)
             self.set_header("WWW-Authenticate", 'Bearer realm="jupyter-llama"')
