@@ -10,12 +10,20 @@ and evictions happen all the time, and for ``--minutes`` (default 30) runs besid
   script, with Range and ETag), show and tags;
 * bad requests now and then (unknown model, broken JSON, a wrong digest, bad options...): each
   must get a 4xx, never a 5xx;
-* a killer: now and then SIGKILL of a runner's llama-server (its PID from ``api/ps``).
+* a killer: now and then SIGKILL of a runner's llama-server (its PID from ``api/ps``, killed
+  only while it is a process of this soak's manager).
 
 It prints at the start and at the end the manager's RSS and open files (from /proc/<pid>),
 then the requests served, the errors by kind (status and the message with names and numbers
-blanked out), whether any client error got a 5xx, and the llama-server children left once
-the manager has stopped (must be 0; any left are killed by PID and named).
+blanked out), whether any client error got a 5xx, and the manager's processes left once it
+has stopped (must be 0; any left are named and killed).
+
+It kills only its own processes: the manager it started, and the processes it recorded as
+the manager's descendants (each second, and just before the stop), each by its PID *and*
+its start time (``procs.descendants``, ``procs.signal_recorded``). A PID alone is not
+enough: after thousands of runners PIDs come round again, and a soak run as root would kill
+whoever had the number by then. A llama-server over this soak's store that it has no record
+of is named, not killed.
 
 Usage: ``.venv/bin/python bench/soak.py [--minutes N] [--clients N] [--seed N]``
 """
@@ -43,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jupyter_llama.embedded import EmbeddedManager  # noqa: E402
 from jupyter_llama.engine.binary import find_engine  # noqa: E402
-from jupyter_llama.procs import child_pids, process_alive  # noqa: E402
+from jupyter_llama.procs import descendants, process_alive, signal_recorded, start_time  # noqa: E402
 from jupyter_llama.models.synth import SynthShape, write_synthetic  # noqa: E402
 
 MODELS = [f"soak{i}" for i in range(4)]
@@ -99,6 +107,7 @@ class Stats:
         self.client_5xx: list[str] = []  # a bad request answered with a 5xx: a bug
         self.kills = 0
         self.pids_seen: set[int] = set()
+        self.records: set[tuple[int, int]] = set()  # (PID, start time) of every process of the manager seen
         self.ops = collections.Counter()
 
     def error(self, op: str, status, msg: str) -> None:
@@ -242,7 +251,7 @@ async def admin_loop(c: httpx.AsyncClient, stats: Stats, rng: random.Random, dea
 
 
 async def killer_loop(c: httpx.AsyncClient, stats: Stats, rng: random.Random, deadline: float,
-                      every: float) -> None:
+                      every: float, manager: int) -> None:
     while time.monotonic() < deadline:
         await asyncio.sleep(rng.uniform(every * 0.5, every * 1.5))
         try:
@@ -253,18 +262,20 @@ async def killer_loop(c: httpx.AsyncClient, stats: Stats, rng: random.Random, de
         stats.pids_seen.update(pids)
         if pids and time.monotonic() < deadline:
             pid = rng.choice(pids)
-            try:
-                os.kill(pid, signal.SIGKILL)
-                stats.kills += 1
-            except ProcessLookupError:
-                pass
+            started = descendants(manager).get(pid)  # None: no process of the manager's has it now
+            if started is not None:
+                stats.records.add((pid, started))
+                if signal_recorded(pid, started, signal.SIGKILL):
+                    stats.kills += 1
 
 
 async def watch_loop(c: httpx.AsyncClient, stats: Stats, deadline: float, pid: int, t0: float) -> None:
-    """Runner PIDs seen (loads), and a line of progress a minute."""
+    """Runner PIDs seen (loads), the manager's processes (a record to clean up by), and a line
+    of progress a minute."""
     last = time.monotonic()
     while time.monotonic() < deadline:
         await asyncio.sleep(1.0)
+        stats.records.update(descendants(pid).items())
         try:
             for m in (await c.get("api/ps")).json()["models"]:
                 if m.get("pid"):
@@ -281,8 +292,17 @@ async def watch_loop(c: httpx.AsyncClient, stats: Stats, deadline: float, pid: i
 # ============================================================================ the run
 
 
+def program(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
 def our_llama_servers(store: Path) -> list[int]:
-    """Every live llama-server whose model lies in this soak's store, whoever its parent is."""
+    """Every live llama-server whose model lies in this soak's store, whoever its parent is
+    (to name what outlived the manager; such a process is killed only by its record)."""
     out = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -315,8 +335,8 @@ async def run(args) -> int:
     pid = mgr.proc.pid
     rng = random.Random(args.seed)
     stats = Stats()
-    left: list[int] = []
-    seen_children: set[int] = set()
+    left: list[str] = []  # "PID program" of each process of the manager left, killed
+    unrecorded: list[int] = []
     print(f"soak: {args.minutes:g} min, {len(MODELS)} models, at most {args.max_loaded} loaded, {args.clients} clients, "
           f"a runner killed every ~{args.kill_every:g}s; engine {engine.path}; store {store}", flush=True)
     try:
@@ -342,25 +362,28 @@ async def run(args) -> int:
                 tasks = [client_loop(c, stats, random.Random(rng.random()), deadline) for _ in range(args.clients)]
                 tasks += [admin_loop(c, stats, random.Random(rng.random()), deadline, host),
                           bad_loop(c, stats, random.Random(rng.random()), deadline, host),
-                          killer_loop(c, stats, random.Random(rng.random()), deadline, args.kill_every),
+                          killer_loop(c, stats, random.Random(rng.random()), deadline, args.kill_every, pid),
                           watch_loop(c, stats, deadline, pid, t0)]
                 await asyncio.gather(*tasks)
                 elapsed = time.monotonic() - t0
                 end = proc_stats(pid)
-                seen_children = set(child_pids(pid, "llama-server")) | stats.pids_seen
                 r = await c.get("api/ps")
                 loaded = [m["name"] for m in r.json()["models"]]
     finally:
+        if mgr.proc is not None and mgr.proc.poll() is None:
+            stats.records.update(descendants(pid).items())  # the last record, while they are still its
         mgr.stop(timeout=30)
         if mgr.proc is not None and mgr.proc.poll() is None:
-            mgr.proc.kill()
-        # what outlived the manager: its children by PID, and any llama-server over this store
-        left = sorted({p for p in seen_children if process_alive(p)} | set(our_llama_servers(store)))
-        for p in left:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            mgr.proc.kill()  # (Popen's own: it will not signal a PID it has reaped)
+        # what outlived the manager: the processes recorded as its, if each is still the one
+        # recorded (PID and start time); a llama-server over this store without a record is named
+        for p, started in sorted(stats.records):
+            if process_alive(p) and start_time(p) == started:
+                name = program(p)  # (read before it is killed: for the report)
+                if signal_recorded(p, started, signal.SIGKILL):
+                    left.append(f"{p} {name}")
+        killed = {int(w.split()[0]) for w in left}
+        unrecorded = sorted(set(our_llama_servers(store)) - killed)
     print(f"end:   manager pid {pid}: {fmt_stats(end)}  (RSS {'+' if end['rss'] >= start['rss'] else ''}"
           f"{(end['rss'] - start['rss']) / 2**20:.1f} MiB, open files {end['fds'] - start['fds']:+d})")
     print(f"ran {elapsed / 60:.1f} min; loaded at the end: {', '.join(loaded) or 'none'}")
@@ -377,13 +400,15 @@ async def run(args) -> int:
         print(f"    {stats.examples[k]}")
     print("5xx (or success) for a client error: " + ("none" if not stats.client_5xx else
                                                      f"{len(stats.client_5xx)}: " + "; ".join(stats.client_5xx[:5])))
-    print(f"llama-server children left after the manager stopped: {len(left)}" +
-          (f" (killed by PID: {left})" if left else ""))
+    print(f"processes of the manager left after it stopped: {len(left)}" +
+          (f" (killed, each by its PID and start time: {', '.join(left)})" if left else ""))
+    if unrecorded:
+        print(f"llama-servers over this soak's store with no record of being the manager's, left alone: {unrecorded}")
     if not args.keep:
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         print(f"kept {tmp} (serve.log there)")
-    return 1 if left or stats.client_5xx else 0
+    return 1 if left or unrecorded or stats.client_5xx else 0
 
 
 def main() -> int:

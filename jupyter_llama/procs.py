@@ -3,14 +3,18 @@
 A PID outlives its process: the kernel hands it out again. So a record that names a process
 by PID for others to find later (a peer's usage file, :mod:`.memory.peers`) also keeps the
 process's start time, and the check compares both: :func:`same_process`. (The background
-manager's state file checks the command line instead, :func:`.background._alive`.)
+manager's state file checks the command line instead, :func:`.background._alive`.) A
+process one means to signal later (a soak's clean-up of what its manager left) is recorded
+the same way, by :func:`descendants`, and signalled only while it is still that process:
+:func:`signal_recorded`.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["child_pids", "exit_words", "process_alive", "same_process", "start_time"]
+__all__ = ["child_pids", "descendants", "exit_words", "process_alive", "same_process", "signal_recorded",
+           "start_time"]
 
 
 def exit_words(code: int | None) -> str:
@@ -88,3 +92,63 @@ def child_pids(parent: int, name: str | None = None) -> list[int]:
                 continue
         out.append(int(d))
     return out
+
+
+def descendants(root: int) -> dict[int, int]:
+    """The live (non-zombie) descendants of ``root`` (its children, theirs, ...), each with its
+    start time, as read in one pass over /proc: a record of them to act on later, when they
+    may have been orphaned (their parent is then another) and their PIDs handed out again
+    (:func:`signal_recorded`). Empty where there is no /proc."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {}
+    kids: dict[int, list[tuple[int, int]]] = {}
+    for d in entries:
+        if not d.isdigit():
+            continue
+        fields = _stat(d)  # one read: the parent and the start time are of the same process
+        try:
+            if fields and fields[0] != "Z":
+                kids.setdefault(int(fields[1]), []).append((int(d), int(fields[19])))
+        except (IndexError, ValueError):
+            continue
+    out: dict[int, int] = {}
+    todo = [root]
+    while todo:
+        for pid, started in kids.get(todo.pop(), ()):
+            if pid not in out and pid != root:
+                out[pid] = started
+                todo.append(pid)
+    return out
+
+
+def signal_recorded(pid: int, started: int | None, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` only if it is alive and still the process recorded with the
+    start time ``started`` (:func:`descendants`, :func:`start_time`); True when it was sent.
+    A record without a start time matches nothing: a PID alone may name anyone's process by
+    now. Where the system has pidfds the process is held by one from before the check to the
+    signal, so that its PID cannot pass to another process in between."""
+    import signal
+
+    if started is None:
+        return False
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except (AttributeError, OSError):  # no pidfd here (not Linux, an old kernel): check, then kill
+        fd = None
+    try:
+        if not process_alive(pid) or start_time(pid) != started:
+            return False
+        if fd is None:
+            os.kill(pid, sig)
+        else:
+            signal.pidfd_send_signal(fd, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
