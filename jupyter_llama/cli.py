@@ -10,7 +10,9 @@ import os
 import sys
 from typing import Sequence
 
-from .commands import EXIT_USAGE, CommandError, Frontend, _HelpShown, build_parser, execute
+from .commands import EXIT_USAGE, CommandError, Frontend, RunResult, _HelpShown, build_parser, execute
+
+EXIT_INTERRUPTED = 130  # (128 + SIGINT, as a shell reports a command that Ctrl-C stopped)
 
 
 class TerminalFrontend(Frontend):
@@ -115,15 +117,19 @@ def run(argv: Sequence[str]) -> int:
     fe = TerminalFrontend(args.url, args.token)
     try:
         result = execute(args, fe)
+        if isinstance(result, RunResult) and result.stopped:  # (its partial text shown, and "(stopped)")
+            return EXIT_INTERRUPTED
         return result if isinstance(result, int) else 0
     except CommandError as e:
+        if fe.mid_line:  # (an answer cut short: the error goes on a line of its own)
+            print(flush=True)
         print(f"error: {e}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
         if fe.mid_line:
             print(flush=True)
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # (`... | head`: the reader has all it wanted; what was left to print goes nowhere)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -10,6 +10,7 @@ an exit status and a one-line message, the magic into a ``UsageError``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import json
 import re
@@ -32,9 +33,53 @@ class CommandError(Exception):
         self.code = code
 
 
+def close_matches(word: str, choices) -> list[str]:
+    """The few of ``choices`` that ``word`` looks like a misspelling of (none when none is close)."""
+    return difflib.get_close_matches(word, [str(c) for c in choices], n=3, cutoff=0.6)
+
+
+def _did_you_mean(matches: list[str]) -> str:
+    return matches[0] if len(matches) == 1 else f"{', '.join(matches[:-1])} or {matches[-1]}"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # usage errors: raise, so the magic can show them too
         raise CommandError(f"{self.prog}: {message}", EXIT_USAGE)
+
+    def _check_value(self, action, value):
+        """A choice that is not one (a command's name, an option's value): the close ones are
+        offered instead of the whole list, when there are close ones."""
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError:
+            matches = close_matches(value, action.choices) if isinstance(value, str) and action.choices else []
+            if not matches:
+                raise
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r} (did you mean "
+                                                 f"{_did_you_mean(matches)}?)") from None
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, with an unknown option's close known ones (``--temprature``: did you
+        mean --temperature?) among those of the command it was given to."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            known = self._known_options(ns)
+            close = [(w, m) for w in (e.split("=", 1)[0] for e in extras if e.startswith("--") and len(e) > 2)
+                     for m in [close_matches(w, known)] if m]
+            hint = ("" if not close else f" (did you mean {_did_you_mean(close[0][1])}?)" if len(close) == 1 else
+                    " (did you mean " + "; ".join(f"{_did_you_mean(m)} for {w}" for w, m in close) + "?)")
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return ns
+
+    def _known_options(self, ns) -> list[str]:
+        """The long options that the command in ``ns`` (and the parsers above it) take."""
+        known, parser = [], self
+        while parser is not None:
+            known += [o for o in parser._option_string_actions if o.startswith("--") and o != "--help"]
+            sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+            chosen = getattr(ns, sub.dest, None) if sub is not None else None
+            parser = sub.choices.get(chosen) if chosen else None
+        return known
 
     def exit(self, status=0, message=None):  # `--help` inside a magic must not exit the kernel
         if message:
@@ -59,6 +104,12 @@ class RunResult:
     stats: dict = field(default_factory=dict)  # Ollama's final-chunk numbers
     load_seconds: float = 0.0
     placement: str = ""  # "CPU", "GPU" or "37% GPU / 63% CPU"
+    stopped: bool = False  # interrupted (Ctrl-C, a notebook's stop button): ``text`` is what came before
+
+    # Set by the magic on a result it has just streamed into its cell: that cell's echo of the
+    # result (``Out[n]: <RunResult ...>`` under an unassigned ``%llama run``) is left out, while
+    # ``r = %llama run ...`` still gives ``r`` (see :meth:`_ipython_display_`).
+    _shown_in_cell = False
 
     @property
     def tokens(self) -> int:
@@ -74,7 +125,7 @@ class RunResult:
         prompt = self.stats.get("prompt_eval_count")
         if prompt:
             parts.append(f"prompt {prompt} tokens")
-        parts.append(f"load {self.load_seconds:.2f}s" if self.load_seconds >= 0.005 else "already loaded")
+        parts.append(f"load {self.load_seconds:.2f}s" if self.loaded_now else "already loaded")
         if self.placement:
             parts.append(f"on {self.placement}")
         reason = self.stats.get("done_reason")
@@ -82,8 +133,36 @@ class RunResult:
             parts.append(f"stopped: {reason}")
         return f"{self.model}: " + ", ".join(parts)
 
+    @property
+    def loaded_now(self) -> bool:
+        """Whether the model was loaded for this answer (the manager's load_duration says so;
+        a loaded model's answer waits only for a health check, well under LOADED_AFTER)."""
+        return self.load_seconds >= LOADED_AFTER
+
     def __repr__(self) -> str:
-        return f"<RunResult {self.model}: {self.tokens} tokens; .text, .stats, .load_seconds>"
+        what = f"{len(self.text)} characters, stopped" if self.stopped else f"{self.tokens} tokens"
+        return f"<RunResult {self.model}: {what}; .text, .stats, .load_seconds>"
+
+    def _ipython_display_(self) -> None:
+        """IPython's echo of the value (and ``display(r)``): nothing right after the magic
+        streamed it into this very cell (the text is on the screen already), else its repr."""
+        if self._shown_in_cell:
+            return
+        from IPython.display import display
+
+        display({"text/plain": repr(self)}, raw=True)
+
+
+LOADED_AFTER = 0.1  # seconds of load_duration from which an answer's model counts as loaded for it
+
+
+class StreamStopped(Exception):
+    """Raised by :meth:`Frontend.stream` when the user interrupted it (Ctrl-C, a notebook's stop
+    button), once what had come was shown: ``text``."""
+
+    def __init__(self, text: str):
+        super().__init__("stopped")
+        self.text = text
 
 
 class Frontend:
@@ -117,14 +196,22 @@ class Frontend:
         self.out(text)
 
     def stream(self, chunks: Iterator[str], *, raw: bool) -> str:
-        """Show text as it arrives; return the whole text. Here: each piece written to
-        standard output as it comes (a terminal's way)."""
+        """Show text as it arrives; return the whole text (interrupted: raise StreamStopped
+        with the text so far, once it is shown). Here: each piece written to standard output
+        as it comes (a terminal's way)."""
         parts = []
-        for piece in chunks:
-            parts.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-            self.mid_line = True  # (an interruption now ends the line before it says so)
+        try:
+            for piece in chunks:
+                parts.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                self.mid_line = True  # (an interruption now ends the line before it says so)
+        except KeyboardInterrupt:
+            if self.mid_line:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                self.mid_line = False
+            raise StreamStopped("".join(parts)) from None
         sys.stdout.write("\n")
         self.mid_line = False
         return "".join(parts)
@@ -448,7 +535,36 @@ def execute(args: argparse.Namespace, fe: Frontend, body: str | None = None):
             # the server's sentence is what a person reads (as `ollama` prints it); the HTTP
             # status only picks the exit code
             raise CommandError(e.message, EXIT_USAGE if e.status == 400 else EXIT_FAIL) from None
+        httpx = sys.modules.get("httpx")
+        if httpx is not None and isinstance(e, httpx.TransportError):  # (the manager went away mid-command)
+            raise CommandError(_transport_words(e, getattr(args, "prog", "jupyter-llama"))) from None
         raise
+
+
+def _transport_words(e: Exception, prog: str) -> str:
+    """One sentence for a connection to the manager that failed while a command used it (it
+    closed, reset or timed out: the manager stopped, crashed or was killed), and what to do."""
+    import httpx
+
+    try:
+        u = e.request.url  # type: ignore[attr-defined]
+        where = f" at {u.scheme}://{u.netloc.decode()}"
+    except (AttributeError, RuntimeError):  # (an error raised without its request)
+        where = ""
+    detail = str(e) or type(e).__name__
+    try:
+        from .background import state_dir
+
+        log = f"the background manager's is {state_dir() / 'jupyter-llama-manager.log'}"
+    except Exception:  # noqa: BLE001 - only a hint
+        log = "the background manager's is in its state folder"
+    todo = (f"`{prog} status` says whether it still runs, and its log what happened ({log}; a `jupyter-llama serve` "
+            "or a JupyterLab prints its own in its terminal)")
+    if isinstance(e, httpx.TimeoutException):
+        return f"the manager{where} stopped answering ({detail}): {todo}"
+    if isinstance(e, httpx.ConnectError):
+        return f"cannot reach the manager{where} ({detail}): {todo}"
+    return f"the manager{where} closed the connection before its answer was complete ({detail}): {todo}"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -516,11 +632,14 @@ LOADING_NOTE_AFTER = 3.0  # seconds without a first chunk before a shell is told
 
 
 def _generate(args, fe: Frontend, chunks_of: Callable[[], Iterator[dict]], pick: Callable[[dict], str]) -> RunResult:
+    """Stream an answer. Interrupted (Ctrl-C, a notebook's stop button): the connection is
+    closed (the manager stops generating), "(stopped)" is said, and the result holds the text
+    that came. A model loaded for this answer is said once it is done (the final chunk's
+    load_duration: how long the manager took to get the model ready for it)."""
     import threading
 
     result = RunResult(model=args.model)
     last: dict = {}
-    t0 = time.monotonic()
     first = [True]
     # A shell that shows nothing while a model loads looks hung (a slow disk, a worker that
     # stopped answering: until LOAD_TIMEOUT): it is told once, if the load takes a while.
@@ -530,32 +649,42 @@ def _generate(args, fe: Frontend, chunks_of: Callable[[], Iterator[dict]], pick:
     if waiting is not None:
         waiting.daemon = True
         waiting.start()
+    chunks = chunks_of()
 
     def texts():
         nonlocal last
-        for chunk in chunks_of():
+        for chunk in chunks:
             if first[0]:
                 first[0] = False
                 if waiting is not None:
                     waiting.cancel()
-                waited = time.monotonic() - t0
-                if waited > 1.0:
-                    fe.note(f"({args.model} was loaded first: {waited:.1f}s)")
             last = chunk
             piece = pick(chunk)
             if piece:
                 yield piece
 
+    pieces = texts()
     try:
-        result.text = _call(fe, fe.stream, texts(), raw=bool(getattr(args, "raw", False)), model=args.model)
+        result.text = _call(fe, fe.stream, pieces, raw=bool(getattr(args, "raw", False)), model=args.model)
+    except StreamStopped as s:
+        result.text, result.stopped = s.text, True
     finally:
         if waiting is not None:
             waiting.cancel()
+        pieces.close()
+        close = getattr(chunks, "close", None)  # (the response, unread: its connection is dropped, which the
+        if close is not None:                   # manager takes as the client gone, and stops generating)
+            close()
+    if result.stopped:
+        fe.note("(stopped)")
+        return result
     result.stats = {k: v for k, v in last.items() if k not in ("response", "message", "context")}
     result.load_seconds = (result.stats.get("load_duration") or 0) / 1e9
     result.placement = _placement(fe, args.model)
     if getattr(args, "stats", False):
-        fe.note(result.stats_line())
+        fe.note(result.stats_line())  # (it says "load 13.20s", or "already loaded")
+    elif result.loaded_now:
+        fe.note(f"({args.model} was loaded first: {result.load_seconds:.1f}s)")
     return result
 
 
@@ -689,7 +818,7 @@ def cmd_ps(args, fe: Frontend):
         devices = ", ".join(f"{d} {_mib(n)}" for d, n in (m.get("by_device") or {}).items())
         name = m.get("name") + (f" (also {', '.join(m['also_as'])})" if m.get("also_as") else "")
         rows.append([name, _mib(size), where, layers, devices, m.get("context_length") or "",
-                     _local_time(m.get("expires_at"))])
+                     _until(m.get("expires_at"))])
     if not rows:
         fe.out("no models loaded")
     else:
@@ -719,19 +848,54 @@ def cmd_log(args, fe: Frontend):
     return EXIT_OK
 
 
-def _local_time(stamp: str | None) -> str:
-    """An RFC 3339 time from the API in this machine's local time; far-future means pinned."""
+def _until(stamp: str | None, now: float | None = None) -> str:
+    """When a loaded model is unloaded (an RFC 3339 time from /api/ps), as ``ollama ps`` says
+    it: "4 minutes from now", "About a minute from now", "Forever" (pinned: more than 20 years
+    ahead), "Stopping..." (its time is past)."""
     if not stamp:
-        return ""
+        return "Never"
     from datetime import datetime
 
     try:
-        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-    except ValueError:
+        when = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except (ValueError, OverflowError, OSError):
         return stamp
-    if when.year > 2200:
-        return "forever"
-    return when.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    ahead = when - (time.time() if now is None else now)
+    if ahead < 0:
+        return "Stopping..."
+    if ahead > 20 * 365 * 86400:
+        return "Forever"
+    return f"{human_duration(ahead)} from now"
+
+
+def human_duration(seconds: float) -> str:
+    """A duration as Ollama words one (its format.humanDuration): "Less than a second",
+    "1 second", "42 seconds", "About a minute", "4 minutes", "About an hour", "5 hours",
+    "3 days", "2 weeks", "4 months", "3 years"."""
+    s = int(seconds)
+    if s < 1:
+        return "Less than a second"
+    if s == 1:
+        return "1 second"
+    if s < 60:
+        return f"{s} seconds"
+    minutes = s // 60
+    if minutes == 1:
+        return "About a minute"
+    if minutes < 60:
+        return f"{minutes} minutes"
+    hours = int(seconds / 3600 + 0.5)  # (Go's math.Round: halves away from zero)
+    if hours == 1:
+        return "About an hour"
+    if hours < 48:
+        return f"{hours} hours"
+    if hours < 24 * 7 * 2:
+        return f"{hours // 24} days"
+    if hours < 24 * 30 * 2:
+        return f"{hours // 24 // 7} weeks"
+    if hours < 24 * 365 * 2:
+        return f"{hours // 24 // 30} months"
+    return f"{hours // 24 // 365} years"
 
 
 def cmd_list(args, fe: Frontend):
@@ -1162,7 +1326,9 @@ def cmd_help(args, fe: Frontend):
     if args.topic:
         choices = parser._llama_sub.choices
         if args.topic not in choices:
-            raise CommandError(f"help: no command {args.topic!r}; commands: {', '.join(choices)}", EXIT_USAGE)
+            close = close_matches(args.topic, choices)
+            raise CommandError(f"help: no command {args.topic!r}; " + (f"did you mean {_did_you_mean(close)}?" if close
+                               else f"commands: {', '.join(choices)}"), EXIT_USAGE)
         fe.out(choices[args.topic].format_help())
     else:
         fe.out(parser.format_help())

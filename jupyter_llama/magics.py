@@ -16,7 +16,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, needs_local_scope, no_var_expand
 from traitlets import Float, Unicode, observe
 
-from .commands import EXIT_USAGE, CommandError, Frontend, RunResult, _HelpShown, build_parser, execute
+from .commands import (EXIT_USAGE, CommandError, Frontend, RunResult, StreamStopped, _HelpShown, build_parser,
+                       execute)
 
 
 
@@ -82,20 +83,27 @@ class NotebookFrontend(Frontend):
         handle = None
         last = 0.0
         interval = self.magics.update_interval
-        for piece in chunks:
-            parts.append(piece)
-            now = time.monotonic()
-            if handle is None:
-                handle = display(render("".join(parts)), display_id=True, raw=True)
-                last = now
-            elif now - last >= interval:
-                handle.update(render("".join(parts)), raw=True)
-                last = now
+        stopped = False
+        try:
+            for piece in chunks:
+                parts.append(piece)
+                now = time.monotonic()
+                if handle is None:
+                    handle = display(render("".join(parts)), display_id=True, raw=True)
+                    last = now
+                elif now - last >= interval:
+                    handle.update(render("".join(parts)), raw=True)
+                    last = now
+        except KeyboardInterrupt:  # the stop button: what came stays on the screen, whole
+            stopped = True
         text = "".join(parts)
         if handle is None:
-            display(render(text), raw=True)
+            if text or not stopped:
+                display(render(text), raw=True)
         else:
             handle.update(render(text), raw=True)
+        if stopped:
+            raise StreamStopped(text)
         return text
 
     def pull(self, source: str, name: str | None) -> dict:
@@ -151,6 +159,15 @@ class LlamaMagics(Magics):
         self._client = None
         self.last: RunResult | None = None
         self.shown: list = []  # figures and widgets the magic displayed (the latest last)
+        self._streamed: list[RunResult] = []  # results streamed into the running cell (not echoed there)
+        if shell is not None:
+            shell.events.register("post_run_cell", self._cell_done)
+
+    def _cell_done(self, result=None) -> None:
+        """After the cell (and its echo of a value): a result kept in a variable shows again."""
+        for r in self._streamed:
+            r._shown_in_cell = False
+        self._streamed.clear()
 
     @observe("url", "token")
     def _forget_client(self, change) -> None:  # `%config LlamaMagics.url = ...` takes effect at once
@@ -238,8 +255,17 @@ class LlamaMagics(Magics):
             result = execute(args, fe, body=cell if args.command in ("run", "chat") else None)
         except CommandError as e:
             raise UsageError(str(e)) from None
+        except KeyboardInterrupt:  # (a stopped answer says so itself, and returns what came: see _generate)
+            print("(stopped)")
+            return None
         if isinstance(result, RunResult):
             self.last = result
+            if not fe._prints():
+                # `r = %llama run ...` keeps it; an unassigned one is not echoed as Out[n] below
+                # the text it streamed (RunResult._ipython_display_; terminal IPython would still
+                # print an empty "Out[n]:" there, so it keeps the repr)
+                result._shown_in_cell = True
+                self._streamed.append(result)
             return result
         if result is not None and not isinstance(result, int):
             self.shown.append(result)  # a figure or widget, already displayed: keep it, don't show it twice

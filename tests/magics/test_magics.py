@@ -273,3 +273,73 @@ def test_terminal_ipython_streams_the_answer_once_and_names_what_it_cannot_show(
     assert f"plot written to {tmp_path / 'mine.png'}" in out and (tmp_path / "mine.png").stat().st_size > 0, out
     assert "`%llama panel` shows a widget, which needs a notebook" in out + done.stderr, out + done.stderr
     assert "RunningPanel(" not in out
+
+
+def test_an_unassigned_run_is_not_echoed_and_an_assigned_one_is_kept(shell, registered):
+    """Every unassigned `%llama run` echoed `Out[n]: <RunResult ...>` under its answer; `r =
+    %llama run ...` (the README's way) still gives the result, which a later cell shows."""
+    pub = shell.display_pub
+    pub.published.clear()
+    out = shell.run_cell(f"%llama run {registered} Hello --num-predict 3", store_history=True)
+    assert out.success and isinstance(out.result, RunResult) and shell.user_ns["_"] is out.result
+    assert pub.published and all(p["transient"].get("display_id") for p in pub.published)  # (the answer's only)
+    assert not any("RunResult" in p["data"].get("text/plain", "") for p in pub.published)
+    assert shell.run_cell(f"r = %llama run {registered} Hello --num-predict 3", store_history=True).success
+    pub.published.clear()
+    shell.run_cell("r", store_history=True)
+    assert [p["data"]["text/plain"] for p in pub.published] == [repr(shell.user_ns["r"])]
+    assert repr(shell.user_ns["r"]).startswith(f"<RunResult {registered}: 3 tokens")
+
+
+def test_the_stop_button_keeps_the_text_and_says_stopped(shell, capsys):
+    """The stop button (SIGINT to the kernel) printed a 159-line httpcore traceback: now the
+    answer so far stays, one line says "(stopped)", `r` holds the text, and the manager,
+    its connection closed, lets the model go."""
+    import signal
+    import threading
+    import time
+
+    shell.run_line_magic("llama", "synth magic-slow --layers 8 --embd 512 --vocab 32000 --ctx 8192 --type q8_0")
+    shell.run_line_magic("llama", "load magic-slow --num-ctx 4096")
+    magics = shell.magics_manager.registry["LlamaMagics"]
+    pub = shell.display_pub
+    pub.published.clear()
+    capsys.readouterr()
+    running = [True]
+
+    def interrupt(signum, frame):  # (only while the cell runs: a late one must not stop the test session)
+        if running[0]:
+            raise KeyboardInterrupt
+
+    def stop_button():
+        deadline = time.monotonic() + 120
+        while not pub.published and time.monotonic() < deadline:
+            time.sleep(0.01)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    old = signal.signal(signal.SIGINT, interrupt)
+    pusher = threading.Thread(target=stop_button, daemon=True)
+    try:
+        pusher.start()
+        out = shell.run_cell("r = %llama run magic-slow 'Once upon a time' --num-ctx 4096 --num-predict 3000 "
+                             "--temperature 0", store_history=True)
+    finally:
+        running[0] = False
+        pusher.join(timeout=130)
+        signal.signal(signal.SIGINT, old)
+    try:
+        r = shell.user_ns.get("r")
+        assert out.success, out.error_in_exec
+        assert isinstance(r, RunResult) and r.stopped and r.text, r
+        assert pub.published[-1]["data"]["text/plain"] == r.text  # the whole text so far, on the screen
+        printed = capsys.readouterr()
+        assert printed.out.endswith("(stopped)\n") and "Traceback" not in printed.out + printed.err, printed
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            m = next(m for m in magics.client().ps()["models"] if m["name"] == "magic-slow:latest")
+            if not m["refcount"]:
+                break
+            time.sleep(0.2)
+        assert m["refcount"] == 0, m  # (3000 tokens would take far longer)
+    finally:
+        shell.run_line_magic("llama", "rm magic-slow")
