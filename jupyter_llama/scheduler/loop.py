@@ -31,21 +31,21 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 
-from . import config
-from .config import ConfigError, format_duration, parse_duration, shown
-from .errors import BadRequest, DoesNotFit, LoadFailed, ModelNotFound, PinnedInTheWay, SchedulerError, ServerBusy
-from .load_options import LoadOptions
-from .engine.runner import EngineError, LoadError, Runner
-from .memory import devices as devmod
-from .memory import peers as peermod
-from .memory import rpc
-from .memory.estimate import estimate_coarse, estimate_detailed, estimate_layer_counts, fit_layers, within_training
-from .memory.report import (ACTUAL, COARSE, COMPUTE, DETAILED, HOST, KV, OTHER, WEIGHTS, MemoryReport, MiB,
+from .. import config
+from ..config import ConfigError, format_duration, parse_duration, shown
+from ..errors import BadRequest, DoesNotFit, LoadFailed, ModelNotFound, PinnedInTheWay, SchedulerError, ServerBusy
+from ..load_options import LoadOptions
+from ..engine.runner import EngineError, LoadError, Runner
+from ..memory import devices as devmod
+from ..memory import peers as peermod
+from ..memory import rpc
+from ..memory.estimate import estimate_coarse, estimate_detailed, estimate_layer_counts, fit_layers, within_training
+from ..memory.report import (ACTUAL, COARSE, COMPUTE, DETAILED, HOST, KV, OTHER, WEIGHTS, MemoryReport, MiB,
                             format_bytes, format_pct, is_gpu)
-from .models.gguf_info import GGUFError, read_gguf_info
-from .models.names import same_model
-from .models.ref import ModelRef
-from .procs import exit_words
+from ..models.gguf_info import GGUFError, read_gguf_info
+from ..models.names import same_model
+from ..models.ref import ModelRef
+from ..procs import exit_words
 
 Resolver = Callable[[str], Awaitable[ModelRef]]
 
@@ -707,7 +707,7 @@ class Scheduler:
         is None: a load with other options allocated something else. ``loaded`` names the
         loaded model either way, with its options.
         """
-        from .memory import estimate as est
+        from ..memory import estimate as est
 
         ref = await self.resolver(name)
         opts = self.effective_options(options or LoadOptions(), ref)
