@@ -1,4 +1,4 @@
-"""The scheduler: one place that decides what is loaded, whether it fits, what to evict.
+"""The scheduler's loop: one place that acts on what is loaded, what fits and what to evict.
 
 It follows Ollama's rules (REFERENCE section 5) and goes past them where its users asked:
 
@@ -14,7 +14,11 @@ It follows Ollama's rules (REFERENCE section 5) and goes past them where its use
 * Every decision is an :class:`Event` with its numbers, kept in a bounded history that
   callers can subscribe to (``%llama explain`` and the lab panel read it).
 
-No HTTP and no Jupyter here: the server, the magics and the tests drive it directly.
+The decisions themselves (the fit plan, the room under budgets, placement, the eviction
+order and the words of each verdict) are :mod:`.policy`'s pure functions over a snapshot
+of this loop's state; the loop owns the leases, the load lock, keep-alive timers, OOM
+retries and the runners. No HTTP and no Jupyter here: the server, the magics and the tests
+drive it directly.
 """
 
 from __future__ import annotations
@@ -24,14 +28,10 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import enum
-import math
 import os
 import time
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
-from .. import config
 from ..config import ConfigError, format_duration, parse_duration, shown
 from ..errors import BadRequest, DoesNotFit, LoadFailed, ModelNotFound, PinnedInTheWay, SchedulerError, ServerBusy
 from ..load_options import LoadOptions
@@ -39,41 +39,18 @@ from ..engine.runner import EngineError, LoadError, Runner
 from ..memory import devices as devmod
 from ..memory import peers as peermod
 from ..memory import rpc
-from ..memory.estimate import estimate_coarse, estimate_detailed, estimate_layer_counts, fit_layers, within_training
-from ..memory.report import (ACTUAL, COARSE, COMPUTE, DETAILED, HOST, KV, OTHER, WEIGHTS, MemoryReport, MiB,
-                            format_bytes, format_pct, is_gpu)
+from ..memory.estimate import estimate_coarse, estimate_detailed, within_training
+from ..memory.report import COARSE, DETAILED, HOST, MemoryReport, format_bytes, format_pct, is_gpu
 from ..models.gguf_info import GGUFError, read_gguf_info
 from ..models.names import same_model
 from ..models.ref import ModelRef
 from ..procs import exit_words
+from . import policy
+from .policy import FitPlan, budget_room
+from .settings import SchedulerSettings
+from .state import EventKind, EventLog, Lease, Loaded, LoadedSnapshot, ModelState
 
 Resolver = Callable[[str], Awaitable[ModelRef]]
-
-
-class ModelState(enum.StrEnum):
-    """Where a loaded model is in its life (``Loaded.state``; ``ps`` shows it)."""
-
-    LOADING = "loading"
-    READY = "ready"
-    UNLOADING = "unloading"
-    GONE = "gone"  # its runner is stopped; about to leave ``Scheduler.loaded``
-
-
-class EventKind(enum.StrEnum):
-    """What a scheduler decision was about (``Event.kind``, ``GET /llama/api/events``)."""
-
-    FIT = "fit"
-    LOAD = "load"
-    LOADED = "loaded"
-    RELOAD = "reload"
-    EVICT = "evict"
-    UNLOAD = "unload"
-    EXPIRE = "expire"
-    OOM_RETRY = "oom_retry"
-    CRASH = "crash"
-    ERROR = "error"
-    BUSY = "busy"
-    RECOVER = "recover"
 
 
 class FileResolver:
@@ -104,281 +81,9 @@ class FileResolver:
         return ref
 
 
-# ----------------------------------------------------------------------------- events
-
-
-@dataclass
-class Event:
-    """One scheduling decision, with the numbers behind it."""
-
-    seq: int
-    time: float  # epoch seconds
-    kind: EventKind
-    model: str | None
-    message: str
-    data: dict = field(default_factory=dict)
-
-    def concerns(self, model: str | None) -> bool:
-        """Whether this event is about ``model`` (any name for it: ``m`` is ``m:latest``); None: any."""
-        return model is None or same_model(self.model, model)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-class EventLog:
-    """A bounded history of events with live subscribers."""
-
-    def __init__(self, maxlen: int = 1000):
-        self.history: collections.deque[Event] = collections.deque(maxlen=maxlen)
-        self._seq = 0
-        self._subscribers: set[asyncio.Queue] = set()
-
-    def emit(self, kind: EventKind, model: str | None, message: str, **data) -> Event:
-        self._seq += 1
-        ev = Event(self._seq, time.time(), kind, model, message, data)
-        self.history.append(ev)
-        for q in list(self._subscribers):
-            if q.full():  # a slow subscriber loses its oldest events, never blocks us
-                q.get_nowait()
-            q.put_nowait(ev)
-        return ev
-
-    def recent(self, model: str | None = None, limit: int = 50, since: int = 0) -> list[Event]:
-        out = [e for e in self.history if e.seq > since and e.concerns(model)]
-        return out[-limit:]
-
-    def listen(self, maxsize: int = 1000) -> "Subscription":
-        """Start receiving events now (registered before this returns, so nothing is missed)."""
-        return Subscription(self, maxsize)
-
-class Subscription:
-    """A live feed of events; use as a context manager, ``await get()`` each one."""
-
-    def __init__(self, log: EventLog, maxsize: int):
-        self._log = log
-        self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize)
-        log._subscribers.add(self.queue)
-
-    async def get(self) -> Event:
-        return await self.queue.get()
-
-    def close(self) -> None:
-        self._log._subscribers.discard(self.queue)
-
-    def __enter__(self) -> "Subscription":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-# ----------------------------------------------------------------------------- settings
-
-
-@dataclass
-class SchedulerSettings:
-    binary: str = ""
-    keep_alive: float = 300.0  # seconds; inf = forever
-    max_loaded_models: int = 0  # 0 = 3 x max(GPUs, 1)
-    max_queue: int = 512
-    load_timeout: float = 300.0
-    fit_estimator: str = "detailed"  # or "coarse"
-    safety_margin: float = 0.10  # added to the detailed estimate when fitting
-    evict_pinned: bool = False
-    num_parallel: int | None = None  # default slots per runner (None: llama-server's auto)
-    budgets: devmod.Budgets = field(default_factory=devmod.Budgets)
-    recovery_timeout: float = 5.0  # after an unload, wait up to this for GPU memory to come back
-    recovery_poll: float = 0.25
-    rpc_workers: tuple[str, ...] = ()  # llama.cpp RPC workers (HOST:PORT), each a device
-    worker_timeout: float = 2.0  # a probe of a worker gives up after this (never a hang)
-    peers_dir: str = ""  # where this user's managers publish what they hold (memory.peers); "" = alone
-    manager_url: str = ""  # this manager's API root, for the others' messages
-
-    # The settings a person sets (an environment variable each, or a LlamaExtension trait).
-    SETTABLE = ("keep_alive", "max_loaded_models", "max_queue", "load_timeout", "fit_estimator", "evict_pinned",
-                "num_parallel", "memory_limit", "gpu_overhead", "rpc_workers")
-
-    @classmethod
-    def from_values(cls, values: Mapping[str, object], label: Callable[[str], str], **overrides) -> "SchedulerSettings":
-        """Settings from ``values`` (keys from :attr:`SETTABLE`; strings are parsed, typed values
-        taken as they are, None or "" leave the default). ``label(key)`` names the setting in
-        error messages (``JUPYTER_LLAMA_KEEP_ALIVE``, ``LlamaExtension.keep_alive``)."""
-        unknown = set(values) - set(cls.SETTABLE)
-        if unknown:
-            raise ConfigError(f"unknown scheduler settings: {', '.join(sorted(unknown))}")
-        given = {k: v for k, v in values.items() if v is not None and v != ""}
-        s = cls()
-        if "keep_alive" in given:
-            s.keep_alive = parse_duration(given["keep_alive"], label("keep_alive"))
-        if "load_timeout" in given:
-            s.load_timeout = parse_duration(given["load_timeout"], label("load_timeout"))
-        for key in ("max_loaded_models", "max_queue"):
-            if key in given:
-                setattr(s, key, config.parse_int(given[key], label(key)))
-        if "num_parallel" in given:  # 0 means automatic, as unset does
-            s.num_parallel = config.parse_int(given["num_parallel"], label("num_parallel")) or None
-        if "fit_estimator" in given:
-            s.fit_estimator = str(given["fit_estimator"]).strip()
-        if "evict_pinned" in given:
-            s.evict_pinned = config.parse_bool(given["evict_pinned"], label("evict_pinned"))
-        s.budgets = devmod.budgets_from(given.get("memory_limit"), given.get("gpu_overhead"),
-                                        label("memory_limit"), label("gpu_overhead"))
-        s.rpc_workers = rpc.parse_workers(given.get("rpc_workers"), label("rpc_workers"))
-        for k, v in overrides.items():
-            setattr(s, k, v)
-        s.validate(label)
-        return s
-
-    @classmethod
-    def from_env(cls, environ=None, **overrides) -> "SchedulerSettings":
-        environ = os.environ if environ is None else environ
-        values = {k: environ.get(config.ENV_PREFIX + k.upper()) for k in cls.SETTABLE}  # JUPYTER_LLAMA_KEEP_ALIVE, ...
-        return cls.from_values(values, lambda k: config.ENV_PREFIX + k.upper(), **overrides)
-
-    def validate(self, label: Callable[[str], str] = lambda k: config.ENV_PREFIX + k.upper()) -> None:
-        if self.fit_estimator not in (COARSE, DETAILED):
-            raise ConfigError(f"{label('fit_estimator')} must be 'coarse' or 'detailed', got {self.fit_estimator!r}")
-        if self.max_queue < 1:
-            raise ConfigError(f"{label('max_queue')} must be at least 1, got {self.max_queue}")
-        if self.max_loaded_models < 0:
-            raise ConfigError(f"{label('max_loaded_models')} must be 0 (automatic) or more, "
-                              f"got {self.max_loaded_models}")
-        # (each of these was taken, and every load or request then failed in words that blamed it)
-        if self.num_parallel is not None and not 0 <= self.num_parallel <= 256:  # (0: automatic, as None)
-            raise ConfigError(f"{label('num_parallel')} must be 0 (automatic) or 1 to 256 request slots per model, "
-                              f"got {self.num_parallel}")
-        if not self.load_timeout > 0:
-            raise ConfigError(f"{label('load_timeout')} must be a duration above 0 (how long a loading model may "
-                              f"stay silent; -1 for never), got {self.load_timeout:g}s")
-
-
-# ----------------------------------------------------------------------------- loaded runners
-
-# Load options the scheduler fills in from the devices it places a model on; a request never
-# asks for them, so they never force a reload.
-PLACEMENT_FIELDS = ("fit_target_mib", "rpc")
-
 # How long a worker's answer after our runner let it go stands for it (see Scheduler.inventory):
 # long enough for the load that evicted the runner to be planned, not for a later one.
 FREED_FRESH_S = 1.0
-
-
-@dataclass
-class Loaded:
-    """A model with a runner (loading, ready or unloading), as ``ps`` shows it."""
-
-    ref: ModelRef
-    options: LoadOptions
-    keep_alive: float
-    predictions: dict[str, MemoryReport]
-    fit_source: str
-    runner: Runner | None = None
-    state: ModelState = ModelState.LOADING  # loading -> ready -> unloading -> gone
-    refcount: int = 0
-    loaded_at: float | None = None
-    expires_at: float | None = None  # epoch seconds; None while busy or pinned
-    unload_when_idle: str | None = None  # a reason, when an unload waits for requests to finish
-    ready: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-    gone: asyncio.Event = field(default_factory=asyncio.Event)
-    timer: asyncio.TimerHandle | None = None
-    last_used: float = field(default_factory=time.monotonic)
-    load_duration: float = 0.0
-    also_as: set[str] = field(default_factory=set)  # other names of the same file it has served
-
-    @property
-    def name(self) -> str:
-        return self.ref.name
-
-    @property
-    def pinned(self) -> bool:
-        return math.isinf(self.keep_alive)
-
-    @property
-    def actual(self) -> MemoryReport | None:
-        if self.runner is None or self.state not in (ModelState.READY, ModelState.UNLOADING):
-            return None
-        rep = self.runner.memory()
-        return rep if rep.total() > 0 else None
-
-    @property
-    def charge(self) -> MemoryReport:
-        """What this runner counts against budgets: actual once known, else the prediction."""
-        return self.actual or self.predictions[self.fit_source]
-
-    def matches(self, requested: LoadOptions) -> list[str]:
-        """Options that differ from what the request asks; automatic (None) values match anything."""
-        diffs = []
-        for f in dataclasses.fields(LoadOptions):
-            if f.name in PLACEMENT_FIELDS:  # set by the scheduler, not the caller
-                continue
-            want = getattr(requested, f.name)
-            if want is None:
-                continue
-            if f.name == "embedding" and not want and self.options.embedding:
-                # A child started with --embeddings also completes (b11434 turns embeddings on
-                # per batch), so generate after embed needs no reload: no ping-pong between them.
-                continue
-            if want != getattr(self.options, f.name):
-                diffs.append(f.name)
-        return diffs
-
-    def log(self, lines: int = 200, match: str | None = None) -> dict:
-        """The child's last ``lines`` log lines (those containing ``match``, if given)."""
-        runner = self.runner
-        kept = list(runner.parser.lines) if runner else []
-        if match:
-            kept = [ln for ln in kept if match in ln]
-        return {"model": self.name, "pid": runner.pid if runner else None, "state": self.state,
-                "argv": list(runner.argv) if runner and runner.argv else [],
-                "lines": kept[-lines:] if lines > 0 else [],
-                "lines_seen": runner.parser.n_lines if runner else 0}
-
-    def info(self) -> dict:
-        actual = self.actual
-        charge = self.charge
-        return {
-            "name": self.name, "also_as": sorted(self.also_as), "path": self.ref.path, "digest": self.ref.digest,
-            "state": self.state,
-            "options": self.options.to_dict(), "keep_alive": None if self.pinned else self.keep_alive,
-            "pinned": self.pinned, "refcount": self.refcount, "expires_at": self.expires_at,
-            "pid": self.runner.pid if self.runner else None,
-            "load_duration": self.load_duration,
-            "context_length": (actual.n_ctx if actual and actual.n_ctx else self.options.total_ctx),
-            "layers_offloaded": actual.layers_offloaded if actual else None,
-            "layers_total": actual.layers_total if actual else None,
-            "size": charge.total(), "size_vram": charge.gpu_total,
-            "by_device": charge.by_device(), "workers": list(self.options.rpc or ()),
-            "memory": {k: v.to_dict() for k, v in self.predictions.items()} | (
-                {ACTUAL: actual.to_dict()} if actual else {}),
-        }
-
-
-class Lease:
-    """A request's hold on a ready runner. Release it (or use ``async with``) when done."""
-
-    def __init__(self, scheduler: "Scheduler", loaded: Loaded, load_duration: float):
-        self._scheduler = scheduler
-        self.loaded = loaded
-        self.runner: Runner = loaded.runner  # type: ignore[assignment]
-        self.load_duration = load_duration
-        self._released = False
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._scheduler._release(self.loaded)
-
-    async def __aenter__(self) -> "Lease":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.release()
-
-
-# ----------------------------------------------------------------------------- the scheduler
-
 
 Predictor = Callable[..., dict[str, MemoryReport]]
 
@@ -389,106 +94,6 @@ def default_predictor(ref: ModelRef, options: LoadOptions, gpus: list[str],
     ``split`` is the share of offloaded layers per accelerator (see ``layer_devices``)."""
     return {COARSE: estimate_coarse(ref.info, options, gpus),
             DETAILED: estimate_detailed(ref.info, options, gpus, split)}
-
-
-def budget_room(device: devmod.DeviceState, used: dict[str, int], held: dict[str, int] | None) -> int | None:
-    """Bytes of ``device``'s budget still open to this manager (None: the device has no
-    budget; below 0: it is over by that much): the budget is the user's, so what the user's
-    other managers hold there (``held``) comes off it, as well as what this manager's runners
-    use (``used``). The planner leaves the rest of the device free, the fit check measures
-    the need against it, and once a load's real size is known the budget is enforced by it."""
-    if device.budget is None:
-        return None
-    return device.budget - (held or {}).get(device.id, 0) - used.get(device.id, 0)
-
-
-def _sentence(text: str) -> str:
-    return text[:1].upper() + text[1:]
-
-
-def _what_to_shrink(report: MemoryReport | None, device: str, estimator: str, offload: bool = True) -> str:
-    """Advice for a load over its budget, from the largest part of what it needs there;
-    ``offload``: there are devices (GPUs, RPC workers) that layers could go to instead of the host."""
-    parts = {c: report.total(device=device, component=c) for c in (WEIGHTS, KV, COMPUTE, OTHER)} if report else {}
-    if not parts or not any(parts.values()):
-        return "load it with a smaller context (num_ctx) or a smaller quantisation"
-    part, size = max(parts.items(), key=lambda kv: kv[1])
-    share = f"{format_bytes(size)} of it is"
-    if part == OTHER and estimator == COARSE:
-        return (f"{share} the coarse estimate's allowance for large batches (Ollama's, for a batch of 1024 tokens or "
-                "more; llama-server's default is 2048): load it with num_batch 512, which drops the allowance, or "
-                "let the detailed estimate decide (JUPYTER_LLAMA_FIT_ESTIMATOR=detailed)")
-    if part == COMPUTE:
-        return f"{share} the compute buffer: load it with a smaller batch (num_batch, num_ubatch)"
-    if part == KV:
-        return (f"{share} the K/V cache: load it with a smaller context (num_ctx), fewer parallel requests "
-                "(num_parallel) or a quantised cache (cache_type_k/cache_type_v q8_0)")
-    if device == HOST:
-        return f"{share} the weights: use a smaller quantisation of the model" + (
-            ", or put more layers on devices (num_gpu)" if offload else ", or a smaller model")
-    return f"{share} the weights: use a smaller quantisation of the model, or put fewer layers here (num_gpu)"
-
-
-@dataclass
-class FitPlan:
-    """Whether a model fits now, the one computation behind every verdict (the scheduler's
-    own decision, ``/api/estimate``, the picker, the panel and ``%llama estimate``).
-
-    ``devices`` maps each device the prediction uses to ``need`` (the deciding estimate, with
-    its margin), ``available`` (what may still be planned with there: free memory less GPU
-    overhead, capped by the budget less what loaded models use), ``in_use``, ``budget``,
-    ``checked`` (whether the verdict looks at it: with automatic placement llama.cpp's --fit
-    keeps each accelerator within the room it was given, so only the host is checked) and
-    ``fits``. ``verdict`` is ``fits``, ``evict`` (``evict`` names the models a load now would
-    unload, in order), ``first`` (it may not fit but nothing else is loaded, so it gets to
-    try), ``over_budget`` (alone it needs more than a budget: refused), ``peers`` (it fits the
-    budget alone, but this user's other managers hold the rest of it: refused, naming them;
-    ``peers`` lists them) or ``refuse`` (nothing that may be evicted would make room).
-    """
-
-    model: str
-    fit_source: str  # the prediction that decides (the configured estimator, else coarse)
-    estimator: str  # what it is called with its margin: "detailed+10%"
-    devices: dict[str, dict]
-    cap: int
-    others: int
-    verdict: str
-    evict: list[str] = field(default_factory=list)
-    workers: list[str] = field(default_factory=list)
-    peers: list[str] = field(default_factory=list)  # other managers of this user holding budgeted memory
-
-    @property
-    def fits(self) -> bool:
-        return self.verdict == "fits"
-
-    @property
-    def short(self) -> dict[str, int]:
-        """Bytes missing per checked device."""
-        return {d: n["need"] - n["available"] for d, n in self.devices.items() if n["checked"] and not n["fits"]}
-
-    @property
-    def over_cap(self) -> bool:
-        return self.others >= self.cap
-
-    @property
-    def verdict_words(self) -> str:
-        """The verdict as every front end says it."""
-        return {"fits": "fits", "evict": "fits after evicting " + ", ".join(self.evict),
-                "first": "may not fit, but nothing else is loaded, so it gets to try",
-                "over_budget": "does not fit: over the budget",
-                "peers": "does not fit: your other jupyter-llama managers hold the rest of the budget",
-                "refuse": "does not fit, and evicting would not make room"}[self.verdict]
-
-    def words(self, only: Iterable[str] | None = None) -> str:
-        keep = set(only) if only is not None else None
-        return _fit_words({d: n for d, n in self.devices.items() if keep is None or d in keep}, self.estimator)
-
-    def to_dict(self) -> dict:
-        return {"model": self.model, "estimator": self.estimator, "verdict": self.verdict, "fits": self.fits,
-                "verdict_words": self.verdict_words,
-                "devices": self.devices, "cap": self.cap, "loaded": self.others, "over_cap": self.over_cap,
-                "evict": list(self.evict), "workers": list(self.workers), "peers": list(self.peers),
-                "text": self.words()}
 
 
 class Scheduler:
@@ -535,8 +140,8 @@ class Scheduler:
 
     def max_loaded(self, n_gpus: int) -> int:
         """The loaded-model cap: the setting, else 3 per accelerator (GPUs and RPC worker
-        devices alike), at least 3."""
-        return self.settings.max_loaded_models or 3 * max(n_gpus, 1)
+        devices alike), at least 3 (:func:`.policy.max_loaded`)."""
+        return policy.max_loaded(self.settings, n_gpus)
 
     async def acquire(self, name: str, options: LoadOptions | None = None, keep_alive=None) -> Lease:
         """Get a ready runner for ``name`` under ``options``, loading (and evicting) as needed."""
@@ -922,37 +527,14 @@ class Scheduler:
         device our runners hold, :meth:`usage` taken on the event loop; ``held``: what the
         user's other managers hold, :func:`.memory.peers.usage`; this runs in a thread).
 
-        The accelerators are the local GPUs and the RPC workers no runner holds. With
-        automatic placement (``num_gpu`` unset) the room under each device's budget becomes
-        llama.cpp's ``--fit-target`` for it, and the predictions describe the layers
-        :func:`fit_layers` expects llama.cpp to put there; a worker expected to get no layer
-        is left out of ``--rpc``, free for another model. With ``num_gpu N`` llama.cpp splits
-        the N layers by free memory, and so do the predictions. ``num_gpu 0`` uses no device.
+        The placement is :func:`.policy.placement` (the accelerators, llama.cpp's
+        ``--fit-target`` from the room under each budget, the split of the layers); the
+        predictions are the predictor's for it.
         """
-        accel = [] if options.num_gpu == 0 else inv.accelerators()
-        split: list[float] | None = None
-        margins: tuple[int, ...] | None = None
-        if accel and options.gpu_automatic:
-            keeps = []
-            for d in accel:
-                keep = max(1024 * MiB, d.overhead)
-                room = budget_room(d, used, held)
-                if room is not None:  # leave free everything beyond what is left of the budget here
-                    keep = max(keep, d.free - max(0, room))
-                keeps.append(keep)
-            weights = fit_layers(ref.info, options, [(d.id, max(0, d.free - k)) for d, k in zip(accel, keeps)],
-                                 free=[d.free for d in accel])
-            layers = estimate_layer_counts(ref.info, options, [d.id for d in accel], weights)
-            kept = [i for i, d in enumerate(accel) if d.kind != "rpc" or layers[i] > 0]
-            accel = [accel[i] for i in kept]
-            split = [weights[i] for i in kept]
-            margins = tuple(int(keeps[i] // MiB) for i in kept)
-        elif accel:
-            split = [float(max(d.free, 1)) for d in accel]
-        workers = tuple(dict.fromkeys(rpc.split_id(d.id)[0] for d in accel if d.kind == "rpc"))
-        options = options.replace(rpc=workers or None, fit_target_mib=margins if accel else None)
-        preds = self.predictor(ref, options, [d.id for d in accel], split if accel else None)
-        return options, preds
+        where = policy.placement(ref.info, options, inv, used, held)
+        preds = self.predictor(ref, where.options, list(where.devices),
+                               list(where.split) if where.split is not None else None)
+        return where.options, preds
 
     def usage(self) -> dict[str, int]:
         """Bytes per device charged to the loaded runners (actual when known, else predicted)."""
@@ -967,16 +549,9 @@ class Scheduler:
     def available(self, inv: devmod.Inventory, used: dict[str, int],
                   peers: dict[str, int] | None = None,
                   returned: dict[str, int] | None = None) -> dict[str, tuple[int, int | None]]:
-        """Per device: (bytes we may still plan with, the budget if one is set). A budget is
-        the user's: what their other managers hold (``peers``) counts against it too; free
-        memory, read live, already has their models taken out. ``returned``: bytes that runners
-        a dry run of evictions stops would give back to each device's free memory."""
-        out = {}
-        for d in inv.devices():
-            free = d.free + (returned or {}).get(d.id, 0) - (d.overhead if is_gpu(d.id) else 0)
-            room = budget_room(d, used, peers)
-            out[d.id] = (max(0, min(free, d.total - used.get(d.id, 0) if room is None else room)), d.budget)
-        return out
+        """Per device: (bytes we may still plan with, the budget if one is set); see
+        :func:`.policy.available`."""
+        return policy.available(inv, used, peers, returned)
 
     def peer_holdings(self) -> list[peermod.Peer]:
         """This user's other live managers and what their models hold (none without peers_dir)."""
@@ -1009,10 +584,7 @@ class Scheduler:
         return self._board.submit(fn, *args)
 
     def _need(self, preds: dict[str, MemoryReport], fit_source: str) -> MemoryReport:
-        rep = preds[fit_source]
-        if fit_source == DETAILED and self.settings.safety_margin:
-            return rep.scaled(1 + self.settings.safety_margin, source=f"{DETAILED}+{self.settings.safety_margin:.0%}")
-        return rep
+        return policy.need(preds, fit_source, self.settings.safety_margin)
 
     async def _load(self, ref: ModelRef, options: LoadOptions, keep_alive: float | None) -> Loaded:
         """Called with the lock held: make room, start the runner, retry on OOM as Ollama does."""
@@ -1143,66 +715,24 @@ class Scheduler:
             return "mmproj"
         return None
 
+    def snapshot(self) -> list[LoadedSnapshot]:
+        """The loaded models as the policy decides over them, now."""
+        return [lo.snapshot() for lo in self.loaded.values()]
+
     def fit(self, ref: ModelRef, placed: LoadOptions, preds: dict[str, MemoryReport], inv: devmod.Inventory,
             used: dict[str, int], peers: list[peermod.Peer] | None = None) -> FitPlan:
         """The :class:`FitPlan` for loading ``ref`` as ``placed`` with ``preds``, given the
-        devices and what loaded models use (this model's own runner not counted). Pure: it
-        decides nothing and unloads nothing; the eviction it names is a dry run of the rule."""
-        fit_source = self.settings.fit_estimator if self.settings.fit_estimator in preds else COARSE
-        need = self._need(preds, fit_source)
-        cap = self.max_loaded(len(inv.accelerators(include_unusable=True)))
-        others = [lo for lo in self.loaded.values() if lo.state in (ModelState.READY, ModelState.LOADING) and lo.ref.key != ref.key]
-        checked = {HOST} if placed.fit_target_mib is not None else set(need.devices)
-
-        held = peermod.usage(peers or [])
-
-        def numbers(usage: dict[str, int], returned: dict[str, int] | None = None) -> dict[str, dict]:
-            avail = self.available(inv, usage, held, returned)
-            out = {}
-            for d in need.devices:
-                n, a = need.total(device=d), avail.get(d, (0, None))
-                out[d] = {"need": n, "available": a[0], "in_use": usage.get(d, 0), "budget": a[1],
-                          "checked": d in checked, "fits": d not in checked or n <= a[0]}
-            return out
-
-        devices = numbers(used)
-        plan = FitPlan(ref.name, fit_source, need.source, devices, cap, len(others), "fits",
-                       workers=list(placed.rpc or ()))
-        if not plan.short and not plan.over_cap:
-            return plan
-        if not others:
-            over = any(n["checked"] and n["budget"] is not None and n["need"] > n["budget"] for n in devices.values())
-            taken = [d for d in plan.short if devices[d]["budget"] is not None and held.get(d)]
-            plan.verdict = "over_budget" if over else "peers" if taken else "first"
-            plan.peers = [p.describe(taken[0]) for p in peers or [] if taken and p.by_device().get(taken[0])]
-            return plan
-        # A dry run of the eviction rule: who would go, in order, until the model fits.
-        # Each victim's bytes leave what loaded models use and come back to free memory.
-        usage, returned, count = dict(used), collections.Counter(), len(others)
-        for victim in self._eviction_order(ref):
-            plan.evict.append(victim.name)
-            for d, n in victim.charge.by_device().items():
-                usage[d] = max(0, usage.get(d, 0) - n)
-                if not rpc.is_rpc(d):  # (a held worker is already counted as it was before it was taken)
-                    returned[d] += n
-            count -= 1
-            trial = numbers(usage, returned)
-            if all(n["fits"] for n in trial.values()) and count < cap:
-                plan.verdict = "evict"
-                return plan
-        plan.verdict = "refuse"
-        return plan
+        devices and what loaded models use (this model's own runner not counted): the pure
+        :func:`.policy.fit_plan` over a snapshot of the loaded models. It decides nothing and
+        unloads nothing; the eviction it names is a dry run of the rule."""
+        return policy.fit_plan(ref.name, ref.key, placed, preds, inv, used, self.snapshot(), self.settings, peers)
 
     def _eviction_order(self, ref: ModelRef) -> list[Loaded]:
-        """Who an eviction for ``ref`` takes, in order: shortest keep_alive first (ties by model
-        path), idle before busy; pinned ones last, and only with ``evict_pinned``."""
-        candidates = [lo for lo in self.loaded.values() if lo.state == ModelState.READY and lo.ref.key != ref.key]
-        unpinned = sorted((lo for lo in candidates if not lo.pinned), key=lambda lo: (lo.keep_alive, lo.ref.path))
-        pinned = sorted((lo for lo in candidates if lo.pinned), key=lambda lo: lo.ref.path)
-        order: list[Loaded] = []
-        for group in (unpinned, pinned if self.settings.evict_pinned else []):
-            order += [lo for lo in group if lo.refcount == 0] + [lo for lo in group if lo.refcount > 0]
-        return order
+        """Who an eviction for ``ref`` takes, in order (:func:`.policy.eviction_order`:
+        shortest keep_alive first, ties by model path, idle before busy; pinned ones last,
+        and only with ``evict_pinned``)."""
+        order = policy.eviction_order(self.snapshot(), ref.key, self.settings.evict_pinned)
+        return [self.loaded[s.key] for s in order]
 
     async def _make_room(self, ref: ModelRef, options: LoadOptions) -> tuple[LoadOptions, dict[str, MemoryReport], str]:
         """Evict until the load fits (or refuse); returns the placed options, the predictions
@@ -1225,24 +755,10 @@ class Scheduler:
                                  devices=numbers, workers=plan.workers,
                                  predicted={k: v.total() for k, v in preds.items()})
                 return placed, preds, fit_source
-            if plan.verdict == "over_budget":
-                d, n = next((d, n) for d, n in plan.devices.items()
-                            if n["checked"] and n["budget"] is not None and n["need"] > n["budget"])
-                msg = (f"{ref.name} needs {format_bytes(n['need'])} on {d} ({plan.estimator} estimate) but the budget "
-                       f"there is {format_bytes(n['budget'])}; "
-                       f"{_what_to_shrink(preds.get(fit_source), d, plan.estimator, bool(inv.accelerators()))}"
-                       ", or raise JUPYTER_LLAMA_MEMORY_LIMIT")
-                self.events.emit(EventKind.FIT, ref.name, "does not fit: " + msg, fits=False, devices=numbers)
-                raise DoesNotFit(msg)
-            if plan.verdict == "peers":
-                d, n = next(iter(plan.short.items()))
-                msg = (f"{ref.name} needs {format_bytes(plan.devices[d]['need'])} on {d} ({plan.estimator} estimate); "
-                       f"the budget there is {format_bytes(plan.devices[d]['budget'])}, and your other jupyter-llama "
-                       f"managers hold {format_bytes(peermod.usage(peers).get(d, 0))} of it ("
-                       + "; ".join(plan.peers) + "). Unload models there (their `stop`, or keep_alive 0), "
-                       "or raise JUPYTER_LLAMA_MEMORY_LIMIT")
+            if plan.verdict in ("over_budget", "peers"):
+                msg = policy.refusal(plan, preds.get(fit_source), bool(inv.accelerators()), peermod.usage(peers))
                 self.events.emit(EventKind.FIT, ref.name, "does not fit: " + msg, fits=False, devices=numbers,
-                                 peers=plan.peers)
+                                 **({"peers": plan.peers} if plan.verdict == "peers" else {}))
                 raise DoesNotFit(msg)
             if plan.verdict == "first":
                 self.events.emit(EventKind.FIT, ref.name, "may not fit (" + plan.words() + "), but no other model is "
@@ -1250,18 +766,13 @@ class Scheduler:
                                  workers=plan.workers)
                 return placed, preds, fit_source
             short = plan.short
-            reason = (f"the loaded-model cap ({plan.cap}) is reached" if plan.over_cap and not short else
-                      "not enough memory: " + plan.words(short))
+            reason = policy.eviction_reason(plan)
             self._refuse_if_only_pinned_help(ref, short, reason)
             if plan.verdict == "refuse" and short and not any(
                     lo.state == ModelState.LOADING and lo.ref.key != ref.key for lo in self.loaded.values()):
                 # Even with every model that may go unloaded it would not fit: unloading them
                 # would only lose their work. (Alone, a model still gets to try: see "first".)
-                msg = (f"cannot load {ref.name}: {reason}; unloading every other model would not make room "
-                       f"({plan.estimator} estimate), so none was unloaded. "
-                       + _sentence(_what_to_shrink(preds.get(fit_source), next(iter(short)), plan.estimator,
-                                                 bool(inv.accelerators())))
-                       + ", or unload the others yourself to let it try alone")
+                msg = policy.refusal(plan, preds.get(fit_source), bool(inv.accelerators()))
                 self.events.emit(EventKind.FIT, ref.name, msg, fits=False, devices=numbers)
                 raise DoesNotFit(msg)
             victim, rule = self._choose_victim(ref, reason)
@@ -1288,43 +799,27 @@ class Scheduler:
 
     def _refuse_if_only_pinned_help(self, ref: ModelRef, short: dict[str, int], reason: str) -> None:
         """Don't evict unpinned models for nothing: if freeing all of them still leaves a
-        device short and only pinned models hold the rest, refuse now, naming them."""
+        device short and only pinned models hold the rest, refuse now, naming them
+        (:func:`.policy.only_pinned_would_help`)."""
         if self.settings.evict_pinned or not short:
             return
-        pinned = [lo for lo in self.loaded.values() if lo.state == ModelState.READY and lo.pinned and lo.ref.key != ref.key]
-        if not pinned:
-            return
-        freeable: dict[str, int] = collections.defaultdict(int)
-        for lo in self.loaded.values():
-            if lo.state == ModelState.READY and not lo.pinned and lo.ref.key != ref.key:
-                for dev, n in lo.charge.by_device().items():
-                    freeable[dev] += n
-        if all(missing <= freeable.get(dev, 0) for dev, missing in short.items()):
-            return
-        names = ", ".join(lo.name for lo in sorted(pinned, key=lambda lo: lo.ref.path))
-        msg = (f"cannot load {ref.name}: {reason}; evicting every unpinned model would not be enough, and only "
-               f"pinned models ({names}) could make room. Unload one of them (keep_alive 0 or `stop`), or set "
-               "JUPYTER_LLAMA_EVICT_PINNED=1")
-        self.events.emit(EventKind.FIT, ref.name, msg, fits=False, pinned=[lo.name for lo in pinned])
-        raise PinnedInTheWay(msg)
+        pinned = policy.only_pinned_would_help(self.snapshot(), ref.key, short, self.settings.evict_pinned)
+        if pinned:
+            msg = policy.pinned_refusal(ref.name, reason, pinned, unpinned_first=True)
+            self.events.emit(EventKind.FIT, ref.name, msg, fits=False, pinned=[s.name for s in pinned])
+            raise PinnedInTheWay(msg)
 
     def _choose_victim(self, ref: ModelRef, reason: str) -> tuple[Loaded, str]:
-        """The first of :meth:`_eviction_order`, with the rule that chose it in words."""
-        order = self._eviction_order(ref)
-        if order:
-            lo = order[0]
-            label = "pinned, " if lo.pinned else ""
-            if lo.refcount == 0:
-                return lo, f"{label}idle, shortest keep_alive ({format_duration(lo.keep_alive)})"
-            return lo, f"{label}shortest keep_alive ({format_duration(lo.keep_alive)}); busy, so it unloads " \
-                       f"when its {lo.refcount} request(s) finish"
-        pinned = sorted((lo for lo in self.loaded.values() if lo.state == ModelState.READY and lo.pinned
-                         and lo.ref.key != ref.key), key=lambda lo: lo.ref.path)
+        """The first of :meth:`_eviction_order`, with the rule that chose it in words
+        (:func:`.policy.choose_victim`); raises, naming the pinned models, when none may go."""
+        snaps = self.snapshot()
+        chosen = policy.choose_victim(snaps, ref.key, self.settings.evict_pinned)
+        if chosen is not None:
+            return self.loaded[chosen[0].key], chosen[1]
+        pinned = policy.pinned_in_the_way(snaps, ref.key)
         if pinned:
-            names = ", ".join(lo.name for lo in pinned)
-            msg = (f"cannot load {ref.name}: {reason}, and only pinned models ({names}) could make room. "
-                   f"Unload one of them (keep_alive 0 or `stop`), or set JUPYTER_LLAMA_EVICT_PINNED=1")
-            self.events.emit(EventKind.FIT, ref.name, msg, fits=False, pinned=[lo.name for lo in pinned])
+            msg = policy.pinned_refusal(ref.name, reason, pinned, unpinned_first=False)
+            self.events.emit(EventKind.FIT, ref.name, msg, fits=False, pinned=[s.name for s in pinned])
             raise PinnedInTheWay(msg)
         raise DoesNotFit(f"cannot load {ref.name}: {reason}, and no loaded model can be evicted "
                          "(they are all still loading)")
@@ -1454,18 +949,6 @@ class Scheduler:
         await r._exited.wait()
         if lo.state == ModelState.READY and lo.refcount == 0:
             await self._crashed(lo)
-
-
-def _fit_words(numbers: dict, source: str) -> str:
-    parts = []
-    for d, n in numbers.items():
-        budget = f", budget {format_bytes(n['budget'])}" if n.get("budget") is not None else ""
-        left = ("; not checked: llama.cpp's --fit places layers within that room by its own projection, which can "
-                "be lower than this one (a budget is checked again once llama.cpp has allocated)"
-                if n.get("checked") is False and n["need"] > n["available"] else "")
-        parts.append(f"{d} needs {format_bytes(n['need'])} ({source}), {format_bytes(n['available'])} available "
-                     f"({format_bytes(n['in_use'])} in use by loaded models{budget}){left}")
-    return "; ".join(parts)
 
 
 def _loaded_message(lo: Loaded, actual: MemoryReport | None) -> str:

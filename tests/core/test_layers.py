@@ -117,3 +117,24 @@ def test_no_module_import_cycle():
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_scheduler_policy_is_pure():
+    """``scheduler/policy.py`` decides over plain data: it imports nothing that reaches the event
+    loop, a process, a file or a clock, nor the engine or the scheduler's loop (so its tests in
+    ``tests/scheduler/test_policy.py`` need no engine, and the loop is where effects live)."""
+    path = ROOT / "scheduler" / "policy.py"
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            names |= {base} | {base + ("" if base.endswith(".") else ".") + a.name for a in node.names}
+    effects = {"asyncio", "os", "subprocess", "threading", "concurrent", "socket", "time", "signal", "shutil",
+               "pathlib", "tempfile"}
+    wrong = sorted(n for n in names if n.split(".")[0] in effects
+                   or n.startswith(("..engine", "..procs", ".loop", "jupyter_llama.engine", "jupyter_llama.procs",
+                                    "jupyter_llama.scheduler.loop")))
+    assert not wrong, f"the policy imports effects: {wrong}"
