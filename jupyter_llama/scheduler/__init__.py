@@ -20,7 +20,8 @@ Every name importers used from the single module it once was is still here.
 from ..errors import (BadRequest, DoesNotFit, LoadFailed, ModelNotFound, PinnedInTheWay, SchedulerError,
                       ServerBusy)
 from ..models.ref import ModelRef
-from .loop import FREED_FRESH_S, FileResolver, Predictor, Resolver, Scheduler, default_predictor
+from .loop import (FREED_FRESH_S, FileResolver, Predictor, Resolver, RunnerFactory, Scheduler,
+                   default_predictor)
 from .policy import FitPlan, _fit_words, _what_to_shrink, available, budget_room, eviction_order, fit_plan
 from .settings import SchedulerSettings
 from .state import (PLACEMENT_FIELDS, Event, EventKind, EventLog, Lease, Loaded, LoadedSnapshot, ModelState,
@@ -29,7 +30,7 @@ from .state import (PLACEMENT_FIELDS, Event, EventKind, EventLog, Lease, Loaded,
 __all__ = [
     "BadRequest", "DoesNotFit", "LoadFailed", "ModelNotFound", "PinnedInTheWay", "SchedulerError", "ServerBusy",
     "ModelRef",
-    "FREED_FRESH_S", "FileResolver", "Predictor", "Resolver", "Scheduler", "default_predictor",
+    "FREED_FRESH_S", "FileResolver", "Predictor", "Resolver", "RunnerFactory", "Scheduler", "default_predictor",
     "FitPlan", "_fit_words", "_what_to_shrink", "available", "budget_room", "eviction_order", "fit_plan",
     "SchedulerSettings",
     "PLACEMENT_FIELDS", "Event", "EventKind", "EventLog", "Lease", "Loaded", "LoadedSnapshot", "ModelState",

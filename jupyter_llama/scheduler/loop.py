@@ -17,8 +17,8 @@ It follows Ollama's rules (REFERENCE section 5) and goes past them where its use
 The decisions themselves (the fit plan, the room under budgets, placement, the eviction
 order and the words of each verdict) are :mod:`.policy`'s pure functions over a snapshot
 of this loop's state; the loop owns the leases, the load lock, keep-alive timers, OOM
-retries and the runners. No HTTP and no Jupyter here: the server, the magics and the tests
-drive it directly.
+retries and the runners, which a factory makes (``runner_factory``, :class:`Runner` by
+default). No HTTP and no Jupyter here: the server, the magics and the tests drive it directly.
 """
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ class FileResolver:
 FREED_FRESH_S = 1.0
 
 Predictor = Callable[..., dict[str, MemoryReport]]
+# Makes a load's runner: called as Runner is, ``(path, options, binary=, name=, load_timeout=)``,
+# and returns an object with Runner's interface (start, stop, memory, health, ...).
+RunnerFactory = Callable[..., Runner]
 
 
 def default_predictor(ref: ModelRef, options: LoadOptions, gpus: list[str],
@@ -101,12 +104,18 @@ class Scheduler:
 
     def __init__(self, settings: SchedulerSettings, *, resolver: Resolver | None = None,
                  predictor: Predictor = default_predictor,
-                 inventory: Callable[[], devmod.Inventory] | None = None):
+                 inventory: Callable[[], devmod.Inventory] | None = None,
+                 runner_factory: RunnerFactory = Runner):
+        """``resolver`` turns a name into a ModelRef (:class:`FileResolver`: a path);
+        ``predictor`` predicts a load's memory per source (:func:`default_predictor`);
+        ``inventory`` reads the host's devices; ``runner_factory`` makes each load's runner
+        (:class:`Runner`, a llama-server child), so that the loop can be driven without one."""
         if not settings.binary:
             raise ConfigError("scheduler needs the path of a llama-server binary (settings.binary)")
         self.settings = settings
         self.resolver = resolver or FileResolver()
         self.predictor = predictor
+        self.runner_factory = runner_factory
         # Workers are probed by the scheduler itself (it knows which ones its runners hold).
         self._inventory_fn = inventory or (lambda: devmod.inventory(workers=()))
         self._worker_status: dict[str, rpc.WorkerStatus] = {}  # last good probe per worker
@@ -678,8 +687,8 @@ class Scheduler:
             await self._unload(victim, f"evicted for {new.name} (budget)", rule="evict")
 
     async def _start_runner(self, lo: Loaded) -> None:
-        r = Runner(lo.ref.path, lo.options, binary=self.settings.binary, name=lo.ref.name,
-                   load_timeout=self.settings.load_timeout)
+        r = self.runner_factory(lo.ref.path, lo.options, binary=self.settings.binary, name=lo.ref.name,
+                                load_timeout=self.settings.load_timeout)
         lo.runner = r
         self.events.emit(EventKind.LOAD, lo.name, f"starting llama-server for {lo.name}"
                          f" (context {lo.options.total_ctx or 'automatic'}, "
