@@ -23,7 +23,7 @@ from ..models.ref import ModelRef
 from .loop import (FREED_FRESH_S, FileResolver, Predictor, Resolver, RunnerFactory, Scheduler,
                    default_predictor)
 from .policy import FitPlan, _fit_words, _what_to_shrink, available, budget_room, eviction_order, fit_plan
-from .settings import SchedulerSettings
+from .settings import SAFETY_MARGIN_VAR, SchedulerSettings
 from .state import (PLACEMENT_FIELDS, Event, EventKind, EventLog, Lease, Loaded, LoadedSnapshot, ModelState,
                     Subscription)
 
@@ -32,7 +32,7 @@ __all__ = [
     "ModelRef",
     "FREED_FRESH_S", "FileResolver", "Predictor", "Resolver", "RunnerFactory", "Scheduler", "default_predictor",
     "FitPlan", "_fit_words", "_what_to_shrink", "available", "budget_room", "eviction_order", "fit_plan",
-    "SchedulerSettings",
+    "SAFETY_MARGIN_VAR", "SchedulerSettings",
     "PLACEMENT_FIELDS", "Event", "EventKind", "EventLog", "Lease", "Loaded", "LoadedSnapshot", "ModelState",
     "Subscription",
 ]

@@ -758,7 +758,8 @@ class Scheduler:
             placed, preds = await asyncio.to_thread(self.plan, ref, options, inv, used, peermod.usage(peers))
             plan = self.fit(ref, placed, preds, inv, used, peers)
             fit_source = plan.fit_source
-            numbers = {d: {k: n[k] for k in ("need", "available", "in_use", "budget")} for d, n in plan.devices.items()}
+            numbers = {d: {k: n[k] for k in ("need", "estimate", "available", "in_use", "budget")}
+                       for d, n in plan.devices.items()}
             if plan.fits:
                 self.events.emit(EventKind.FIT, ref.name, "fits: " + plan.words(), fits=True, estimator=plan.estimator,
                                  devices=numbers, workers=plan.workers,

@@ -18,6 +18,7 @@ what the user's other managers hold there counts against them too.
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -30,7 +31,7 @@ from ..memory.devices import MEMORY_LIMIT_VAR
 from ..memory.estimate import estimate_layer_counts, fit_layers
 from ..memory.report import (COARSE, COMPUTE, DETAILED, HOST, KV, OTHER, WEIGHTS, MemoryReport, MiB, format_bytes,
                              is_gpu)
-from .settings import SchedulerSettings
+from .settings import SAFETY_MARGIN_VAR, SchedulerSettings, format_margin
 from .state import LoadedSnapshot, ModelState
 
 # ----------------------------------------------------------------------------- room under budgets
@@ -72,12 +73,18 @@ def fit_source(settings: SchedulerSettings, preds: Mapping[str, MemoryReport]) -
     return settings.fit_estimator if settings.fit_estimator in preds else COARSE
 
 
+def margin(settings: SchedulerSettings, source: str) -> float:
+    """The safety margin the fit adds to ``source``: the detailed estimate's, none to the
+    coarse one (Ollama's rule carries its own allowances)."""
+    return settings.safety_margin if source == DETAILED else 0.0
+
+
 def need(preds: Mapping[str, MemoryReport], source: str, safety_margin: float) -> MemoryReport:
     """What the fit measures against the room: the deciding estimate, with its margin (the
     detailed estimate only), named ``detailed+10%``."""
     rep = preds[source]
     if source == DETAILED and safety_margin:
-        return rep.scaled(1 + safety_margin, source=f"{DETAILED}+{safety_margin:.0%}")
+        return rep.scaled(1 + safety_margin, source=f"{DETAILED}+{format_margin(safety_margin)}")
     return rep
 
 
@@ -200,16 +207,18 @@ class FitPlan:
     own decision, ``/api/estimate``, the picker, the panel and ``%llama estimate``).
 
     ``devices`` maps each device the prediction uses to ``need`` (the deciding estimate, with
-    its margin), ``available`` (what may still be planned with there: free memory less GPU
-    overhead, capped by the budget less what loaded models use), ``in_use``, ``budget``,
-    ``checked`` (whether the verdict looks at it: with automatic placement llama.cpp's --fit
-    keeps each accelerator within the room it was given, so only the host is checked) and
-    ``fits``. ``verdict`` is ``fits``, ``evict``
+    its margin), ``estimate`` (the same before the margin), ``available`` (what may still be
+    planned with there: free memory less GPU overhead, capped by the budget less what loaded
+    models use), ``in_use``, ``budget``, ``checked`` (whether the verdict looks at it: with
+    automatic placement llama.cpp's --fit keeps each accelerator within the room it was
+    given, so only the host is checked) and ``fits``. ``verdict`` is ``fits``, ``evict``
     (``evict`` names the models a load now would unload, in order), ``first`` (it may not
     fit but nothing else is loaded, so it gets to try), ``over_budget`` (alone it needs more
     than a budget: refused), ``peers`` (it fits the budget alone, but this user's other
     managers hold the rest of it: refused, naming them; ``peers`` lists them) or ``refuse``
-    (nothing that may be evicted would make room).
+    (nothing that may be evicted would make room). ``margin`` is the safety margin in
+    ``need`` (0 for the coarse estimate); ``after`` is ``devices`` as the dry run of the
+    eviction rule left them, with every model in ``evict`` gone (empty when it evicted none).
     """
 
     model: str
@@ -222,6 +231,8 @@ class FitPlan:
     evict: list[str] = field(default_factory=list)
     workers: list[str] = field(default_factory=list)
     peers: list[str] = field(default_factory=list)  # other managers of this user holding budgeted memory
+    margin: float = 0.0
+    after: dict[str, dict] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -254,7 +265,7 @@ class FitPlan:
                 "verdict_words": self.verdict_words,
                 "devices": self.devices, "cap": self.cap, "loaded": self.others, "over_cap": self.over_cap,
                 "evict": list(self.evict), "workers": list(self.workers), "peers": list(self.peers),
-                "text": self.words()}
+                "margin": self.margin, "text": self.words()}
 
 
 def fit_plan(model: str, key: str, placed: LoadOptions, preds: Mapping[str, MemoryReport], inv: devmod.Inventory,
@@ -266,7 +277,9 @@ def fit_plan(model: str, key: str, placed: LoadOptions, preds: Mapping[str, Memo
     decides nothing and unloads nothing: the eviction it names is a dry run of the rule, in
     which each victim's bytes leave what loaded models use and come back to free memory."""
     source = fit_source(settings, preds)
-    needed = need(preds, source, settings.safety_margin)
+    safety = margin(settings, source)
+    base = preds[source]
+    needed = need(preds, source, safety)
     cap = max_loaded(settings, len(inv.accelerators(include_unusable=True)))
     others = [s for s in loaded if s.state in (ModelState.READY, ModelState.LOADING) and s.key != key]
     checked = {HOST} if placed.fit_target_mib is not None else set(needed.devices)
@@ -277,13 +290,13 @@ def fit_plan(model: str, key: str, placed: LoadOptions, preds: Mapping[str, Memo
         out = {}
         for d in needed.devices:
             n, a = needed.total(device=d), avail.get(d, (0, None))
-            out[d] = {"need": n, "available": a[0], "in_use": usage.get(d, 0), "budget": a[1],
-                      "checked": d in checked, "fits": d not in checked or n <= a[0]}
+            out[d] = {"need": n, "estimate": base.total(device=d), "available": a[0], "in_use": usage.get(d, 0),
+                      "budget": a[1], "checked": d in checked, "fits": d not in checked or n <= a[0]}
         return out
 
     devices = rows(used)
     plan = FitPlan(model, source, needed.source, devices, cap, len(others), "fits",
-                   workers=list(placed.rpc or ()))
+                   workers=list(placed.rpc or ()), margin=safety)
     if not plan.short and not plan.over_cap:
         return plan
     if not others:
@@ -300,8 +313,8 @@ def fit_plan(model: str, key: str, placed: LoadOptions, preds: Mapping[str, Memo
             if not rpc.is_rpc(d):  # (a held worker is already counted as it was before it was taken)
                 returned[d] += n
         count -= 1
-        trial = rows(usage, returned)
-        if all(n["fits"] for n in trial.values()) and count < cap:
+        plan.after = rows(usage, returned)
+        if all(n["fits"] for n in plan.after.values()) and count < cap:
             plan.verdict = "evict"
             return plan
     plan.verdict = "refuse"
@@ -338,17 +351,63 @@ def _what_to_shrink(report: MemoryReport | None, device: str, estimator: str, of
     return f"{share} the weights: use a smaller quantisation of the model, or put fewer layers here (num_gpu)"
 
 
+def _apart(row: Mapping) -> bool:
+    """Whether ``row``'s need carries a margin to be said apart from its estimate."""
+    return row.get("estimate") is not None and row["estimate"] != row["need"]
+
+
 def _fit_words(numbers: Mapping[str, Mapping], source: str) -> str:
-    """Each device's need and room in words."""
+    """Each device's need and room in words. Where the need is more than the room and carries
+    a safety margin, the estimate and the margin are said apart, so that the one is not
+    taken for the other (a need short only by its margin is not a model too large)."""
     parts = []
     for d, n in numbers.items():
         budget = f", budget {format_bytes(n['budget'])}" if n.get("budget") is not None else ""
+        short = n["need"] > n["available"]
         left = ("; not checked: llama.cpp's --fit places layers within that room by its own projection, which can "
                 "be lower than this one (a budget is checked again once llama.cpp has allocated)"
-                if n.get("checked") is False and n["need"] > n["available"] else "")
-        parts.append(f"{d} needs {format_bytes(n['need'])} ({source}), {format_bytes(n['available'])} available "
+                if n.get("checked") is False and short else "")
+        what = (f"{source}: {format_bytes(n['estimate'])} by the estimate, "
+                f"{format_bytes(n['need'] - n['estimate'])} its safety margin" if short and _apart(n) else source)
+        parts.append(f"{d} needs {format_bytes(n['need'])} ({what}), {format_bytes(n['available'])} available "
                      f"({format_bytes(n['in_use'])} in use by loaded models{budget}){left}")
     return "; ".join(parts)
+
+
+def need_words(plan: FitPlan, device: str, row: Mapping | None = None) -> str:
+    """``needs 291.0 MiB on cpu (coarse estimate)``, or where the need carries a margin, the
+    estimate and the margin apart: ``needs 291.0 MiB on cpu by the detailed estimate, 320.1
+    MiB with its 10% safety margin (JUPYTER_LLAMA_SAFETY_MARGIN)``."""
+    row = plan.devices[device] if row is None else row
+    if plan.margin and _apart(row):
+        return (f"needs {format_bytes(row['estimate'])} on {device} by the {plan.fit_source} estimate, "
+                f"{format_bytes(row['need'])} with its {format_margin(plan.margin)} safety margin "
+                f"({SAFETY_MARGIN_VAR})")
+    return f"needs {format_bytes(row['need'])} on {device} ({plan.estimator} estimate)"
+
+
+def margin_that_fits(plan: FitPlan, rows: Mapping[str, Mapping], limit: str) -> int | None:
+    """The largest whole-percent safety margin below the plan's with which every checked
+    device short in ``rows`` fits under its ``limit`` (``budget`` or ``available``); None
+    when the estimate alone does not fit on one of them, or there is no margin to lower."""
+    if not plan.margin:
+        return None
+    best = None
+    for r in rows.values():
+        room = r.get(limit)
+        if not r["checked"] or room is None or r["need"] <= room:
+            continue
+        est = r.get("estimate")
+        if est is None or est > room:
+            return None
+        pct = max(0, math.floor((room / est - 1) * 100 + 1e-9)) if est else 0
+        best = pct if best is None else min(best, pct)
+    return best
+
+
+def _lower_margin(plan: FitPlan, pct: int) -> str:
+    return (f"a safety margin of {pct}% or less fits it ({SAFETY_MARGIN_VAR}={pct}%; "
+            f"it is {format_margin(plan.margin)} now)")
 
 
 def refusal(plan: FitPlan, report: MemoryReport | None, offload: bool,
@@ -356,23 +415,41 @@ def refusal(plan: FitPlan, report: MemoryReport | None, offload: bool,
     """Why a load is refused and what would make it fit, for the verdicts ``over_budget``,
     ``peers`` and ``refuse`` (what ``DoesNotFit`` says). ``report``: the deciding prediction
     (its largest part is what the advice shrinks); ``offload``: there are accelerators to put
-    layers on; ``peers_held``: bytes per device this user's other managers hold."""
+    layers on; ``peers_held``: bytes per device this user's other managers hold.
+
+    Where the estimate itself fits and only the safety margin does not, it says so, and that
+    a smaller margin or a larger budget fits it, rather than advising a smaller model."""
     name = plan.model
     if plan.verdict == "over_budget":
         d, n = next((d, n) for d, n in plan.devices.items()
                     if n["checked"] and n["budget"] is not None and n["need"] > n["budget"])
-        return (f"{name} needs {format_bytes(n['need'])} on {d} ({plan.estimator} estimate) but the budget "
-                f"there is {format_bytes(n['budget'])}; {_what_to_shrink(report, d, plan.estimator, offload)}"
-                f", or raise {MEMORY_LIMIT_VAR}")
+        said = f"{name} {need_words(plan, d)}{',' if plan.margin and _apart(n) else ''} but the budget there is " \
+               f"{format_bytes(n['budget'])}"
+        pct = margin_that_fits(plan, plan.devices, "available")  # (the budget less what peers hold there)
+        if pct is not None:
+            enough = n["need"] + (peers_held or {}).get(d, 0)
+            return (f"{said}: the estimate fits, the safety margin alone does not. {sentence(_lower_margin(plan, pct))}"
+                    f", or raise {MEMORY_LIMIT_VAR} there to {format_bytes(enough)} or more")
+        return f"{said}; {_what_to_shrink(report, d, plan.estimator, offload)}, or raise {MEMORY_LIMIT_VAR}"
     if plan.verdict == "peers":
         d = next(iter(plan.short))
         n = plan.devices[d]
-        return (f"{name} needs {format_bytes(n['need'])} on {d} ({plan.estimator} estimate); the budget there is "
-                f"{format_bytes(n['budget'])}, and your other jupyter-llama managers hold "
-                f"{format_bytes((peers_held or {}).get(d, 0))} of it (" + "; ".join(plan.peers)
-                + f"). Unload models there (their `stop`, or keep_alive 0), or raise {MEMORY_LIMIT_VAR}")
+        pct = margin_that_fits(plan, plan.devices, "available")
+        return (f"{name} {need_words(plan, d)}; the budget there is {format_bytes(n['budget'])}, and your other "
+                f"jupyter-llama managers hold {format_bytes((peers_held or {}).get(d, 0))} of it ("
+                + "; ".join(plan.peers) + "). Unload models there (their `stop`, or keep_alive 0), "
+                + (f"raise {MEMORY_LIMIT_VAR}, or lower the safety margin: {_lower_margin(plan, pct)}"
+                   if pct is not None else f"or raise {MEMORY_LIMIT_VAR}"))
     if plan.verdict == "refuse":
-        advice = sentence(_what_to_shrink(report, next(iter(plan.short)), plan.estimator, offload))
+        short = plan.short
+        rows = plan.after or plan.devices
+        pct = margin_that_fits(plan, rows, "available")
+        if pct is not None:
+            budgeted = any(r["budget"] is not None for r in rows.values() if r["checked"] and not r["fits"])
+            advice = (f"With them gone the estimate would fit and the safety margin alone would not: "
+                      f"{_lower_margin(plan, pct)}" + (f", or raise {MEMORY_LIMIT_VAR}" if budgeted else ""))
+        else:
+            advice = sentence(_what_to_shrink(report, next(iter(short)), plan.estimator, offload))
         return (f"cannot load {name}: {eviction_reason(plan)}; unloading every other model would not make room "
                 f"({plan.estimator} estimate), so none was unloaded. {advice}, or unload the others yourself to let "
                 "it try alone")

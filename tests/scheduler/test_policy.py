@@ -159,16 +159,17 @@ CASES = [
          models=[loaded("a", 300)], inv=inventory(budgets={"cpu": 500}), settings={"max_loaded_models": 4}),
     # ---- alone: over a budget, peers, or the first model's try
     Case("over a budget alone", need={"cpu": 200}, verdict="over_budget", inv=inventory(budgets={"cpu": 100}),
-         said=("new:latest needs 220.0 MiB on cpu (detailed+10% estimate) but the budget there is 100.0 MiB; "
-               "200.0 MiB of it is the weights: use a smaller quantisation of the model, or a smaller model, "
-               "or raise JUPYTER_LLAMA_MEMORY_LIMIT",)),
+         said=("new:latest needs 200.0 MiB on cpu by the detailed estimate, 220.0 MiB with its 10% safety margin "
+               "(JUPYTER_LLAMA_SAFETY_MARGIN), but the budget there is 100.0 MiB; 200.0 MiB of it is the weights: "
+               "use a smaller quantisation of the model, or a smaller model, or raise JUPYTER_LLAMA_MEMORY_LIMIT",)),
     Case("over a budget alone, with devices to offload to", need={"cpu": 200}, verdict="over_budget",
          inv=inventory(budgets={"cpu": 100}, workers={A: 4096}),
          said=("use a smaller quantisation of the model, or put more layers on devices (num_gpu)",)),
     Case("over a budget alone by its K/V cache", need={"cpu": 20, "kv_cpu": 180}, verdict="over_budget",
          inv=inventory(budgets={"cpu": 100}), said=("180.0 MiB of it is the K/V cache: load it with a smaller context",)),
     Case("the first model gets to try when the host is short", need={"cpu": 2048}, verdict="first",
-         inv=inventory(cpu_free=1024), said=("cpu needs 2.20 GiB (detailed+10%), 1.00 GiB available",)),
+         inv=inventory(cpu_free=1024), said=("cpu needs 2.20 GiB (detailed+10%: 2.00 GiB by the estimate, 204.8 MiB its safety margin), "
+               "1.00 GiB available",)),
     Case("the user's other managers hold the rest of the budget", need={"cpu": 200}, verdict="peers",
          inv=inventory(budgets={"cpu": 500}),
          peers=[peermod.Peer(4242, "http://127.0.0.1:8888/llama/", [{"name": "big:latest",
@@ -181,22 +182,75 @@ CASES = [
     # ---- refuse: evicting everything would not help
     Case("evicting everything would not make room", need={"cpu": 400}, verdict="refuse", evict=["a"],
          models=[loaded("a", 100)], inv=inventory(budgets={"cpu": 300}),
-         said=("cannot load new:latest: not enough memory: cpu needs 440.0 MiB (detailed+10%)",
+         said=("cannot load new:latest: not enough memory: cpu needs 440.0 MiB (detailed+10%: 400.0 MiB by the "
+               "estimate, 40.0 MiB its safety margin), 200.0 MiB available",
                "unloading every other model would not make room (detailed+10% estimate), so none was unloaded",
                "or unload the others yourself to let it try alone")),
     Case("the coarse estimate decides without a margin", need={"cpu": 400}, verdict="refuse", evict=["a"],
          models=[loaded("a", 100)], inv=inventory(budgets={"cpu": 300}), settings={"fit_estimator": COARSE},
          said=("cpu needs 400.0 MiB (coarse)", "(coarse estimate)")),
+    # ---- need and margin said apart (issue 52: a 291 MiB model refused by a 305 MiB budget as
+    # "use a smaller quantisation", when only the 10% margin, 320 MiB, did not fit)
+    Case("only the margin is over a budget: said so, and how much margin fits", need={"cpu": 291},
+         verdict="over_budget", inv=inventory(budgets={"cpu": 305}),
+         said=("new:latest needs 291.0 MiB on cpu by the detailed estimate, 320.1 MiB with its 10% safety margin "
+               "(JUPYTER_LLAMA_SAFETY_MARGIN), but the budget there is 305.0 MiB: the estimate fits, the safety "
+               "margin alone does not",
+               "A safety margin of 4% or less fits it (JUPYTER_LLAMA_SAFETY_MARGIN=4%; it is 10% now)",
+               "or raise JUPYTER_LLAMA_MEMORY_LIMIT there to 320.1 MiB or more"),
+         not_said=("quantisation", "smaller model", "smaller context")),
+    Case("what peers hold counts in the margin that fits and the budget that would", need={"cpu": 291},
+         verdict="over_budget", inv=inventory(budgets={"cpu": 315}),
+         peers=[peermod.Peer(7, "", [{"name": "small:latest", "by_device": {HOST: 10 * MiB}}])],
+         said=("the budget there is 315.0 MiB: the estimate fits, the safety margin alone does not",
+               "A safety margin of 4% or less fits it", "raise JUPYTER_LLAMA_MEMORY_LIMIT there to 330.1 MiB or more")),
+    Case("the margin it names fits", need={"cpu": 291}, verdict="fits", inv=inventory(budgets={"cpu": 305}),
+         settings={"safety_margin": 0.04}),
+    Case("one point more does not", need={"cpu": 291}, verdict="over_budget", inv=inventory(budgets={"cpu": 305}),
+         settings={"safety_margin": 0.05}, said=("A safety margin of 4% or less fits it", "it is 5% now")),
+    Case("no margin, no refusal", need={"cpu": 291}, verdict="fits", inv=inventory(budgets={"cpu": 305}),
+         settings={"safety_margin": 0.0}),
+    Case("over by the estimate itself: the model is what to shrink", need={"cpu": 291}, verdict="over_budget",
+         inv=inventory(budgets={"cpu": 280}),
+         said=("needs 291.0 MiB on cpu by the detailed estimate, 320.1 MiB with its 10% safety margin",
+               "291.0 MiB of it is the weights: use a smaller quantisation of the model"),
+         not_said=("margin alone", "margin of")),
+    Case("the coarse estimate has no margin to say apart", need={"cpu": 291}, verdict="over_budget",
+         inv=inventory(budgets={"cpu": 280}), settings={"fit_estimator": COARSE},
+         said=("needs 291.0 MiB on cpu (coarse estimate) but the budget there is 280.0 MiB",),
+         not_said=("safety margin",)),
+    Case("with every other model gone only the margin would not fit", need={"cpu": 291}, verdict="refuse",
+         evict=["a"], models=[loaded("a", 100)], inv=inventory(budgets={"cpu": 305}),
+         said=("cpu needs 320.1 MiB (detailed+10%: 291.0 MiB by the estimate, 29.1 MiB its safety margin), "
+               "205.0 MiB available",
+               "With them gone the estimate would fit and the safety margin alone would not: a safety margin of "
+               "4% or less fits it (JUPYTER_LLAMA_SAFETY_MARGIN=4%; it is 10% now), or raise "
+               "JUPYTER_LLAMA_MEMORY_LIMIT"),
+         not_said=("quantisation",)),
+    Case("peers hold the rest, and the margin alone is over what is left", need={"cpu": 291}, verdict="peers",
+         inv=inventory(budgets={"cpu": 505}),
+         peers=[peermod.Peer(7, "", [{"name": "big:latest", "by_device": {HOST: 200 * MiB}}])],
+         said=("needs 291.0 MiB on cpu by the detailed estimate, 320.1 MiB with its 10% safety margin",
+               "your other jupyter-llama managers hold 200.0 MiB of it",
+               "or lower the safety margin: a safety margin of 4% or less fits it")),
+    Case("a margin given in the settings is the one said", need={"cpu": 100}, verdict="over_budget",
+         inv=inventory(budgets={"cpu": 110}), settings={"safety_margin": 0.125},
+         said=("112.5 MiB with its 12.5% safety margin", "A safety margin of 10% or less fits it")),
+    Case("and that margin fits", need={"cpu": 100}, verdict="fits", inv=inventory(budgets={"cpu": 110}),
+         settings={"safety_margin": 0.10}),
     # ---- several devices: host + RPC workers, with budgets
     Case("automatic placement checks the host only; --fit keeps the workers in their room",
          need={"cpu": 50, "rpc_a": 100, "rpc_b": 100}, verdict="fits", placed=AUTO,
          inv=inventory(budgets={RPC_A: 90, RPC_B: 90}, workers={A: 4096, B: 4096}),
-         said=(f"{RPC_A} needs 110.0 MiB (detailed+10%), 90.0 MiB available",
+         said=("cpu needs 55.0 MiB (detailed+10%), 16.00 GiB available",  # (fits: no need to say it apart)
+               f"{RPC_A} needs 110.0 MiB (detailed+10%: 100.0 MiB by the estimate, 10.0 MiB its safety margin), "
+               "90.0 MiB available",
                "not checked: llama.cpp's --fit places layers within that room")),
     Case("layers placed by num_gpu: each worker is checked against its budget",
          need={"cpu": 50, "rpc_a": 100, "rpc_b": 50}, verdict="over_budget", placed=MANUAL,
          inv=inventory(budgets={RPC_A: 90, RPC_B: 90}, workers={A: 4096, B: 4096}),
-         said=(f"needs 110.0 MiB on {RPC_A} (detailed+10% estimate) but the budget there is 90.0 MiB",
+         said=(f"needs 100.0 MiB on {RPC_A} by the detailed estimate, 110.0 MiB with its 10% safety margin "
+               "(JUPYTER_LLAMA_SAFETY_MARGIN), but the budget there is 90.0 MiB",
                "or put fewer layers here (num_gpu)")),
     Case("a worker short by free memory, not budget, lets the first model try",
          need={"cpu": 50, "rpc_a": 100}, verdict="first", placed=MANUAL, inv=inventory(workers={A: 64})),
@@ -280,6 +334,7 @@ def test_room_under_a_budget_counts_our_runners_and_the_users_other_managers():
     inv = inventory(cpu_free=1024, budgets={HOST: 500, RPC_A: 300}, workers={A: 200}, gpu_free=1000)
     cpu, worker, gpu = inv.devices()[0], inv.device(RPC_A), inv.device("cuda:0")
     assert policy.budget_room(cpu, {HOST: 100 * MiB}, {HOST: 150 * MiB}) == 250 * MiB
+    assert policy.budget_room(worker, {HOST: 100 * MiB}, {HOST: 150 * MiB}) == 300 * MiB  # (the host's use, not here)
     assert policy.budget_room(cpu, {HOST: 600 * MiB}, None) == -100 * MiB  # over by that much
     assert policy.budget_room(gpu, {}, None) is None  # no budget there
     room = policy.available(inv, {HOST: 100 * MiB, RPC_A: 50 * MiB}, {HOST: 150 * MiB})
