@@ -47,9 +47,8 @@ class ChildProcess:
         It stays in this process's session, as Ollama's runners and llama-server's router's
         children do. Linux schedules each session's processes as one group (autogroup); in a
         session of its own the child was a group apart from the manager that relays its
-        tokens, and a relayed stream ran ~1% slower against the same child asked directly
-        (four alternating probes of 60 single streams on two RPC workers: ours / bare 0.986-0.993
-        in sessions apart, 0.993-1.003 in one; bench/PERFORMANCE.md)."""
+        tokens, and a relayed stream ran measurably slower than the same child asked directly
+        (bench/history/2026-12-01-to-06-wire-speed.md has the probes)."""
         popen = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, env=env, process_group=0, preexec_fn=preexec_fn)
         try:  # room for a while of output between reads (hold_output): the default pipe holds 64 KiB
