@@ -13,8 +13,24 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["child_pids", "descendants", "exit_words", "process_alive", "same_process", "signal_recorded",
+__all__ = ["child_environment", "child_pids", "descendants", "exit_words", "process_alive", "same_process", "signal_recorded",
            "start_time"]
+
+
+# Words in the name of an environment variable that holds a credential (JUPYTER_LLAMA_TOKEN,
+# OPENAI_API_KEY, JUPYTERHUB_API_TOKEN, HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...).
+_CREDENTIAL_WORDS = ("TOKEN", "API_KEY", "APIKEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+
+
+def child_environment() -> dict[str, str]:
+    """The environment for a child this manager starts (llama-server, ggml-rpc-server,
+    llama-fit-params): this process's, less every variable that holds a credential and less
+    llama.cpp's own ``LLAMA_ARG_*`` settings (a child's command line is the manager's
+    choice). A child reads untrusted input (a model's file, a client's prompt), and the
+    manager's token opens the whole API; a child that needs a key of its own is given it
+    after this (``LLAMA_API_KEY``)."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("LLAMA_ARG_") and not any(w in k.upper() for w in _CREDENTIAL_WORDS)}
 
 
 def exit_words(code: int | None) -> str:

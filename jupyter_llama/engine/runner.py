@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator, Awaitable
 from ..memory.report import MemoryReport
 from ..errors import BadRequest, EngineError, RequestError
 from ..load_options import LoadOptions
-from ..procs import exit_words
+from ..procs import child_environment, exit_words
 from . import http1
 from .http1 import BadResponse, sse_events
 from .launch import build_argv
@@ -241,7 +241,7 @@ class Runner:
         self.api_key = secrets.token_urlsafe(24)
         self.argv = build_argv(self.binary, self.model_path, self.options, port=self.port, alias=self.name)
         self.argv += self.extra_args
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+        env = child_environment()  # (none of the manager's credentials)
         env["LLAMA_API_KEY"] = self.api_key  # never on the command line
         # On an abort (a worker gone mid-graph, mostly) ggml attaches gdb to print a backtrace:
         # seconds of a dying child, and gdb's lines where the crash's own last lines belong.

@@ -25,7 +25,7 @@ import time
 from typing import Callable
 
 from ..memory import rpc
-from ..procs import exit_words
+from ..procs import child_environment, exit_words
 from .binary import Engine
 from .runner import _SETPRIV, free_port, _pdeathsig_preexec
 
@@ -94,7 +94,7 @@ def run_worker(engine: Engine, *, host: str = "127.0.0.1", port: int = rpc.DEFAU
     if not _is_loopback(host):
         note(UNSAFE_BIND_WARNING.format(host=host, port=port))
     proc = subprocess.Popen(_with_pdeathsig(argv), stdin=subprocess.DEVNULL, restore_signals=False,
-                            preexec_fn=None if _SETPRIV else _pdeathsig_preexec)
+                            preexec_fn=None if _SETPRIV else _pdeathsig_preexec, env=child_environment())
     stopping: list[int] = []
 
     def stop(signum, _frame) -> None:
@@ -182,7 +182,8 @@ class LocalWorker:
         # it at its default, a client that gave up (a busy worker's probe times out) killed the
         # worker once it got round to answering it.
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=preexec, restore_signals=False)
+                                     start_new_session=True, preexec_fn=preexec, restore_signals=False,
+                                     env=child_environment())
         deadline = time.monotonic() + ready_timeout
         while True:
             if self.proc.poll() is not None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..load_options import LoadOptions, memory_args
+from ..procs import child_environment
 from .report import COMPUTE, HOST, KV, LLAMA_CPP, WEIGHTS, MemoryReport, MiB, device_of_backend
 from .rpc import device_id
 
@@ -92,11 +93,6 @@ class FitParamsResult:
     stderr_tail: list[str] = field(default_factory=list)
 
 
-def _env() -> dict[str, str]:
-    # Settings meant for our llama-server children must not leak into the tool.
-    return {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
-
-
 def _finish(argv: list[str], rc: int | None, out: str, err: str, rpc=()) -> FitParamsResult:
     tail = [ln for ln in err.splitlines() if ln.strip()][-10:]
     if rc != 0:
@@ -118,7 +114,7 @@ def run_fit_params(binary: str | os.PathLike, model: str | os.PathLike, options:
         return FitParamsResult(None, [], f"cannot build the command line: {e}")
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, errors="replace", env=_env(), start_new_session=True)
+                                text=True, errors="replace", env=child_environment(), start_new_session=True)
     except OSError as e:
         return FitParamsResult(None, argv, f"cannot run {argv[0]}: {e.strerror or e}")
     try:
@@ -146,7 +142,7 @@ async def run_fit_params_async(binary: str | os.PathLike, model: str | os.PathLi
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=_env(), start_new_session=True)
+            stderr=asyncio.subprocess.PIPE, env=child_environment(), start_new_session=True)
     except OSError as e:
         return FitParamsResult(None, argv, f"cannot run {argv[0]}: {e.strerror or e}")
     try:

@@ -3,9 +3,10 @@ JupyterLab (the CLI, VS Code, Ollama and OpenAI clients).
 
     jupyter-llama serve [--ip 127.0.0.1] [--port N] [--token T] [--no-browser] [--allow-root]
 
-It is a plain jupyter_server ``ServerApp`` (same auth, same config files, same runtime
-file that ``client.py`` reads) with ``jupyter_llama`` enabled and other extensions left
-out. Ollama clients point at ``http://<ip>:<port>/llama`` with the header
+It is a jupyter_server ``ServerApp`` (same auth, same config files, same runtime file that
+``client.py`` reads) with ``jupyter_llama`` enabled, other extensions left out, and none of
+jupyter_server's own services but the login (:func:`manager_server_app`): its token opens
+this API and nothing else. Ollama clients point at ``http://<ip>:<port>/llama`` with the header
 ``Authorization: token <token>``; OpenAI clients at ``http://<ip>:<port>/llama/v1`` with
 the token as API key. Ctrl-C and SIGTERM stop every model runner before the server exits.
 """
@@ -73,6 +74,8 @@ def _seconds(text: str) -> float:
 def server_argv(args: argparse.Namespace) -> list[str]:
     """The ServerApp command line for parsed ``serve`` arguments (config files still apply below it)."""
     argv = [f"--ServerApp.ip={args.ip}", "--ServerApp.open_browser=False", "--ServerApp.answer_yes=True",
+            # no page to open, so no jpserver-*-open.html (which holds the token) in the runtime folder
+            "--ServerApp.no_browser_open_file=True",
             "--ServerApp.identity_provider_class=jupyter_llama.server.identity.ApiTokenIdentityProvider",
             # the extension is all this server serves: one that cannot start (a setting it cannot
             # read) stops it, with its sentence, rather than leaving a server that answers 404
@@ -90,13 +93,31 @@ def server_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def manager_server_app():
+    """The ServerApp class ``serve`` runs: jupyter_server's, serving only this extension's
+    API and the login a browser needs. The token ``serve`` hands to Ollama, OpenAI and
+    Anthropic clients is the server's: on a whole ServerApp it would also read and write
+    files (``/api/contents``, ``/files``) and start kernels, that is, run code as this user.
+    Here it opens nothing else: no contents, files, kernels, sessions, terminals,
+    nbconvert, config or shutdown routes (jupyter_server's ``default_services``, which it
+    documents for a subclass to narrow, and the contents manager's ``files_handler_class``)."""
+    from jupyter_server.serverapp import ServerApp
+
+    class ManagerServerApp(ServerApp):
+        default_services = ("auth",)
+
+        def init_configurables(self) -> None:
+            super().init_configurables()
+            self.contents_manager.files_handler_class = None  # no /files/ route
+
+    return ManagerServerApp
+
+
 def make_server(argv: Sequence[str] | None = None, *, args: argparse.Namespace | None = None):
     """An initialised (not yet started) ServerApp running only this extension (``args``: the
     ``serve`` arguments already parsed, else ``argv``'s)."""
-    from jupyter_server.serverapp import ServerApp
-
     args = args or build_parser().parse_args(list(argv) if argv is not None else None)
-    app = ServerApp.instance(jpserver_extensions={"jupyter_llama": True})
+    app = manager_server_app().instance(jpserver_extensions={"jupyter_llama": True})
     app.initialize(argv=server_argv(args), find_extensions=False, starter_extension="jupyter_llama")
     ext = _extension(app)
     skip_unshown_records(app.log, logging.getLogger("tornado"), *([ext.log] if ext is not None else []))
@@ -224,9 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A token made for this run is shown, so that a person can use it; one given to us
     # (--token, JUPYTER_TOKEN) is the user's secret and stays out of the log.
     shown = token if getattr(app.identity_provider, "token_generated", False) else "<your token>"
-    app.log.info("  Ollama clients: OLLAMA_HOST=%s with header 'Authorization: token %s'", url,
-                 shown if token else "")
-    app.log.info("  OpenAI clients: base_url=%s/v1 api_key=<the token>", url)
+    key = shown if token else ""
+    app.log.info("  Ollama clients: OLLAMA_HOST=%s with header 'Authorization: token %s' (ollama-python sends "
+                 "OLLAMA_API_KEY=%s so)", url, key, key)
+    app.log.info("  OpenAI clients: base_url=%s/v1 api_key=%s", url, key)
+    app.log.info("  Anthropic clients: base_url=%s api_key=%s", url, key)
     if args.exit_when_idle is not None:
         _exit_when_idle(app, args.exit_when_idle)
     # What is built by now (jupyter_server, Tornado, the extension: ~200,000 objects) lives as

@@ -242,3 +242,45 @@ def test_a_word_serve_does_not_know_for_how_it_serves_is_said(tmp_path, engine):
                                "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and done.stderr.strip() == f"jupyter-llama serve: JUPYTER_LLAMA_{name}: {said}", \
             done.stderr[-2000:]
+
+
+@pytest.fixture
+def credentials_in_env(monkeypatch):
+    """Credentials of other services in the environment serve starts with (before ``serve``)."""
+    secrets = {"HF_TOKEN": "hf-secret-value", "OPENAI_API_KEY": "sk-secret-value",
+               "AWS_SECRET_ACCESS_KEY": "aws-secret-value", "SOME_SERVICE_PASSWORD": "pw-secret-value"}
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
+    return secrets
+
+
+def test_serves_key_opens_only_its_api_and_no_child_gets_a_credential(credentials_in_env, serve, tmp_path):
+    """The token serve hands to Ollama and OpenAI clients opens this extension's API and
+    nothing of jupyter_server's own (no files, no kernels, no sessions, no shutdown); serve
+    writes no open-in-browser file (it would hold the token); a model's child has its own key
+    and none of the manager's, nor any other credential of the environment."""
+    _, url, token = serve()
+    root = url[: -len("llama/")]
+    with httpx.Client(trust_env=False, timeout=60, headers={"Authorization": f"token {token}"}) as c:
+        for path in ("api/contents", "api/contents/README.md", "files/README.md", "api/kernels", "api/kernelspecs",
+                     "api/sessions", "api/terminals", "api/config/notebook", "api/nbconvert", "api/status"):
+            r = c.get(root + path)
+            assert r.status_code == 404, (path, r.status_code, r.text[:300])
+        r = c.post(root + "api/shutdown")
+        assert r.status_code in (404, 405), r.text[:300]
+        r = c.post(url + "api/generate", json={"model": "tiny", "prompt": "Once", "raw": True, "stream": False,
+                                               "options": dict(OPTS, num_predict=2)})
+        assert r.status_code == 200 and r.json()["eval_count"] == 2
+        pid = c.get(url + "api/ps").json()["models"][0]["pid"]
+    runtime = tmp_path / "home" / "runtime"
+    assert list(runtime.glob("jpserver-*.json")), "the runtime file the CLI finds serve by is still written"
+    assert not list(runtime.glob("jpserver-*-open.html"))
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        environ = f.read()
+    names = {e.split(b"=", 1)[0].decode() for e in environ.split(b"\0") if b"=" in e}
+    assert "LLAMA_API_KEY" in names
+    for name in ("JUPYTER_TOKEN", "JUPYTER_LLAMA_TOKEN", "OLLAMA_API_KEY", "OPENAI_API_KEY", "ANTHROPIC_API_KEY",
+                 *credentials_in_env):
+        assert name not in names, name
+    for value in (token, *credentials_in_env.values()):
+        assert value.encode() not in environ
