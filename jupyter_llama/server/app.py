@@ -9,10 +9,10 @@ Lifecycle:
 
 * ``initialize_settings`` (server start-up, before the event loop runs) builds the store
   and the scheduler; nothing there needs the loop (the scheduler is passive until asked).
-* the start hook (``_start_jupyter_server_extension``, after the loop runs) exports
-  ``JUPYTER_LLAMA_URL`` into ``os.environ`` so kernels started from now on inherit it, and
-  starts the activity ticker. Servers started without that hook (test harnesses) get the
-  same on their first request (:meth:`LlamaExtension.ensure_started`).
+* once the loop runs (a callback ``initialize_settings`` queues on it), ``ensure_started``
+  exports ``JUPYTER_LLAMA_URL`` into ``os.environ`` so kernels started from now on inherit
+  it, and starts the activity ticker. A server whose loop was already running (test
+  harnesses) gets the same on its first request at the latest.
 * ``stop_extension`` (server shutdown, which jupyter_server also runs on SIGTERM and on
   SIGINT once confirmed) stops every child and waits for them.
 
@@ -34,12 +34,13 @@ from datetime import datetime, timezone
 
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.utils import url_path_join
-from tornado.ioloop import PeriodicCallback
+from tornado.ioloop import IOLoop, PeriodicCallback
 from traitlets import Bool, Float, Int, Type, Undefined, Unicode, validate
 
 from .. import config
 from .._version import __version__
 from ..config import ConfigError
+from ..private import UntrustedFile, trusted_folder
 from ..scheduler import Scheduler, SchedulerError, SchedulerSettings
 
 URL_ENV = "JUPYTER_LLAMA_URL"
@@ -370,6 +371,8 @@ class LlamaExtension(ExtensionApp):
         self._scheduler_lock = None
         self.scheduler = None
         self._find_engine_and_build()
+        # once the server listens (its URL is known) and its loop runs: export the URL for kernels
+        IOLoop.current().add_callback(self.ensure_started)
         (self.log.info if self.engine else self.log.warning)(
             "jupyter-llama %s: models in %s; engine %s", __version__, self.store.root,
             self.engine.path if self.engine else f"unavailable ({self.engine_error}): no model can load until it is")
@@ -391,9 +394,6 @@ class LlamaExtension(ExtensionApp):
         from .handlers import default_handlers
 
         self.handlers.extend(default_handlers())
-
-    async def _start_jupyter_server_extension(self, serverapp) -> None:
-        self.ensure_started()
 
     def ensure_started(self) -> None:
         """Export the URL and start the activity ticker (once; needs the running loop)."""
@@ -419,11 +419,11 @@ class LlamaExtension(ExtensionApp):
         path = os.path.join(folder, f"jupyter-llama-local-{os.getpid()}-{secrets.token_hex(4)}.key")
         key = secrets.token_urlsafe(32)
         try:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            trusted_folder(folder)  # (made 0700 when missing; one others could write to is not used)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(key)
-        except OSError as e:
+        except (OSError, UntrustedFile) as e:
             self.log.warning("jupyter-llama: no local key file (%s): file paths are refused for every client", e)
             return
         self.local_key, self.local_key_file = key, path
