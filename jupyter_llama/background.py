@@ -27,6 +27,7 @@ from typing import NamedTuple
 import httpx
 
 from .config import ConfigError, env, parse_duration
+from .private import UntrustedFile, open_log, read_trusted, trusted_folder, write_private
 
 __all__ = ["Manager", "ManagerStartFailed", "answers", "ensure", "find", "start_serve", "state_dir", "stop",
            "IDLE_DEFAULT"]
@@ -88,10 +89,40 @@ def _state_path() -> Path:
     return state_dir() / STATE_NAME
 
 
-def _read_state() -> dict | None:
+def _where() -> str:
+    return "JUPYTER_LLAMA_MANAGER_DIR" if env("MANAGER_DIR") else "Jupyter's runtime folder (JUPYTER_RUNTIME_DIR)"
+
+
+def _state_folder(make: bool) -> Path | None:
+    """The state folder, checked to be this user's alone (it holds the manager's token);
+    None when it does not exist and ``make`` is False. UntrustedFile (a ConfigError) when
+    another user could write or read it."""
+    d = state_dir()
+    if not make and not os.path.lexists(d):
+        return None
+    if os.path.lexists(d) and not os.path.islink(d) and not os.path.isdir(d):
+        raise ConfigError(f"the background manager keeps its state in {_where()}, {d}, which cannot be made a "
+                          "folder: File exists; point JUPYTER_LLAMA_MANAGER_DIR at a folder you can write")
     try:
-        data = json.loads(_state_path().read_text())
-    except (OSError, ValueError):
+        return trusted_folder(d, secret=True, make=make,
+                              purpose=f"the background manager keeps its state in {_where()}; point "
+                                      "JUPYTER_LLAMA_MANAGER_DIR at a folder of your own")
+    except UntrustedFile:
+        raise
+    except OSError as e:
+        raise ConfigError(f"the background manager keeps its state in {_where()}, {d}, which cannot be made a "
+                          f"folder: {e.strerror or e}; point JUPYTER_LLAMA_MANAGER_DIR at a folder you can write") \
+            from None
+
+
+def _read_state() -> dict | None:
+    """The state file, when there is one and it is this user's alone (it names the process
+    that every command sends its prompts to); UntrustedFile, naming it, otherwise."""
+    if _state_folder(make=False) is None:
+        return None
+    try:
+        data = json.loads(read_trusted(_state_path(), secret=True) or "null")
+    except ValueError:
         return None
     ok = isinstance(data, dict) and isinstance(data.get("url"), str) and isinstance(data.get("pid"), int)
     return data if ok else None
@@ -138,13 +169,7 @@ def ensure(timeout: float = START_TIMEOUT) -> Manager:
     found = find()
     if found is not None:
         return found
-    d = state_dir()
-    try:
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as e:
-        where = "JUPYTER_LLAMA_MANAGER_DIR" if env("MANAGER_DIR") else "Jupyter's runtime folder (JUPYTER_RUNTIME_DIR)"
-        raise ConfigError(f"the background manager keeps its state in {where}, {d}, which cannot be made a folder: "
-                          f"{e.strerror or e}; point JUPYTER_LLAMA_MANAGER_DIR at a folder you can write") from None
+    d = _state_folder(make=True)
     idle = parse_duration(env("MANAGER_IDLE") or IDLE_DEFAULT, "JUPYTER_LLAMA_MANAGER_IDLE")  # (said before the lock)
     try:
         with FileLock(str(d / (STATE_NAME + ".lock")), timeout=timeout + 30):
@@ -189,7 +214,7 @@ def start_serve(port: int, token: str, log_path: str | os.PathLike, *, what: str
         argv = [setpriv, "--pdeathsig", "TERM", "--", *argv]
     environ = dict(os.environ, **(extra_env or {}), JUPYTER_TOKEN=token)
     environ.pop("JUPYTER_LLAMA_URL", None)  # it must not try to find itself
-    with open(log_path, "ab") as log:  # its own session either way: signals to our group pass it by
+    with open_log(log_path) as log:  # its own session either way: signals to our group pass it by
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environ,
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}/llama/"
@@ -215,11 +240,7 @@ def _start(d: Path, timeout: float, idle: float) -> Manager:
                        extra_argv=("--exit-when-idle", str(idle)), timeout=timeout)
     state = {"url": url, "token": token, "pid": proc.pid, "started": time.time(), "log": str(log_path),
              "settings": _settings()}
-    tmp = d / (STATE_NAME + f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the token
-    with os.fdopen(fd, "w") as fh:
-        json.dump(state, fh)
-    os.replace(tmp, _state_path())
+    write_private(_state_path(), json.dumps(state))  # (it holds the token: 0600, written through no link)
     return Manager(url, token, proc.pid, f"{SOURCE} (pid {proc.pid}, started now, state in {_state_path()})")
 
 

@@ -10,7 +10,11 @@ holds what. Host and GPU free memory, read live, already reflect the others' mod
 
 Files are ``jupyter-llama-usage-<pid>.json``, mode 0600, written atomically, with the
 process's start time beside its PID; one whose process is gone (or whose PID a later process
-has been given) is removed by whoever reads it.
+has been given) is removed by whoever reads it. What they say is counted only from a folder
+of this user's that nobody else can write, and only from files of this user's
+(:mod:`..private`): on a shared machine another user's file would otherwise make this
+user's loads refused. A folder others can write leaves the board unused (``problem`` says
+why; the manager logs it).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..models.store import atomic_write_json
+from ..private import UntrustedFile, read_trusted, trusted_folder
 from ..procs import same_process, start_time
 
 PREFIX = "jupyter-llama-usage-"
@@ -58,9 +63,22 @@ class PeerBoard:
         self.pid = os.getpid() if pid is None else pid
         self.path = self.folder / f"{PREFIX}{self.pid}.json"
         self._started = start_time(self.pid)  # with the PID, so that a reused PID is not taken for us
+        self.problem: str | None = None  # why the folder is not used (another user could write to it)
+
+    def _usable(self) -> bool:
+        """Whether the folder is this user's alone (checked each time: it may be made later)."""
+        try:
+            trusted_folder(self.folder, make=False)
+        except UntrustedFile as e:
+            self.problem = str(e)
+            return False
+        self.problem = None
+        return True
 
     def publish(self, models: list[dict]) -> None:
         """Write what this manager's models hold now (an empty list when nothing is loaded)."""
+        if not self._usable():
+            return
         try:  # (0600 in a 0700 folder; a write cut short leaves no temporary file)
             atomic_write_json(self.path, {"pid": self.pid, "started": self._started, "url": self.url,
                                            "models": models}, fsync=False)
@@ -76,6 +94,8 @@ class PeerBoard:
     def others(self) -> list[Peer]:
         """Live managers other than this one, by PID; files of dead ones are removed."""
         found = []
+        if not self._usable():
+            return []
         try:
             entries = sorted(self.folder.glob(f"{PREFIX}*.json"))
         except OSError:
@@ -88,7 +108,9 @@ class PeerBoard:
             if pid == self.pid:
                 continue
             try:
-                data = json.loads(p.read_text())
+                data = json.loads(read_trusted(p) or "null")
+            except UntrustedFile:
+                continue  # not this user's file (only root could have put it here): neither counted nor removed
             except (OSError, ValueError):
                 data = None  # being written (atomically: it has a whole file or none), or unreadable
             started = data.get("started") if isinstance(data, dict) else None

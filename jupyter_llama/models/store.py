@@ -58,6 +58,7 @@ from filelock import FileLock
 
 from .. import config
 from ..errors import BadRequest, ModelNotFound, SchedulerError, StorageFull
+from ..private import write_private
 from .ref import ModelRef, model_details, parameter_size
 from .gguf_info import GGUFError, GGUFInfo, read_gguf_info
 from .names import (InvalidName, ModelName, also_registry, parse_name, plainly_a_path, refuse_control_characters,
@@ -182,22 +183,8 @@ def atomic_write_json(path: Path, data: Any, fsync: bool = True) -> None:
     over it), readable by this user only, its folder made 0700 when missing; ``fsync``: on
     disk before this returns (manifests), else as the system gets to it (records remade at will)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        # readable by this user only, whatever the umask: manifests carry the URLs models came from
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=1, sort_keys=False)
-            fh.write("\n")
-            if fsync:
-                fh.flush()
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    # readable by this user only, whatever the umask: manifests carry the URLs models came from
+    write_private(path, json.dumps(data, indent=1, sort_keys=False) + "\n", fsync=fsync)
     if fsync:
         _fsync_dir(path.parent)
 
