@@ -6,24 +6,12 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from IPython.core.displaypub import DisplayPublisher
 from IPython.core.interactiveshell import InteractiveShell
+from test_magics import RecordingPublisher
 
 from jupyter_llama import commands
 from jupyter_llama.commands import RunResult
 from jupyter_llama.magics import LlamaMagics, NotebookFrontend
-
-
-class RecordingPublisher(DisplayPublisher):
-    """IPython's display machinery as a notebook's kernel has it (not a terminal's), keeping
-    what was published."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.published: list[dict] = []
-
-    def publish(self, data, metadata=None, source=None, *, transient=None, update=False):
-        self.published.append({"data": data, "transient": transient or {}, "update": update})
 
 
 @pytest.fixture
