@@ -135,9 +135,9 @@ class RunResult:
 
     @property
     def loaded_now(self) -> bool:
-        """Whether the model was loaded for this answer (the manager's load_duration says so;
-        a loaded model's answer waits only for a health check, well under LOADED_AFTER)."""
-        return self.load_seconds >= LOADED_AFTER
+        """Whether this answer waited for its model to load: the manager's load_duration is
+        0 for a model that was ready (however long its health check took)."""
+        return self.load_seconds > 0
 
     def __repr__(self) -> str:
         what = f"{len(self.text)} characters, stopped" if self.stopped else f"{self.tokens} tokens"
@@ -151,9 +151,6 @@ class RunResult:
         from IPython.display import display
 
         display({"text/plain": repr(self)}, raw=True)
-
-
-LOADED_AFTER = 0.1  # seconds of load_duration from which an answer's model counts as loaded for it
 
 
 class StreamStopped(Exception):

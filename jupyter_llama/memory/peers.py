@@ -65,10 +65,11 @@ class PeerBoard:
         self._started = start_time(self.pid)  # with the PID, so that a reused PID is not taken for us
         self.problem: str | None = None  # why the folder is not used (another user could write to it)
 
-    def _usable(self) -> bool:
-        """Whether the folder is this user's alone (checked each time: it may be made later)."""
+    def _usable(self, make: bool = False) -> bool:
+        """Whether the folder is this user's alone (checked each time: it may be made later);
+        ``make``: made (0700) when missing."""
         try:
-            trusted_folder(self.folder, make=False)
+            trusted_folder(self.folder, make=make)
         except UntrustedFile as e:
             self.problem = str(e)
             return False
@@ -77,7 +78,7 @@ class PeerBoard:
 
     def publish(self, models: list[dict]) -> None:
         """Write what this manager's models hold now (an empty list when nothing is loaded)."""
-        if not self._usable():
+        if not self._usable(make=True):
             return
         try:  # (0600 in a 0700 folder; a write cut short leaves no temporary file)
             atomic_write_json(self.path, {"pid": self.pid, "started": self._started, "url": self.url,

@@ -171,15 +171,18 @@ class Scheduler:
                              "raise JUPYTER_LLAMA_MAX_QUEUE to allow more waiting requests)")
         self._pending += 1
         t0 = time.monotonic()
+        loading = False  # this request waited for a load (its own or another's): its load_duration says how long
         try:
             while True:
                 lo = self.loaded.get(ref.key)
                 if lo is not None and lo.state == ModelState.LOADING:
+                    loading = True
                     await asyncio.shield(lo.ready)  # one load, however many wait for it
                     continue
                 if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.matches(options):
                     if await self._healthy(lo) and lo.state == ModelState.READY and not lo.unload_when_idle:
-                        return self._lease(lo, ka, time.monotonic() - t0, ref)  # still: the check awaited
+                        # (a health check is no load: 0 unless it waited for one)
+                        return self._lease(lo, ka, time.monotonic() - t0 if loading else 0.0, ref)
                 async with self._lock:
                     if self._closed:
                         raise SchedulerError("the scheduler is shutting down")

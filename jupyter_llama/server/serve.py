@@ -74,8 +74,6 @@ def _seconds(text: str) -> float:
 def server_argv(args: argparse.Namespace) -> list[str]:
     """The ServerApp command line for parsed ``serve`` arguments (config files still apply below it)."""
     argv = [f"--ServerApp.ip={args.ip}", "--ServerApp.open_browser=False", "--ServerApp.answer_yes=True",
-            # no page to open, so no jpserver-*-open.html (which holds the token) in the runtime folder
-            "--ServerApp.no_browser_open_file=True",
             "--ServerApp.identity_provider_class=jupyter_llama.server.identity.ApiTokenIdentityProvider",
             # the extension is all this server serves: one that cannot start (a setting it cannot
             # read) stops it, with its sentence, rather than leaving a server that answers 404
@@ -102,15 +100,20 @@ def manager_server_app():
     nbconvert, config or shutdown routes (jupyter_server's ``default_services``, which it
     documents for a subclass to narrow, and the contents manager's ``files_handler_class``)."""
     from jupyter_server.serverapp import ServerApp
+    from traitlets import default
 
-    class ManagerServerApp(ServerApp):
+    class LlamaServeApp(ServerApp):
         default_services = ("auth",)
+
+        @default("no_browser_open_file")
+        def _no_open_file(self) -> bool:  # (no page to open: no jpserver-*-open.html, which holds the token)
+            return True
 
         def init_configurables(self) -> None:
             super().init_configurables()
             self.contents_manager.files_handler_class = None  # no /files/ route
 
-    return ManagerServerApp
+    return LlamaServeApp
 
 
 def make_server(argv: Sequence[str] | None = None, *, args: argparse.Namespace | None = None):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from jupyter_llama.private import write_private
 from jupyter_llama.procs import process_alive
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -168,9 +169,9 @@ def test_stop_never_signals_a_process_that_is_not_the_manager(alone, tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         d = background.state_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        (d / background.STATE_NAME).write_text(json.dumps({"url": "http://127.0.0.1:9/llama/", "token": "t",
-                                                           "pid": sleeper.pid}))
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)  # (as a manager leaves them: this user's alone)
+        write_private(d / background.STATE_NAME, json.dumps({"url": "http://127.0.0.1:9/llama/", "token": "t",
+                                                             "pid": sleeper.pid}))
         assert background.find() is None and background.stop() is None
         assert sleeper.poll() is None, "stop() signalled a process that is not a manager"
     finally:

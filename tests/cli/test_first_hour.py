@@ -86,19 +86,20 @@ def no_placement(monkeypatch):
 
 def test_a_load_is_said_only_when_one_happened(no_placement, capsys):
     """The note was printed for any first token later than 1 s, above a stats line saying
-    "already loaded": it now follows the manager's load_duration."""
+    "already loaded": it now follows the manager's load_duration, which is 0 for a model that
+    was ready (the scheduler's fast path and its health check alike)."""
     args = argparse.Namespace(model="gemma", raw=False, stats=False)
     fe = TerminalFrontend()
     gen, _ = _chunks(["Hi"], {"load_duration": 13_200_000_000, "eval_count": 1})
     commands._generate(args, fe, gen, lambda c: c.get("response", ""))
     assert "(gemma was loaded first: 13.2s)" in capsys.readouterr().err
 
-    gen, _ = _chunks(["Hi"], {"load_duration": 2_000_000, "eval_count": 1}, delay=1.2)  # slow, but loaded already
+    gen, _ = _chunks(["Hi"], {"load_duration": 0, "eval_count": 1}, delay=1.2)  # slow, but loaded already
     commands._generate(args, fe, gen, lambda c: c.get("response", ""))
     assert "loaded first" not in capsys.readouterr().err
 
     args.stats = True
-    gen, _ = _chunks(["Hi"], {"load_duration": 2_000_000, "eval_count": 1})
+    gen, _ = _chunks(["Hi"], {"load_duration": 0, "eval_count": 1})
     commands._generate(args, fe, gen, lambda c: c.get("response", ""))
     err = capsys.readouterr().err
     assert "already loaded" in err and "loaded first" not in err, err

@@ -141,7 +141,7 @@ from jupyter_llama.server.serve import make_server
 app = make_server(["--log-level", sys.argv[1], "--port", "0", "--allow-root"])
 app.log.warning("a warning still shows")
 app.log.debug("a debug line shows only at DEBUG")
-print([logging.getLogger(n).isEnabledFor(logging.DEBUG) for n in ("ServerApp", "tornado.access")])
+print([logging.getLogger(n).isEnabledFor(logging.DEBUG) for n in (app.log.name, "tornado.access")])
 """
 
 
