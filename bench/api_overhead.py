@@ -1077,6 +1077,10 @@ def main() -> int:
     plan = SETTINGS[args.model]
     plan = replace(plan, rounds=plan.rounds if args.rounds is None else args.rounds,
                    n_predict=plan.n_predict if args.n_predict is None else args.n_predict)
+    # SIGTERM (a timeout, a kill by PID) ends the run as Ctrl-C does: through the finally blocks
+    # that stop the manager, the router and the hand-started children (by default it would end
+    # this process at once and leave them running)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return asyncio.run(main_async(args, plan))
 
 
