@@ -113,7 +113,31 @@ def manager_server_app():
             super().init_configurables()
             self.contents_manager.files_handler_class = None  # no /files/ route
 
+        def init_httpserver(self) -> None:
+            super().init_httpserver()
+            # A connection has this long to send each request's head, and a kept-alive one that
+            # sends nothing closes after as long (Tornado's default for both, an hour, let
+            # thousands of silent connections hold a manager's descriptors). Bodies, an upload's
+            # included, and streamed answers are not timed.
+            self.http_server.conn_params.header_timeout = header_timeout()
+
     return LlamaServeApp
+
+
+HEADER_TIMEOUT_DEFAULT = "10s"
+
+
+def header_timeout() -> float:
+    """``JUPYTER_LLAMA_HEADER_TIMEOUT`` in seconds (default 10s): how long ``serve`` waits for a
+    request's head, and keeps an idle connection. ConfigError for a value that is no
+    duration, or not above 0."""
+    from ..config import env, parse_duration
+
+    seconds = parse_duration(env("HEADER_TIMEOUT") or HEADER_TIMEOUT_DEFAULT, "JUPYTER_LLAMA_HEADER_TIMEOUT")
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(f"JUPYTER_LLAMA_HEADER_TIMEOUT must be a duration above 0 (such as 10s), got "
+                          f"{env('HEADER_TIMEOUT')!r}")
+    return seconds
 
 
 def make_server(argv: Sequence[str] | None = None, *, args: argparse.Namespace | None = None):
@@ -212,8 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..config import env_choice
 
     args = build_parser().parse_args(list(argv) if argv is not None else None)
-    try:  # (the event loop's setting is a word: one it does not know is said, not ignored)
+    try:  # (serve's own settings: one it cannot read is said, not ignored)
         env_choice("EVENT_LOOP", EVENT_LOOPS)
+        header_timeout()
     except ConfigError as e:
         print(f"jupyter-llama serve: {e}", file=sys.stderr)
         return 2

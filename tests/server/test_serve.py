@@ -234,9 +234,11 @@ def test_an_address_or_port_serve_cannot_listen_on_is_a_sentence(tmp_path, engin
 
 
 def test_a_word_serve_does_not_know_for_how_it_serves_is_said(tmp_path, engine):
-    """JUPYTER_LLAMA_EVENT_LOOP names one of a few event loops; another word was taken as the
-    default without a word."""
-    for name, value, said in (("EVENT_LOOP", "turbo", "'turbo' is not one of uvloop, asyncio (unset: uvloop)"),):
+    """JUPYTER_LLAMA_EVENT_LOOP names one of a few event loops, JUPYTER_LLAMA_HEADER_TIMEOUT a
+    duration; anything else is said at start, not taken as the default without a word."""
+    for name, value, said in (("EVENT_LOOP", "turbo", "'turbo' is not one of uvloop, asyncio (unset: uvloop)"),
+                              ("HEADER_TIMEOUT", "soon", '"soon" is not a duration; use seconds (300), or units like '
+                                                         "'10m', '1h30m', '-1' for forever")):
         env = dict(_serve_env(tmp_path, engine), **{f"JUPYTER_LLAMA_{name}": value})
         done = subprocess.run([sys.executable, "-m", "jupyter_llama.server.serve", "--allow-root", "--no-browser",
                                "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=120)
@@ -284,3 +286,38 @@ def test_serves_key_opens_only_its_api_and_no_child_gets_a_credential(credential
         assert name not in names, name
     for value in (token, *credentials_in_env.values()):
         assert value.encode() not in environ
+
+
+@pytest.fixture
+def short_header_timeout(monkeypatch):
+    """serve started with a one-second header timeout (before ``serve``)."""
+    monkeypatch.setenv("JUPYTER_LLAMA_HEADER_TIMEOUT", "1s")
+
+
+def test_silent_and_slow_connections_are_closed_while_clients_are_served(short_header_timeout, serve):
+    """A connection that sends no request head, or sends it a byte at a time and never ends
+    it (a slowloris), is closed once the header timeout passes (Tornado's default was an
+    hour); a client that sends its request is served meanwhile, and after."""
+    import socket
+
+    _, url, token = serve()
+    port = int(url.split(":")[2].split("/")[0])
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+    slow = socket.create_connection(("127.0.0.1", port))
+    try:
+        slow.sendall(b"GET /llama/api/version HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        with httpx.Client(trust_env=False, timeout=30, headers={"Authorization": f"token {token}"}) as c:
+            assert c.get(url + "api/version").status_code == 200
+            for s in silent + [slow]:
+                s.settimeout(30)  # (an upper bound far above the setting; the default would hold for an hour)
+                try:
+                    while True:
+                        slow.sendall(b"X")  # (a header line that never ends)
+                        if s.recv(1024) == b"":
+                            break
+                except (ConnectionResetError, BrokenPipeError):
+                    pass
+            assert c.get(url + "api/version").status_code == 200
+    finally:
+        for s in silent + [slow]:
+            s.close()
