@@ -27,7 +27,7 @@ from typing import NamedTuple
 import httpx
 
 from .config import ConfigError, env, parse_duration
-from .private import UntrustedFile, open_log, read_trusted, trusted_folder, write_private
+from .private import open_log, read_trusted, trusted_folder, write_private
 
 __all__ = ["Manager", "ManagerStartFailed", "answers", "ensure", "find", "start_serve", "state_dir", "stop",
            "IDLE_DEFAULT"]
@@ -100,15 +100,10 @@ def _state_folder(make: bool) -> Path | None:
     d = state_dir()
     if not make and not os.path.lexists(d):
         return None
-    if os.path.lexists(d) and not os.path.islink(d) and not os.path.isdir(d):
-        raise ConfigError(f"the background manager keeps its state in {_where()}, {d}, which cannot be made a "
-                          "folder: File exists; point JUPYTER_LLAMA_MANAGER_DIR at a folder you can write")
     try:
         return trusted_folder(d, secret=True, make=make,
                               purpose=f"the background manager keeps its state in {_where()}; point "
                                       "JUPYTER_LLAMA_MANAGER_DIR at a folder of your own")
-    except UntrustedFile:
-        raise
     except OSError as e:
         raise ConfigError(f"the background manager keeps its state in {_where()}, {d}, which cannot be made a "
                           f"folder: {e.strerror or e}; point JUPYTER_LLAMA_MANAGER_DIR at a folder you can write") \

@@ -20,6 +20,7 @@ Anything else is an :class:`UntrustedFile`, a sentence that names the file and w
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -55,24 +56,21 @@ def _why_not_ours(st: os.stat_result, what: str, path: str | os.PathLike, secret
 
 def trusted_folder(path: str | os.PathLike, *, secret: bool = False, make: bool = True, purpose: str = "") -> Path:
     """``path`` as a folder this user trusts: made (mode 0700, with its parents) when it is
-    missing and ``make``; UntrustedFile when it is a link, not a folder, another user's, or
-    writable by others (``secret``: or readable by others). ``purpose`` finishes the
-    sentence (what the folder is for, and the setting that chooses it)."""
+    missing and ``make``; UntrustedFile when it is a link, another user's, or writable by
+    others (``secret``: or readable by others); OSError when it cannot be had at all (missing,
+    a file in its place: ``FileExistsError``). ``purpose`` finishes the sentence (what the
+    folder is for, and the setting that chooses it)."""
     p = Path(path)
     if make and not os.path.lexists(p):
         try:
             p.mkdir(parents=True, mode=0o700)
         except FileExistsError:  # (made by someone meanwhile: checked below)
             pass
-    try:
-        st = os.lstat(p)
-    except OSError as e:
-        raise UntrustedFile(f"the folder {p} cannot be used: {e.strerror or e}" + (f"; {purpose}" if purpose else "")) \
-            from None
+    st = os.lstat(p)
     if stat.S_ISLNK(st.st_mode):
         why = f"{p} is a link, not a folder of yours"
     elif not stat.S_ISDIR(st.st_mode):
-        why = f"{p} is not a folder"
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(p))
     else:
         why = _why_not_ours(st, "the folder", p, secret)
     if why:

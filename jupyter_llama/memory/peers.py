@@ -13,13 +13,14 @@ process's start time beside its PID; one whose process is gone (or whose PID a l
 has been given) is removed by whoever reads it. What they say is counted only from a folder
 of this user's that nobody else can write, and only from files of this user's
 (:mod:`..private`): on a shared machine another user's file would otherwise make this
-user's loads refused. A folder others can write leaves the board unused (``problem`` says
-why; the manager logs it).
+user's loads refused. A folder others can write leaves the board unused (logged once, with
+why).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,11 +68,16 @@ class PeerBoard:
 
     def _usable(self, make: bool = False) -> bool:
         """Whether the folder is this user's alone (checked each time: it may be made later);
-        ``make``: made (0700) when missing."""
+        ``make``: made (0700) when missing. Why one others could write to is not used is
+        logged once."""
         try:
             trusted_folder(self.folder, make=make)
         except UntrustedFile as e:
+            if self.problem is None:
+                logging.getLogger(__name__).warning("jupyter-llama: other managers' memory is not counted: %s", e)
             self.problem = str(e)
+            return False
+        except OSError:  # (missing, or not a folder: nothing to read, nowhere to write)
             return False
         self.problem = None
         return True

@@ -779,8 +779,6 @@ class BlobHandler(LlamaHandler):
     """``HEAD|POST api/blobs/sha256:<hex>``: the digest is checked before anything touches disk,
     the body streams to the store (hashed on the way, bounded by ``max_upload_size``)."""
 
-    counts_as_activity = True
-
     def initialize(self, name: str, *args, **kwargs) -> None:
         super().initialize(name, *args, **kwargs)
         self._queue: queue.Queue | None = None

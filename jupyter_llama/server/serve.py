@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+from datetime import datetime, timezone
 from typing import Sequence
 
 from .._version import __version__
@@ -304,8 +305,6 @@ def _exit_when_idle(app, seconds: float) -> None:
     """Stop the server once nothing is loaded, nothing is in flight, and the last request is
     ``seconds`` old (a loaded model keeps it: its keep_alive is a promise to the user)."""
     from tornado.ioloop import PeriodicCallback
-
-    from datetime import datetime, timezone
 
     seconds = max(1.0, seconds)  # at least long enough for the starter's first request
 
