@@ -103,6 +103,8 @@ def manager_server_app():
     from jupyter_server.serverapp import ServerApp
     from traitlets import default
 
+    from .connections import ConnectionCap, max_connections
+
     class LlamaServeApp(ServerApp):
         default_services = ("auth",)
 
@@ -121,6 +123,8 @@ def manager_server_app():
             # thousands of silent connections hold a manager's descriptors). Bodies, an upload's
             # included, and streamed answers are not timed.
             self.http_server.conn_params.header_timeout = header_timeout()
+            # At most so many client connections, below the descriptor limit (see connections.py).
+            self.http_server.request_callback = ConnectionCap(self.web_app, max_connections(), self.log)
 
     return LlamaServeApp
 
@@ -235,11 +239,13 @@ EVENT_LOOPS = ("uvloop", "asyncio")  # JUPYTER_LLAMA_EVENT_LOOP
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until it is stopped; returns the exit status."""
     from ..config import env_choice
+    from .connections import max_connections
 
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     try:  # (serve's own settings: one it cannot read is said, not ignored)
         env_choice("EVENT_LOOP", EVENT_LOOPS)
         header_timeout()
+        max_connections()
     except ConfigError as e:
         print(f"jupyter-llama serve: {e}", file=sys.stderr)
         return 2
