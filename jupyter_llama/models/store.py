@@ -8,6 +8,7 @@ Layout under the root (``JUPYTER_LLAMA_MODELS``, else ``<jupyter data dir>/llama
     partial/<key>.partial, <key>.json        downloads in progress (kept for resume)
     urls/<key>.json                          which blob a plain URL gave last time
     locks/<key>.lock                         a lock per blob digest or download while in use, plus ``manifests.lock``
+    uploads/sha256-<hex>                     when a blob was last uploaded (POST /api/blobs), until a prune
     tmp/                                     imports and synthetic models before they land
 
 A manifest lists its layers (the model GGUF, and an optional multimodal projector GGUF with
@@ -22,7 +23,17 @@ Writes are atomic (a temporary file beside the target, then ``os.replace``). Who
 a manifest point at a blob holds that blob's file lock from landing (or finding) the blob
 until the manifest is written, and the garbage collector deletes a blob only under its lock
 after re-reading every manifest; so a blob is never deleted under a model that is being
-created, copied or pulled, in this process or another.
+created, copied or pulled, in this process or another. Locks are held for short steps only
+(landing a file, writing a manifest), are always released (on errors too), and are waited
+for at most :data:`LOCK_WAIT` seconds: an operation that cannot get one answers
+:class:`StoreBusy` (409) instead of waiting forever. Operations racing on one name end as
+one of them or the other, a 404 (the name went away) or a 409 (try again).
+
+Reclaiming space: deleting a model (or pointing its name at other files) deletes the blobs
+no other manifest uses. ``prune`` (:meth:`ModelStore.prune_partials`) also drops partial
+downloads no pull is working on, blobs no model uses, and what ended processes left in
+``tmp/``; a blob written in the last :data:`PRUNE_GRACE` seconds is kept, since an upload
+(``POST /api/blobs``) or a pull names its blobs only when it finishes.
 
 Integrity: ``resolve`` compares every blob's size with the manifest each time (cheap) and
 rehashes a blob only when its size, mtime or inode differ from what ``verified/`` recorded
@@ -50,11 +61,12 @@ import re
 import secrets
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
 
-from filelock import FileLock
+from filelock import Timeout
 
 from .. import config
 from ..errors import BadRequest, ModelNotFound, SchedulerError, StorageFull
@@ -74,6 +86,9 @@ __all__ = [
     "StorageFull",
     "BlobCorrupt",
     "BlobMissing",
+    "StoreBusy",
+    "LOCK_WAIT",
+    "PRUNE_GRACE",
     "InvalidGGUF",
     "ModelEntry",
     "ModelStore",
@@ -89,6 +104,20 @@ MANIFEST_MEDIA_TYPE = "application/vnd.jupyter-llama.manifest.v1+json"
 CHUNK = 4 << 20  # hashing and copying buffer
 _DIGEST_RE = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+
+LOCK_WAIT = 30.0
+"""Seconds an operation waits for a lock another one holds (a blob's, the manifests'). Locks
+are held only while a file lands or a manifest is written, so a longer wait means the holder
+is stuck: the waiter gives up with :class:`StoreBusy` rather than polling forever (a thread
+polling forever also kept the server from stopping)."""
+
+PRUNE_GRACE = 3600.0
+"""Seconds a blob no model uses is kept after it was last written, landed (the later of its
+mtime and its inode's change time, which landing sets) or uploaded (``uploads/``): Ollama's
+clients upload a model's blobs first and name them with a create afterwards, and a pull names
+its blobs when the last one is in; a prune meanwhile must not take them, nor a delete of a
+model that used the same bytes (a delete takes its blobs at once, but one uploaded within
+the grace). Temporary files of ended processes are kept as long."""
 
 Progress = Callable[[dict], None]
 BeforeRemove = Callable[[ModelRef], Awaitable[Any]]
@@ -116,6 +145,15 @@ class BlobCorrupt(StoreError):
 
 class BlobMissing(StoreError):
     """A blob a manifest was about to use disappeared (removed concurrently); retry."""
+
+    status = 409
+
+
+class StoreBusy(StoreError):
+    """Another operation held a lock this one needed (on a blob, or on the list of models)
+    for longer than :data:`LOCK_WAIT`, or the server is stopping; nothing was changed."""
+
+    status = 409
 
 
 class PathNotAllowed(BadRequest):
@@ -197,6 +235,44 @@ def _unlink(path: Path) -> bool:
         return False
 
 
+def _listing(path: os.PathLike | str, *, dirs: bool) -> list[os.DirEntry]:
+    """The folders (``dirs``) or files in ``path``, by name, hidden ones left out; none when
+    ``path`` is gone (a concurrent delete removed it) or is no folder. ``DirEntry.is_dir`` and
+    ``is_file`` answer False for an entry removed since it was listed."""
+    try:
+        with os.scandir(path) as it:
+            found = [e for e in it if not e.name.startswith(".") and (e.is_dir() if dirs else e.is_file())]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(found, key=lambda e: e.name)
+
+
+def _touch_ctime(path: Path, st: os.stat_result) -> None:
+    """Set ``path``'s inode change time to now without changing its bytes, mode or mtime."""
+    import stat as _stat
+
+    with contextlib.suppress(OSError):
+        os.chmod(path, _stat.S_IMODE(st.st_mode))
+
+
+def _age(st: os.stat_result, now: float) -> float:
+    """Seconds since a file was last written, landed or moved (see :data:`PRUNE_GRACE`)."""
+    return now - max(st.st_mtime, st.st_ctime)
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this machine (another user's counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -249,8 +325,8 @@ def storage_full(root: os.PathLike | str, what: str, needed: int | None = None,
         text = f"{where} is full: {what} ran out of space{need}. What it had written was removed again."
     return StorageFull(
         f"{text} Free some space (`jupyter-llama rm NAME` removes a model you no longer need, "
-        "`jupyter-llama prune` drops unfinished downloads) or point JUPYTER_LLAMA_MODELS at a larger disk, "
-        "then try again", path=str(root), needed=needed, free=free)
+        "`jupyter-llama prune` drops unfinished downloads and files no model uses) or point JUPYTER_LLAMA_MODELS "
+        "at a larger disk, then try again", path=str(root), needed=needed, free=free)
 
 
 def _stamp(st: os.stat_result) -> dict:
@@ -544,62 +620,116 @@ class ModelEntry:
 # ----------------------------------------------------------------------------- store
 
 
+_CONTENDED = (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
+
+
 class RemovableLock:
-    """An exclusive lock on a file that is deleted on release, so a finished job leaves nothing.
+    """An exclusive lock on a file (``flock``), by default deleted on release, so a finished
+    job leaves nothing behind.
 
     Deleting a lock file is safe only if a waiter checks, once it holds the lock, that the file
     it locked is still the one at the path (the holder may have removed it meanwhile, and a
-    third process made a new one); if not, it locks the new file instead.
+    third process made a new one); if not, it locks the new file instead. Only the holder
+    deletes the file, and only while it is still the file it holds.
+
+    A wait is bounded (``timeout`` seconds, :data:`LOCK_WAIT` unless told; negative: no bound)
+    and ends early when ``stop`` is set. :meth:`release` never raises and frees everything it
+    took, whatever happened meanwhile: a lock left held would keep every later waiter polling.
+    ``what`` names the locked thing in the :class:`StoreBusy` sentence of ``with``.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, remove: bool = True, timeout: float | None = None, what: str = "",
+                 stop: threading.Event | None = None):
         self.path = path
+        self.remove = remove
+        self.timeout = LOCK_WAIT if timeout is None else timeout
+        self.what = what or f"the lock {path.name}"
+        self._stop = stop
         self._fd: int | None = None
+        self._ident: tuple[int, int] | None = None  # (device, inode) of the file held
 
-    def acquire(self, timeout: float = -1, poll: float = 0.05) -> None:
+    def acquire(self, timeout: float | None = None, poll: float = 0.05) -> None:
+        """Take the lock, waiting at most ``timeout`` seconds (the lock's own unless given;
+        negative: no bound); filelock's ``Timeout`` when it stays taken (or ``stop`` is set)."""
         import fcntl
-        import time as _time
 
-        from filelock import Timeout
-
-        deadline = None if timeout < 0 else _time.monotonic() + timeout
+        wait = self.timeout if timeout is None else timeout
+        deadline = None if wait < 0 else time.monotonic() + wait
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.path, flags, 0o600)
             try:
                 while True:
                     try:
                         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                         break
-                    except BlockingIOError:
-                        if deadline is not None and _time.monotonic() >= deadline:
-                            raise Timeout(str(self.path)) from None
-                        _time.sleep(poll)
+                    except OSError as e:
+                        if e.errno not in _CONTENDED:
+                            raise
+                    if (self._stop is not None and self._stop.is_set()) or (
+                            deadline is not None and time.monotonic() >= deadline):
+                        raise Timeout(str(self.path)) from None
+                    if self._stop is not None:
+                        self._stop.wait(poll)
+                    else:
+                        time.sleep(poll)
+                held = os.fstat(fd)
                 try:
-                    same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                    now = os.stat(self.path)
+                    same = (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
                 except FileNotFoundError:
                     same = False
             except BaseException:
                 os.close(fd)
                 raise
             if same:
-                self._fd = fd
+                self._fd, self._ident = fd, (held.st_dev, held.st_ino)
                 return
             os.close(fd)  # we locked a file its holder had removed: lock the one there now
 
     def release(self) -> None:
-        if self._fd is None:
-            return
+        """Give the lock up (deleting its file first, when ``remove``); a second call does
+        nothing. A descriptor that no longer names the locked file (closed, or its number
+        reused by someone else) is left alone: closing it would close another's file."""
         import fcntl
 
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # while still holding it: waiters on this file will look again
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
-        self._fd = None
+        fd, ident = self._fd, self._ident
+        if fd is None:
+            return
+        self._fd = self._ident = None
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return
+        if (st.st_dev, st.st_ino) != ident:
+            return
+        try:
+            if self.remove:  # while still holding it: waiters on this file will look again
+                with contextlib.suppress(OSError):
+                    now = os.stat(self.path)
+                    if (now.st_dev, now.st_ino) == ident:
+                        os.unlink(self.path)
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def take(self) -> "RemovableLock":
+        """:meth:`acquire`, with a wait that runs out said as :class:`StoreBusy` (409)."""
+        try:
+            self.acquire()
+        except Timeout:
+            if self._stop is not None and self._stop.is_set():
+                raise StoreBusy(f"the model store is closing (the server is stopping): {self.what} was not "
+                                "changed; try again once it is back") from None
+            raise StoreBusy(f"another operation on the model store (a create, copy, delete or pull) has held "
+                            f"{self.what} for over {self.timeout:g} s; nothing was changed, try again in a "
+                            "moment") from None
+        return self
 
     def __enter__(self) -> "RemovableLock":
-        self.acquire()
-        return self
+        return self.take()
 
     def __exit__(self, *exc) -> None:
         self.release()
@@ -626,9 +756,17 @@ class ModelStore:
         self.urls_dir = self.root / "urls"
         self.locks_dir = self.root / "locks"
         self.tmp_dir = self.root / "tmp"
+        self.uploads_dir = self.root / "uploads"
         self._info_cache: dict[str, tuple[tuple, GGUFInfo]] = {}
         self._preset_cache: dict[str, bytes] = {}
         self._cache_lock = threading.Lock()
+        self._stopping = threading.Event()  # set by stop_waiting: lock waits end at once
+
+    def stop_waiting(self) -> None:
+        """End every wait for a store lock in this process now, and refuse later ones
+        (:class:`StoreBusy`): for a server that is stopping, whose worker threads must not
+        wait out :data:`LOCK_WAIT` first. What holds a lock finishes its step and releases it."""
+        self._stopping.set()
 
     def __repr__(self) -> str:
         return f"ModelStore({str(self.root)!r})"
@@ -681,21 +819,31 @@ class ModelStore:
     def _sidecar(self, hexd: str) -> Path:
         return self.verified_dir / f"sha256-{hexd}.json"
 
-    def lock(self, key: str, timeout: float = -1) -> FileLock:
-        """A file lock named ``key`` (a blob key such as ``sha256-<hex>``, or ``manifests``)."""
+    def lock(self, key: str, timeout: float | None = None) -> RemovableLock:
+        """A file lock named ``key`` whose file stays (``manifests``: the one every manifest
+        write and delete takes); its ``with`` waits at most ``timeout`` seconds (:data:`LOCK_WAIT`),
+        then says StoreBusy."""
         self.locks_dir.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(self.locks_dir / f"{key}.lock"), timeout=timeout)
+        what = "the list of models" if key == "manifests" else f"the lock {key}"
+        return RemovableLock(self.locks_dir / f"{key}.lock", remove=False, timeout=timeout, what=what,
+                             stop=self._stopping)
 
-    def removable_lock(self, key: str) -> "RemovableLock":
-        """A lock whose file is gone once it is released (for one-off work such as a download)."""
+    def removable_lock(self, key: str, what: str = "", stop: threading.Event | None = None) -> "RemovableLock":
+        """A lock whose file is gone once it is released (for one-off work such as a download,
+        whose waiter polls it with its own cancel checks)."""
         self.locks_dir.mkdir(parents=True, exist_ok=True)
-        return RemovableLock(self.locks_dir / f"{key}.lock")
+        return RemovableLock(self.locks_dir / f"{key}.lock", what=what or f"the lock {key}", stop=stop)
 
     def prune_partials(self) -> list[dict]:
-        """Drop partial downloads that no pull is working on (their resume is lost); each
-        removed one as ``{"file", "bytes", "url"}``. One in progress (its lock held) is kept."""
-        from filelock import Timeout
+        """What ``prune`` reclaims (``POST api/prune``), each removed thing as ``{"kind", "file",
+        "bytes"}`` (``bytes``: what removing it freed): ``partial`` downloads no pull is working
+        on (their resume is lost; with the ``url``), each ``blob`` no model uses (with ``digest``
+        and ``size``; see :meth:`prune_unused`), and ``tmp`` files that ended processes left.
+        Nothing a lock holds, and nothing written in the last :data:`PRUNE_GRACE` seconds but
+        partial downloads (one in progress holds its lock), is removed."""
+        return self._prune_downloads() + self.prune_unused() + self._prune_tmp()
 
+    def _prune_downloads(self) -> list[dict]:
         removed = []
         for part in sorted(self.partial_dir.glob("*.partial")) if self.partial_dir.is_dir() else []:
             key = part.name[: -len(".partial")]
@@ -716,35 +864,63 @@ class ModelStore:
                     continue
                 _unlink(part)
                 _unlink(meta)
-                removed.append({"file": str(part), "bytes": size, "url": url})
+                removed.append({"kind": "partial", "file": str(part), "bytes": size, "url": url})
             finally:
                 lock.release()
+        return removed
+
+    _TMP_NAME = re.compile(r"^(?:import|upload|synth|preset)-(\d+)-")
+
+    def _prune_tmp(self, grace: float | None = None) -> list[dict]:
+        """Remove what a process that has ended left in ``tmp/`` (an import, an upload, a
+        synthetic model cut short by a crash) once it is ``grace`` seconds old; a file whose
+        process runs, or that is younger, may still be landing."""
+        grace = PRUNE_GRACE if grace is None else grace
+        removed = []
+        try:
+            with os.scandir(self.tmp_dir) as it:
+                found = list(it)
+        except (FileNotFoundError, NotADirectoryError):
+            return removed
+        now = time.time()
+        for entry in sorted(found, key=lambda e: e.name):
+            m = self._TMP_NAME.match(entry.name)
+            if m is None or _process_runs(int(m.group(1))):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if _age(st, now) < grace:
+                continue
+            if _unlink(Path(entry.path)):
+                removed.append({"kind": "tmp", "file": entry.path, "bytes": st.st_size if st.st_nlink <= 1 else 0})
         return removed
 
     def _blob_lock(self, hexd: str) -> "RemovableLock":
         """A blob's lock: its file goes when it is released, so a deleted blob leaves no lock
         file behind (waiters re-check that they hold the file at the path)."""
-        return self.removable_lock(f"sha256-{hexd}")
+        return self.removable_lock(f"sha256-{hexd}", what=f"blob sha256:{hexd[:12]}", stop=self._stopping)
 
     class _Locks:
+        """Several locks, taken in order (each wait bounded: StoreBusy) and all released on
+        exit, whatever happens."""
+
         def __init__(self, locks: list["RemovableLock"]):
             self.locks = locks
 
         def __enter__(self):
-            taken = []
             try:
                 for lk in self.locks:
-                    lk.acquire()
-                    taken.append(lk)
+                    lk.take()
             except BaseException:
-                for lk in reversed(taken):
-                    lk.release()
+                self.__exit__()
                 raise
             return self
 
         def __exit__(self, *exc):
             for lk in reversed(self.locks):
-                lk.release()
+                lk.release()  # (never raises; one not taken is a no-op)
 
     def _blob_locks(self, digests: Iterable[str]) -> "ModelStore._Locks":
         return ModelStore._Locks([self._blob_lock(h) for h in sorted(set(digests))])
@@ -817,7 +993,10 @@ class ModelStore:
         """Move ``src`` (already hashed to ``digest``, on the store's filesystem) into ``blobs/``.
 
         The caller holds the blob's lock. A good blob already there is kept (the same bytes
-        are never stored twice) and ``src`` is removed; a bad one is replaced.
+        are never stored twice) and ``src`` is removed; a bad one is replaced. Either way the
+        blob's inode change time is now, which keeps it from a prune for :data:`PRUNE_GRACE`
+        (a rename or a link sets it; a kept blob gets it from a chmod to its own mode, which
+        leaves its mtime, and so its verified record, as they were).
         """
         hexd = normalize_digest(digest)
         dst = self.blob_path(hexd)
@@ -831,10 +1010,12 @@ class ModelStore:
         if st_dst is not None:
             if st_dst.st_ino == st_src.st_ino and st_dst.st_dev == st_src.st_dev:
                 _unlink(src)
+                _touch_ctime(dst, st_dst)
                 self._write_sidecar(hexd, os.stat(dst))
                 return dst
             if st_dst.st_size == st_src.st_size and self._sidecar_matches(hexd, st_dst):
                 _unlink(src)
+                _touch_ctime(dst, st_dst)
                 return dst
         os.replace(src, dst)
         self._write_sidecar(hexd, os.stat(dst))
@@ -927,21 +1108,13 @@ class ModelStore:
     # -- manifests ------------------------------------------------------------------
 
     def _iter_manifest_paths(self) -> Iterator[tuple[Path, tuple[str, str, str, str]]]:
-        base = self.manifests_dir
-        if not base.is_dir():
-            return
-        for host in sorted(os.scandir(base), key=lambda e: e.name):
-            if not host.is_dir() or host.name.startswith("."):
-                continue
-            for ns in sorted(os.scandir(host.path), key=lambda e: e.name):
-                if not ns.is_dir() or ns.name.startswith("."):
-                    continue
-                for model in sorted(os.scandir(ns.path), key=lambda e: e.name):
-                    if not model.is_dir() or model.name.startswith("."):
-                        continue
-                    for tag in sorted(os.scandir(model.path), key=lambda e: e.name):
-                        if tag.name.startswith(".") or not tag.is_file():
-                            continue
+        """Every manifest file, in sorted order. A delete running meanwhile removes files and
+        the folders it empties (under the manifests lock, which readers do not take): a folder
+        or file gone before it is read was a manifest deleted, and is passed over."""
+        for host in _listing(self.manifests_dir, dirs=True):
+            for ns in _listing(host.path, dirs=True):
+                for model in _listing(ns.path, dirs=True):
+                    for tag in _listing(model.path, dirs=False):
                         yield Path(tag.path), (host.name, ns.name, model.name, tag.name)
 
     def _load_entry(self, path: Path, parts: tuple[str, str, str, str]) -> ModelEntry | None:
@@ -1080,6 +1253,9 @@ class ModelStore:
                     _unlink(t)
         hexes = [normalize_digest(ly["digest"]) for ly in layers]
         land = land or {}
+        for ly, hexd in zip(layers, hexes):  # before the locks: a check that must hash does it here, not under them
+            if hexd not in land:
+                self._check_layer(name, ly, hexd)
         new_blobs: set[str] = set()  # landed here and not there before: removed again if this fails
         try:
             with self._space(f"saving model {name.display} (its files and manifest)"):
@@ -1087,13 +1263,20 @@ class ModelStore:
                                                  progress, new_blobs)
         except BaseException:
             if new_blobs:
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError, StoreError):
                     self.prune(new_blobs)  # no manifest names them now (prune checks that again)
             raise
         stale = old - set(hexes)
-        if stale:
-            self.prune(stale)
+        if stale:  # the manifest is written: this is done, and what is left here a later prune takes
+            with contextlib.suppress(OSError, StoreError):
+                self.prune(stale)
         return entry
+
+    def _check_layer(self, name: ModelName, ly: dict, hexd: str) -> None:
+        problem = self.check_blob(hexd, int(ly["size"]))
+        if problem:
+            raise BlobMissing(f"blob sha256:{hexd[:12]} for {name.display}: {problem}; it may have been removed "
+                              "meanwhile (a delete of the model it came from): try again")
 
     def _commit_locked(self, name: ModelName, layers: list[dict], hexes: list[str], info: dict, source: dict,
                        projector_info: dict | None, land: dict[str, Path], progress: Progress | None,
@@ -1115,10 +1298,7 @@ class ModelStore:
                         word = "using existing layer" if existed else "creating new layer"
                         progress({"status": f"{word} sha256:{hexd}"})
                 else:
-                    problem = self.check_blob(hexd, int(ly["size"]))
-                    if problem:
-                        raise BlobMissing(f"blob sha256:{hexd[:12]} for {name.display}: {problem}; "
-                                         f"it may have been removed meanwhile, try again")
+                    self._check_layer(name, ly, hexd)
             if progress:
                 progress({"status": "writing manifest"})
             manifest = {
@@ -1178,8 +1358,19 @@ class ModelStore:
             mname = parse_name(str(name).strip())
         except InvalidName:
             return Preset()
-        e = self._lookup(mname)
-        return self._read_preset(e.layers, e.display) if e is not None else Preset()
+        for _attempt in range(3):
+            e = self._lookup(mname)
+            if e is None:
+                return Preset()
+            try:
+                return self._read_preset(e.layers, e.display)
+            except StoreError:
+                # a delete or a create that re-pointed the name meanwhile took a layer: look again
+                now = self._lookup(mname)
+                if now is not None and (now.manifest_path, now.digest) == (e.manifest_path, e.digest):
+                    raise
+        raise StoreBusy(f'model "{name}" was changed by other operations (a create, copy or delete) while its '
+                        "preset was being read, again and again; try again")
 
     def _with_preset(self, layers: list[dict], preset: Preset) -> tuple[list[dict], dict[str, Path]]:
         """``layers`` with their preset merged with ``preset``: the weights' layers as they were,
@@ -1328,7 +1519,11 @@ class ModelStore:
                 if h.hexdigest() != hexd:
                     raise BadRequest(f"digest mismatch: the upload hashes to sha256:{h.hexdigest()}, not sha256:{hexd}")
                 with self._blob_locks([hexd]):
-                    return self.land_blob(tmp, hexd)
+                    blob = self.land_blob(tmp, hexd)
+                    with contextlib.suppress(OSError):  # (only a guard for the grace: the blob is in)
+                        self.uploads_dir.mkdir(exist_ok=True, mode=0o700)
+                        write_private(self._uploaded(hexd), "")
+                    return blob
         finally:
             _unlink(tmp)
 
@@ -1361,16 +1556,23 @@ class ModelStore:
         With a ``preset``, the new name carries ``src``'s preset merged with it (Ollama's create
         ``from`` a model): the weights are shared, only the small preset layers are new."""
         sname, dname = self._name(src), self._name(dst)
-        entry = self._lookup(sname)
-        if entry is None:
-            raise self._not_found(str(src), sname)
-        if preset is None and sname == dname:  # (a create FROM itself, with a preset, changes it: that one is fine)
-            raise BadRequest(f'"{src}" and "{dst}" are the same model, {entry.display} (names ignore case): give '
-                             "the copy a name of its own")
-        source = dict(entry.source)
-        source.setdefault("from_model", entry.name.full if entry.shown else entry.display)  # (a name that lasts)
-        return self._commit(dname, entry.layers, entry.info, source, entry.manifest.get("projector_info"),
-                            preset=preset)
+        for attempt in range(3):
+            entry = self._lookup(sname)
+            if entry is None:
+                raise self._not_found(str(src), sname)
+            if preset is None and sname == dname:  # (a create FROM itself, with a preset, changes it: that is fine)
+                raise BadRequest(f'"{src}" and "{dst}" are the same model, {entry.display} (names ignore case): '
+                                 "give the copy a name of its own")
+            source = dict(entry.source)
+            source.setdefault("from_model", entry.name.full if entry.shown else entry.display)  # (a name that lasts)
+            try:
+                return self._commit(dname, entry.layers, entry.info, source, entry.manifest.get("projector_info"),
+                                    preset=preset)
+            except BlobMissing:
+                # ``src`` was deleted or re-pointed meanwhile, taking its files: copy what it names now
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # -- public: list, show, entry ---------------------------------------------------
 
@@ -1492,22 +1694,101 @@ class ModelStore:
 
     # -- public: remove, prune ----------------------------------------------------------
 
-    def prune(self, candidates: Iterable[str] | None = None) -> list[str]:
-        """Delete blobs (all, or these candidates) that no manifest uses; return their hex digests."""
+    def prune(self, candidates: Iterable[str] | None = None, *, grace: float | None = None) -> list[str]:
+        """Delete blobs no manifest uses; return their hex digests. ``candidates``: these
+        blobs, which a manifest has just stopped using (a delete, a name given other files):
+        whatever their age, unless one was uploaded within the grace (its create is to come);
+        a lock another operation holds on one is waited for (boundedly; one still held is left
+        for a later prune). Without candidates: every blob in the store written, landed or
+        uploaded more than ``grace`` seconds (:data:`PRUNE_GRACE`) ago that no operation holds
+        (:meth:`prune_unused`)."""
         if candidates is None:
-            if not self.blobs_dir.is_dir():
-                return []
-            candidates = [n[len("sha256-"):] for n in os.listdir(self.blobs_dir)
-                          if n.startswith("sha256-") and _HEX_RE.match(n[len("sha256-"):])]
+            return [normalize_digest(r["digest"]) for r in self.prune_unused(grace)]
         removed = []
         for hexd in sorted(set(normalize_digest(c) for c in candidates)):
-            with self._blob_lock(hexd):
-                if hexd in self._referenced():
-                    continue
-                if _unlink(self.blob_path(hexd)):
-                    removed.append(hexd)
-                _unlink(self._sidecar(hexd))
+            if self._drop_blob(hexd, wait=LOCK_WAIT, grace=PRUNE_GRACE if grace is None else grace,
+                               uploads_only=True) is not None:
+                removed.append(hexd)
         return removed
+
+    def prune_unused(self, grace: float | None = None) -> list[dict]:
+        """Delete every blob no manifest uses that was written, landed or uploaded more than
+        ``grace`` seconds ago (:data:`PRUNE_GRACE`) and whose lock nobody holds (one is landing,
+        or being named by a manifest); each as ``{"kind": "blob", "file", "digest", "size",
+        "bytes"}``, ``bytes`` being what its removal freed (0 for a blob hard-linked to a file
+        outside). Upload records older than the grace go too."""
+        grace = PRUNE_GRACE if grace is None else grace
+        try:
+            with os.scandir(self.blobs_dir) as it:
+                names = sorted(e.name for e in it)
+        except (FileNotFoundError, NotADirectoryError):
+            names = []
+        hexes = [n[len("sha256-"):] for n in names if n.startswith("sha256-") and _HEX_RE.match(n[len("sha256-"):])]
+        try:
+            used = self._referenced()
+        except OSError:
+            return []
+        removed = []
+        for hexd in hexes:
+            if hexd in used:
+                continue
+            rec = self._drop_blob(hexd, wait=0, grace=grace)  # (re-reads the manifests under the blob's lock)
+            if rec is not None:
+                removed.append(rec)
+        now = time.time()
+        for entry in _listing(self.uploads_dir, dirs=False):  # records of uploads named long ago, or dropped
+            m = _DIGEST_RE.match(entry.name)
+            with contextlib.suppress(OSError):
+                if m is None or now - entry.stat().st_mtime >= grace or not self.blob_path(m.group(1)).exists():
+                    os.unlink(entry.path)
+        return removed
+
+    def _uploaded(self, hexd: str) -> Path:
+        """The record that blob ``hexd`` was uploaded (``POST /api/blobs``), its mtime when."""
+        return self.uploads_dir / f"sha256-{hexd}"
+
+    def _drop_blob(self, hexd: str, *, wait: float, grace: float, uploads_only: bool = False) -> dict | None:
+        """Delete blob ``hexd`` if no manifest uses it, its lock is had within ``wait`` seconds
+        and it was written, landed or uploaded (``uploads_only``: uploaded) more than ``grace``
+        seconds ago; its record, or None."""
+        path = self.blob_path(hexd)
+        lock = self._blob_lock(hexd)
+        try:
+            lock.acquire(timeout=wait)
+        except Timeout:
+            return None  # another operation is landing it or naming it: not garbage now
+        try:
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                _unlink(self._sidecar(hexd))
+                return None
+            if grace > 0:
+                try:
+                    when = os.stat(self._uploaded(hexd)).st_mtime
+                except OSError:
+                    when = None
+                if not uploads_only:
+                    when = max(when or 0.0, st.st_mtime, st.st_ctime)
+                if when is not None and time.time() - when < grace:
+                    return None
+            try:
+                if hexd in self._referenced():
+                    return None
+            except OSError:
+                return None  # manifests that cannot be read may name it: keep it
+            try:
+                if not _unlink(path):
+                    return None
+            except OSError:
+                return None  # (a folder this user cannot change: nothing removed, nothing to report)
+            _unlink(self._sidecar(hexd))
+            with contextlib.suppress(OSError):
+                _unlink(self._uploaded(hexd))
+            return {"kind": "blob", "file": str(path), "digest": f"sha256:{hexd}", "size": st.st_size,
+                    "bytes": st.st_size if st.st_nlink <= 1 else 0}
+        finally:
+            lock.release()
 
     def remove_sync(self, name: str | ModelName) -> list[str]:
         """Delete a name; delete the blobs no other manifest uses. Returns the removed digests."""
@@ -1650,12 +1931,26 @@ class ModelStore:
             if missing is not None:
                 raise ModelNotFound(text, missing_file=missing) from None
             raise
-        e = self._lookup(mname)
-        if e is None:
-            ref = self._resolve_path(text)
-            if ref is not None:
-                return ref
-            raise self._not_found(text, mname)
+        for _attempt in range(3):
+            e = self._lookup(mname)
+            if e is None:
+                ref = self._resolve_path(text)
+                if ref is not None:
+                    return ref
+                raise self._not_found(text, mname)
+            try:
+                return self._checked_ref(e)
+            except BlobCorrupt:
+                # a delete or a create that re-pointed the name meanwhile took the blob: look again
+                now = self._lookup(mname)
+                if now is not None and (now.manifest_path, now.digest) == (e.manifest_path, e.digest):
+                    raise
+        raise StoreBusy(f'model "{text}" was changed by other operations (a create, copy or delete) while it was '
+                        "being looked up, again and again; try again")
+
+    def _checked_ref(self, e: ModelEntry) -> ModelRef:
+        """``e``'s ModelRef, its blobs checked (BlobCorrupt, with the repair, for one that is
+        damaged or missing)."""
         for ly in e.layers:
             hexd = normalize_digest(ly["digest"])
             problem = self.check_blob(hexd, int(ly["size"]))
@@ -1670,6 +1965,10 @@ class ModelStore:
         except GGUFError as err:
             raise BlobCorrupt(f'model "{e.display}": {err.reason}. To repair it, {e.repair_hint()}.',
                               digest=e.model_digest, problem=err.reason) from None
+        except FileNotFoundError:
+            raise BlobCorrupt(f'model "{e.display}": the model file (blob sha256:{e.model_digest[:12]}) is '
+                              f"missing. To repair it, {e.repair_hint()}.",
+                              digest=e.model_digest, problem="the blob file is missing") from None
 
     async def resolve(self, name: str) -> ModelRef:
         """The scheduler's resolver: file I/O and any rehash run in a worker thread."""
