@@ -59,7 +59,8 @@ def _settings() -> dict[str, str]:
 
 def settings_unlike(theirs: dict[str, str]) -> str | None:
     """How the settings a running manager was started with (``theirs``) differ from this
-    process's, in words (None when they agree): it keeps its own until it is stopped."""
+    process's, in words (None when they agree). It keeps its own until it is stopped (see
+    ``client.find_server`` for what a command does about it)."""
     ours = _settings()
     names = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
     if not names:
@@ -67,8 +68,7 @@ def settings_unlike(theirs: dict[str, str]) -> str | None:
     said = [f"{k} is {ours[k]!r} here" if k in ours else f"{k} is not set here" for k in names[:4]]
     those = ", ".join(f"{k}={theirs[k]!r}" if k in theirs else f"{k} unset" for k in names[:4])
     more = f" (and {len(names) - 4} more)" if len(names) > 4 else ""
-    return (f"{'; '.join(said)}{more}, but the background manager runs with {those}: it keeps the settings it was "
-            "started with. `jupyter-llama status --stop` stops it; the next command starts one with these")
+    return f"{'; '.join(said)}{more}, but the background manager runs with {those}"
 
 
 class ManagerStartFailed(RuntimeError):

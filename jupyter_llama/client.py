@@ -42,6 +42,8 @@ __all__ = [
     "DoesNotFitError",
     "ServerNotFound",
     "ServerInfo",
+    "client_environment",
+    "SettingsDiffer",
     "find_server",
     "LlamaClient",
     "AsyncLlamaClient",
@@ -128,6 +130,18 @@ class ServerInfo:
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"token {self.token}"} if self.token else {}
+
+
+def client_environment(url: str, token: str | None) -> dict[str, str]:
+    """The variables that point clients at the jupyter-llama API at ``url`` (its root, ending
+    in ``llama/``): ``JUPYTER_LLAMA_URL``/``_TOKEN`` for ours, and those Ollama's, OpenAI's
+    and Anthropic's clients read (``OLLAMA_HOST``, ``OPENAI_BASE_URL``, ... and their keys), so
+    ``ollama.chat(...)``, ``openai.OpenAI()``, langchain and ``%%ai`` work unconfigured."""
+    env = {URL_ENV: url, "OLLAMA_HOST": url.rstrip("/"), "OPENAI_BASE_URL": url.rstrip("/") + "/v1",
+           "ANTHROPIC_BASE_URL": url.rstrip("/")}
+    if token:
+        env |= {TOKEN_ENV: token, "OLLAMA_API_KEY": token, "OPENAI_API_KEY": token, "ANTHROPIC_API_KEY": token}
+    return env
 
 
 def api_url(url: str) -> str:
@@ -227,10 +241,47 @@ def find_server(url: str | None = None, token: str | None = None,
             bg = background.ensure()
         except background.ManagerStartFailed as e:
             raise ServerNotFound(str(e)) from None
+    if bg is not None and bg.unlike and start:
+        return _with_these_settings(bg)
     if bg is not None:
-        return ServerInfo(bg.url, bg.token, bg.source, bg.pid, bg.unlike)
+        return ServerInfo(bg.url, bg.token, bg.source, bg.pid, bg.unlike and (
+            f"{bg.unlike}: the next command that uses it restarts it with these settings when it holds no model"))
     raise ServerNotFound(f"no jupyter-llama server found ({URL_ENV} is not set, no Jupyter server of yours serves "
                          f"the extension, no background manager runs): {HOW_TO_START}")
+
+
+class SettingsDiffer(ServerNotFound):
+    """The background manager runs with other settings than this process's and is in use,
+    so it is neither used (the command would act on its store, with its budgets) nor
+    restarted (its models would go); the message says how to proceed."""
+
+
+def _with_these_settings(bg) -> ServerInfo:
+    """A command about to use a background manager started with other settings than its
+    own: the settings apply where they are given. When the manager holds no model it is
+    restarted with this process's settings (the note says so); else SettingsDiffer."""
+    from . import background
+
+    try:
+        r = httpx.get(bg.url + "api/ps", headers={"Authorization": f"token {bg.token}"}, timeout=10, trust_env=False)
+        loaded = [m.get("name") for m in r.json().get("models") or []] if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        loaded = None
+    if loaded is None:
+        raise ServerNotFound(f"{bg.unlike}; the background manager (pid {bg.pid}) did not say what it holds, "
+                             "so it was not restarted")
+    if loaded:
+        raise SettingsDiffer(f"{bg.unlike}. It holds {', '.join(loaded)}, so it was not restarted: this command "
+                             "would act on its store and budgets, not on yours. Stop it (`jupyter-llama status "
+                             "--stop`, which unloads them) and run the command again, or run it without these "
+                             "settings to use the manager as it is")
+    background.stop()
+    try:
+        new = background.ensure()
+    except background.ManagerStartFailed as e:
+        raise ServerNotFound(str(e)) from None
+    return ServerInfo(new.url, new.token, new.source, new.pid,
+                      "the background manager ran with other settings and held no model: restarted it with these")
 
 
 def running_server(environ: Mapping[str, str] | None = None, skip_pid: int | None = None) -> ServerInfo | None:

@@ -9,6 +9,8 @@ extension, else the user's background manager, started on first use and shared.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from typing import Iterator
 
@@ -16,6 +18,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, needs_local_scope, no_var_expand
 from traitlets import Float, Unicode, observe
 
+from . import background
+from .client import URL_ENV
+from .config import env, parse_duration
 from .commands import (EXIT_USAGE, CommandError, Frontend, RunResult, StreamStopped, _HelpShown, build_parser,
                        execute)
 
@@ -284,6 +289,48 @@ def _split(words: str) -> list[str]:
 
 def load_ipython_extension(ipython) -> None:
     ipython.register_magics(LlamaMagics)
+    if not os.environ.get(URL_ENV):  # (under a Jupyter server with the extension, the server exported them)
+        export_client_environment(ipython)
+
+
+def export_client_environment(ipython) -> dict[str, str]:
+    """In a kernel that no Jupyter server with the extension started (plain IPython, VS
+    Code): point Ollama's, OpenAI's and Anthropic's clients at the manager ``%llama`` uses,
+    as JupyterLab does for its kernels, setting only the variables the user has not set.
+    With the background manager, the kernel also keeps it from exiting while it lives (a
+    client made now holds its address). Returns what was set; says so in one line."""
+    from .client import ServerNotFound, client_environment
+
+    magics = ipython.find_magic("llama").__self__
+    try:
+        server = magics.client().server
+    except ServerNotFound as e:
+        print(f"note: no manager for Ollama/OpenAI clients in this kernel: {e}")
+        return {}
+    exported = {k: v for k, v in client_environment(server.url, server.token).items()
+                if k != URL_ENV and not os.environ.get(k)}
+    os.environ.update(exported)
+    if exported:
+        print(f"jupyter-llama: {server.source}; set {', '.join(sorted(exported))} for this kernel's clients")
+    if server.source.startswith(background.SOURCE):
+        threading.Thread(target=_keep_awake, args=(server.url, server.token), daemon=True,
+                         name="jupyter-llama keep-awake").start()
+    return exported
+
+
+def _keep_awake(url: str, token: str | None) -> None:
+    """Ask the background manager for its version now and then, so it does not exit for lack
+    of requests while this kernel, whose clients know its address, lives."""
+    import httpx
+
+    idle = parse_duration(env("MANAGER_IDLE") or background.IDLE_DEFAULT, "JUPYTER_LLAMA_MANAGER_IDLE")
+    while True:
+        time.sleep(max(1.0, idle / 3))
+        try:
+            httpx.get(url + "api/version", headers={"Authorization": f"token {token}"} if token else {},
+                      timeout=10, trust_env=False)
+        except httpx.HTTPError:
+            pass
 
 
 def unload_ipython_extension(ipython) -> None:  # pragma: no cover - IPython rarely unloads

@@ -39,6 +39,7 @@ from traitlets import Bool, Float, Int, Type, Undefined, Unicode, validate
 
 from .. import config
 from .._version import __version__
+from ..client import client_environment
 from ..config import ConfigError
 from ..private import UntrustedFile, trusted_folder
 from ..scheduler import Scheduler, SchedulerError, SchedulerSettings
@@ -446,11 +447,8 @@ class LlamaExtension(ExtensionApp):
         self._previous_url_env = os.environ.get(URL_ENV)
         os.environ[URL_ENV] = self.url
         token = getattr(getattr(self.serverapp, "identity_provider", None), "token", "") or ""
-        defaults = {"OLLAMA_HOST": self.url.rstrip("/"), "OPENAI_BASE_URL": url_path_join(self.url, "v1"),
-                    "ANTHROPIC_BASE_URL": self.url.rstrip("/")}
-        if token:
-            defaults |= {"JUPYTER_LLAMA_TOKEN": token, "OLLAMA_API_KEY": token, "OPENAI_API_KEY": token,
-                         "ANTHROPIC_API_KEY": token}
+        defaults = client_environment(self.url, token)
+        del defaults[URL_ENV]  # (set above, whatever was there)
         self._exported = {k: v for k, v in defaults.items() if not os.environ.get(k)}
         os.environ.update(self._exported)
         self.log.info("jupyter-llama API at %s (exported for kernels as %s%s)", self.url, URL_ENV,

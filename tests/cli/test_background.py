@@ -89,6 +89,27 @@ def test_a_running_jupyter_server_is_found_before_a_background_one(alone, tmp_pa
         m.stop()
 
 
+def test_an_embedded_manager_is_found_by_no_other_tool_and_counts_only_itself(alone, tmp_path):
+    """A notebook's private manager writes nothing into the user's runtime folder (so `ps` in
+    a terminal does not talk to it), keeps its runtime files in a folder of its own (so it
+    counts no other manager's memory), and removes that folder when it stops."""
+    from pathlib import Path
+
+    from jupyter_llama.client import running_server
+    from jupyter_llama.embedded import EmbeddedManager
+
+    m = EmbeddedManager(log_path=str(tmp_path / "serve.log"))
+    m.start(timeout=120)
+    try:
+        own = Path(m.own_runtime_dir)
+        assert any(own.glob("jpserver-*.json"))
+        assert not list(Path(alone["JUPYTER_RUNTIME_DIR"]).glob("jpserver-*.json"))
+        assert running_server(environ={}) is None
+    finally:
+        m.stop()
+    assert not own.exists()
+
+
 def test_the_background_manager_exits_by_itself_when_idle(alone):
     env = dict(alone, JUPYTER_LLAMA_MANAGER_IDLE="1s")
     assert cli(env, "ps").returncode == 0  # (starts it: status only looks)
@@ -203,17 +224,34 @@ def test_a_manager_that_cannot_start_is_a_sentence_at_once(alone):
         assert r.returncode == 2 and r.stderr.startswith(said) and "Traceback" not in r.stderr, r.stderr
 
 
-def test_a_setting_the_running_manager_does_not_have_is_pointed_out(alone):
-    """A background manager keeps the settings it was started with: a command run with
-    another (here a memory budget, as the README's RPC example exports one) says so and how
-    to start afresh, rather than showing the manager's own as if the setting were ignored."""
-    assert cli(alone, "ps").returncode == 0  # starts it, without a budget
-    r = cli(dict(alone, JUPYTER_LLAMA_MEMORY_LIMIT="8GiB"), "ps")
+def test_a_setting_applies_where_it_is_given_never_to_another_store(alone, tmp_path):
+    """A background manager keeps the settings it was started with. A command run with other
+    ones (another model folder here) must not act on the manager's store: while the manager
+    holds no model it is restarted with the command's settings, and said so; while it holds
+    one, the command stops with a sentence that says how to proceed. `status` only looks."""
+    assert cli(alone, "synth", "theirs", "--layers", "2", "--embd", "64").returncode == 0  # starts it
+    first = status(alone)["pid"]
+    mine = dict(alone, JUPYTER_LLAMA_MODELS=str(tmp_path / "my-models"))
+    looked = cli(mine, "status")
+    assert looked.returncode == 0 and status(alone)["pid"] == first
+    assert f"JUPYTER_LLAMA_MODELS is '{tmp_path / 'my-models'}' here, but the background manager runs with " \
+           f"JUPYTER_LLAMA_MODELS='{tmp_path / 'models'}'" in looked.stderr + looked.stdout
+
+    r = cli(mine, "synth", "mine", "--layers", "2", "--embd", "64")  # it holds nothing: restarted with mine
     assert r.returncode == 0, r.stderr
-    assert r.stderr.startswith("note: JUPYTER_LLAMA_MEMORY_LIMIT is '8GiB' here, but the background manager runs "
-                               "with JUPYTER_LLAMA_MEMORY_LIMIT unset"), r.stderr
-    assert "`jupyter-llama status --stop` stops it" in r.stderr
-    assert "note:" not in cli(alone, "ps").stderr  # the same settings: nothing to say
+    assert "held no model: restarted it with these" in r.stderr
+    assert status(mine)["pid"] != first and not process_alive(first)
+    assert (tmp_path / "my-models").is_dir()
+    listed = cli(mine, "list").stdout
+    assert "mine:latest" in listed and "theirs:latest" not in listed
+
+    assert cli(mine, "load", "mine", "--num-ctx", "256").returncode == 0
+    second = status(mine)["pid"]
+    r = cli(alone, "list")  # the other folder again, while a model is loaded: refused, said how to proceed
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "It holds mine:latest, so it was not restarted" in r.stderr and "`jupyter-llama status --stop`" in r.stderr
+    assert status(mine)["pid"] == second
+    assert "note:" not in cli(mine, "ps").stderr  # the same settings: nothing to say
 
 
 def test_an_embedded_manager_keeps_its_log_where_only_its_user_can_look(alone):

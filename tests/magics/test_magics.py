@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from IPython.core.displaypub import DisplayPublisher
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from jupyter_llama.commands import RunResult
-from jupyter_llama.magics import LlamaMagics
+from jupyter_llama.magics import LlamaMagics, load_ipython_extension
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -181,17 +183,18 @@ def test_background_manager_in_plain_ipython(engine, tmp_path, monkeypatch):
     from jupyter_llama import background
     from jupyter_llama.client import LlamaClient
 
-    for k in ("JUPYTER_LLAMA_URL", "JUPYTER_LLAMA_TOKEN", "JPY_PARENT_PID"):
-        monkeypatch.delenv(k, raising=False)
+    for k in ("JUPYTER_LLAMA_URL", "JUPYTER_LLAMA_TOKEN", "JPY_PARENT_PID", "OLLAMA_HOST", "OLLAMA_API_KEY",
+              "OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY"):
+        monkeypatch.delenv(k, raising=False)  # (and restored after: %load_ext sets some of them)
     monkeypatch.setenv("JUPYTER_LLAMA_MODELS", str(tmp_path / "models"))
     monkeypatch.setenv("JUPYTER_LLAMA_SERVER", engine.path)
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
     monkeypatch.setenv("JUPYTER_LLAMA_MANAGER_DIR", str(tmp_path / "manager"))
+    monkeypatch.setenv("OPENAI_API_KEY", "the user's own")  # a variable the user set is left alone
     sh = InteractiveShell.instance()
     sh.display_pub = RecordingPublisher(shell=sh)
-    sh.run_line_magic("load_ext", "jupyter_llama")
+    load_ipython_extension(sh)  # (what %load_ext calls; the shell is shared, and may have loaded it before)
     magics = sh.magics_manager.registry["LlamaMagics"]
-    magics._client = None
     try:
         sh.run_line_magic("llama", "synth emb --layers 2 --embd 64")
         r = sh.run_line_magic("llama", "run emb Hello --num-predict 6")
@@ -201,6 +204,12 @@ def test_background_manager_in_plain_ipython(engine, tmp_path, monkeypatch):
         with LlamaClient() as c:
             assert c.server.pid == info.pid
             assert [m["name"] for m in c.ps()["models"]] == ["emb:latest"]
+        # Ollama's client, unconfigured, as in a JupyterLab kernel: %load_ext pointed it here
+        assert os.environ["OLLAMA_HOST"] == info.url.rstrip("/") and os.environ["OLLAMA_API_KEY"] == info.token
+        assert os.environ["OPENAI_API_KEY"] == "the user's own"
+        ollama = pytest.importorskip("ollama")
+        answer = ollama.Client().generate(model="emb", prompt="Hello", options={"num_predict": 3})
+        assert answer.done and answer.eval_count == 3
     finally:
         if magics._client is not None:
             magics._client.close()
