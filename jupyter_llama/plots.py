@@ -107,12 +107,18 @@ def plot_memory(reports: Mapping[str, MemoryReport], *, title: str | None = None
         for si, src in enumerate(sources):
             rep = reports[src]
             x = di + (si - (len(sources) - 1) / 2) * width
-            bottom, cut = 0.0, False
+            bottom = 0.0
             top = ceiling / scale if ceiling is not None else None
+            # A bar beyond the axis is drawn to scale and cut at the axis's top, but its last
+            # part keeps the top band of the bar, so it stays in sight (on the coarse estimate,
+            # the batch allowance the note explains, above its cut KV cache).
+            cut = top is not None and totals[(src, dev)] / scale > top
+            parts = [c for c in comps if rep.get(dev, c)]
             for c in comps:
                 v = rep.get(dev, c) / scale
-                if top is not None and bottom + v > top:
-                    v, cut = max(0.0, top - bottom), True
+                if cut:
+                    room = top if c == parts[-1] else top * 0.85
+                    v = max(0.0, min(v, room - bottom))
                 ax.bar(x, v, width * 0.92, bottom=bottom, color=COMPONENT_COLOURS[c],
                        edgecolor="white", linewidth=0.5, label=COMPONENT_LABELS[c] if (di, si) == (0, 0) else None)
                 bottom += v
@@ -144,7 +150,8 @@ def plot_memory(reports: Mapping[str, MemoryReport], *, title: str | None = None
     # The legend sits right of the axes, where no bar or label can be under it.
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False, borderaxespad=0)
     ax.spines[["top", "right"]].set_visible(False)
-    ax.set_title(title or _title(model, options, engine, what="predicted and actual memory"), fontsize=10)
+    what = "predicted and actual memory" if actual is not None else "predicted memory (not loaded: no actual)"
+    ax.set_title(title or _title(model, options, engine, what=what), fontsize=10)
     return fig
 
 
