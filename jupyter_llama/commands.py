@@ -426,7 +426,8 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
     p = add("rm", cmd_rm, "remove models (a loaded one is unloaded first)")
     p.add_argument("models", nargs="+")
 
-    p = add("prune", cmd_prune, "drop partial downloads that no pull is working on (their resume is lost)")
+    p = add("prune", cmd_prune, "drop partial downloads no pull is working on (their resume is lost), blobs no model uses "
+                                       "(kept for an hour after they were written), and left-over temporary files")
     p.add_argument("--json", action="store_true")
 
     p = add("estimate", cmd_estimate, "predict memory for a model (or GGUF file) under load options")
@@ -1093,9 +1094,12 @@ def cmd_prune(args, fe: Frontend):
     if args.json:
         fe.json(data)
         return EXIT_OK
+    what = {"partial": "partial download", "blob": "unused blob", "tmp": "left-over temporary file"}
     for r in data["removed"]:
-        fe.out(f"removed {r['file']} ({_mib(r['bytes'])}{', from ' + r['url'] if r.get('url') else ''})")
-    fe.out(f"freed {_mib(data['freed'])}" if data["removed"] else "no partial downloads to drop")
+        kind = what.get(r.get("kind"), "file")
+        fe.out(f"removed {kind} {r['file']} ({_mib(r['bytes'])}{', from ' + r['url'] if r.get('url') else ''})")
+    fe.out(f"freed {_mib(data['freed'])}" if data["removed"] else
+           "nothing to drop: no partial download, unused blob or left-over file")
     return EXIT_OK
 
 

@@ -941,7 +941,7 @@ class Puller:
                                         "sha256": hexd}, fsync=False)
                     os.replace(blob, self.store.partial_dir / f"{key}.partial")
                     _unlink(self.store._sidecar(hexd))
-            except OSError:
+            except (OSError, StoreError):  # (keeping is a kindness: the pull's own error is the one to say)
                 pass
 
     def _run(self) -> ModelEntry:

@@ -470,6 +470,8 @@ class LlamaExtension(ExtensionApp):
 
     async def stop_extension(self) -> None:
         """Stop every llama-server child (jupyter_server calls this on shutdown, SIGTERM included)."""
+        if self.store is not None:
+            self.store.stop_waiting()  # (a request waiting for a store lock gives up now, not in LOCK_WAIT)
         if self._activity_pc is not None:
             self._activity_pc.stop()
             self._activity_pc = None

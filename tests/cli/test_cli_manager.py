@@ -158,11 +158,12 @@ def test_prune_drops_partial_downloads(manager):
     (partial / "url-cli-prune.json").write_text(json.dumps({"url": "http://example.invalid/m.gguf"}))
     r = cli(env, "prune")
     assert r.returncode == 0, r.stderr
-    assert "url-cli-prune.partial (4.0 KiB, from http://example.invalid/m.gguf)" in r.stdout and "freed 4.0 KiB" in r.stdout
+    assert "removed partial download " in r.stdout and "freed 4.0 KiB" in r.stdout
+    assert "url-cli-prune.partial (4.0 KiB, from http://example.invalid/m.gguf)" in r.stdout
     assert not (partial / "url-cli-prune.partial").exists() and not (partial / "url-cli-prune.json").exists()
     again = json.loads(cli(env, "prune", "--json").stdout)
     assert again == {"removed": [], "freed": 0}
-    assert "no partial downloads to drop" in cli(env, "prune").stdout
+    assert "nothing to drop: no partial download, unused blob or left-over file" in cli(env, "prune").stdout
 
 
 def test_a_shells_conversation_lasts_from_one_command_to_the_next(manager, tmp_path):
