@@ -20,6 +20,27 @@ class TerminalFrontend(Frontend):
 
     waits_aloud = True
 
+    @property
+    def person_at_keyboard(self) -> bool:
+        return sys.stdin.isatty() and sys.stdout.isatty()
+
+    def piped_input(self) -> str | None:
+        """Standard input when it is a pipe or a file (never a terminal, nor /dev/null)."""
+        import stat
+
+        try:
+            mode = os.fstat(sys.stdin.fileno()).st_mode
+        except (OSError, ValueError, AttributeError):
+            return None
+        return sys.stdin.read() if stat.S_ISFIFO(mode) or stat.S_ISREG(mode) else None
+
+    def ask(self, prompt: str) -> str | None:
+        try:
+            return input(prompt)
+        except EOFError:
+            print(flush=True)
+            return None
+
     def __init__(self, url: str | None = None, token: str | None = None):
         self.url, self.token = url, token
         self.namespace = None

@@ -168,6 +168,7 @@ class Frontend:
     namespace: dict | None = None  # for {name} in a cell's body (the notebook's variables; see fill_placeholders)
     mid_line = False  # streamed text is on the terminal's last line, which no line end has closed yet
     foreground = True  # a command may hold it until stopped (a shell may; a kernel must stay free: False)
+    person_at_keyboard = False  # a person types at a terminal: `run` may ask for prompts and pull what is missing
     waits_aloud = False  # says so when an answer waits for its model to load (a shell; a notebook shows its cell busy)
     conversations: dict[str, list[dict]]
 
@@ -212,6 +213,14 @@ class Frontend:
         sys.stdout.write("\n")
         self.mid_line = False
         return "".join(parts)
+
+    def piped_input(self) -> str | None:
+        """Text piped into the command (``echo hi | jupyter-llama run m``), or None."""
+        return None
+
+    def ask(self, prompt: str) -> str | None:
+        """A line the person types after ``prompt``; None at the end of input (Ctrl-D)."""
+        return None
 
     def progress(self, statuses: Iterator[dict]) -> dict:
         """Show pull progress; return the last status. Here: on standard error, one line
@@ -583,13 +592,18 @@ def _prompt(args, fe: Frontend, body: str | None) -> str:
     return fill_placeholders(body.strip(), fe.namespace) if body is not None else " ".join(args.prompt)
 
 
+class ModelMissing(CommandError):
+    """The manager has no model of the name asked for (the message says what to do)."""
+
+
 def _not_found(fe: Frontend, model: str, message: str) -> CommandError:
     """The manager's "not found" (with its own suggestions of close names), and what to do."""
     if plainly_a_path(model):  # meant as a file (the manager's message says where it looked)
-        return CommandError(f"{message}. Give the file's path as the manager's machine sees it, or register it "
+        return ModelMissing(f"{message}. Give the file's path as the manager's machine sees it, or register it "
                             f"with `create NAME --from {model}`")
-    return CommandError(f"{message}. `pull SOURCE --name {model}` downloads one, `synth {model}` makes a synthetic "
-                        "one, `list` shows what exists")
+    return ModelMissing(f"{message}. `pull {model}` downloads it from Ollama's registry (or `pull SOURCE --name "
+                        f"{model}` from another source), `synth {model}` makes a synthetic one, `list` shows what "
+                        "exists")
 
 
 def _call(fe: Frontend, func: Callable, *a, model: str | None = None, **kw):
@@ -696,14 +710,67 @@ def _length_default(args) -> dict | None:
 
 def cmd_run(args, fe: Frontend, body: str | None = None) -> RunResult:
     prompt = _prompt(args, fe, body)
+    if not prompt.strip() and body is None:  # (`echo hi | jupyter-llama run m`, as `ollama run` reads it)
+        prompt = fe.piped_input() or ""
     if not prompt.strip():
+        if fe.person_at_keyboard and body is None:
+            return _pulled_if_missing(args, fe, lambda: _conversation(args, fe))
         raise CommandError("run: give a prompt (after the model name, or as the cell body of %%llama run)",
                            EXIT_USAGE)
     client = fe.client()
     kw = dict(options=_options(args) or None, keep_alive=args.keep_alive, system=args.system,
               raw=True if args.raw else None, format=args.format, default_options=_length_default(args))
-    return _generate(args, fe, lambda: client.generate(args.model, prompt, stream=True, **kw),
-                     lambda c: c.get("response", ""))
+    return _pulled_if_missing(args, fe, lambda: _generate(
+        args, fe, lambda: client.generate(args.model, prompt, stream=True, **kw), lambda c: c.get("response", "")))
+
+
+def _pulled_if_missing(args, fe: Frontend, attempt: Callable[[], RunResult]) -> RunResult:
+    """``attempt()``; when its model is missing and a person at a terminal asked for it by a
+    registry name, pull it first (what ``ollama run`` does), then try once more. A script,
+    a pipe or a notebook is told how to pull instead: a download of gigabytes is not
+    started for a typing mistake nobody watches."""
+    try:
+        return attempt()
+    except ModelMissing:
+        if not fe.person_at_keyboard or plainly_a_path(args.model):
+            raise
+    fe.note(f"{args.model} is not here: pulling it (Ctrl-C stops)")
+    last = _call(fe, fe.pull, args.model, None)
+    if last.get("status") != "success":
+        raise CommandError(f"pull of {args.model} did not finish: {last}")
+    return attempt()
+
+
+def _conversation(args, fe: Frontend) -> RunResult:
+    """``run MODEL`` with no prompt at a terminal: a conversation, a line at a time, as
+    ``ollama run`` holds one. Ctrl-C stops an answer; ``/bye`` or Ctrl-D ends; ``/clear``
+    forgets what was said. Returns the last answer."""
+    client = fe.client()
+    _call(fe, client.load, args.model, options=_options(args) or None, keep_alive=args.keep_alive, model=args.model)
+    fe.note(f"{args.model}: type a message (/bye or Ctrl-D to end, /clear to forget what was said, "
+            "Ctrl-C stops an answer)")
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    result = RunResult(args.model)
+    while True:
+        try:
+            line = fe.ask(">>> ")
+        except KeyboardInterrupt:
+            fe.note("\n(/bye or Ctrl-D ends the conversation)")
+            continue
+        if line is None or line.strip() == "/bye":
+            return RunResult(args.model, result.text)  # (an answer stopped on the way sets no exit status)
+        if line.strip() == "/clear":
+            del history[int(bool(args.system)):]
+            fe.note("(forgotten)")
+            continue
+        if not line.strip():
+            continue
+        messages = history + [{"role": "user", "content": line}]
+        result = _generate(args, fe, lambda: client.chat(args.model, messages, stream=True,
+                                                         options=_options(args) or None, keep_alive=args.keep_alive,
+                                                         format=args.format, default_options=_length_default(args)),
+                           lambda c: (c.get("message") or {}).get("content", ""))
+        history = messages + [{"role": "assistant", "content": result.text}]
 
 
 def cmd_chat(args, fe: Frontend, body: str | None = None) -> RunResult:
@@ -720,10 +787,11 @@ def cmd_chat(args, fe: Frontend, body: str | None = None) -> RunResult:
     messages = ([{"role": "system", "content": args.system}] if args.system and not convo else []) + convo + [
         {"role": "user", "content": prompt}]
     client = fe.client()
-    result = _generate(args, fe, lambda: client.chat(args.model, messages, stream=True, options=_options(args) or None,
-                                                     keep_alive=args.keep_alive, format=args.format,
-                                                     default_options=_length_default(args)),
-                       lambda c: (c.get("message") or {}).get("content", ""))
+    result = _pulled_if_missing(args, fe, lambda: _generate(
+        args, fe, lambda: client.chat(args.model, messages, stream=True, options=_options(args) or None,
+                                      keep_alive=args.keep_alive, format=args.format,
+                                      default_options=_length_default(args)),
+        lambda c: (c.get("message") or {}).get("content", "")))
     convo[:] = messages + [{"role": "assistant", "content": result.text}]
     return result
 

@@ -113,3 +113,70 @@ def test_pull_by_name_through_the_cli(registry_manager, tmp_path):
 
     assert cli(env, "rm", "tiny:1b").returncode == 0
     assert "tiny:1b" not in [m["name"] for m in json.loads(cli(env, "list", "--json").stdout)["models"]]
+
+
+def _at_a_terminal(env, argv, typed: list[str], timeout: float = 120) -> tuple[int, str]:
+    """Run the CLI on a pseudo-terminal (a person at a keyboard), typing each line of
+    ``typed`` once the previous output has gone quiet; returns its exit code and output."""
+    import pty
+    import select
+    import time
+
+    pid, fd = pty.fork()
+    if pid == 0:  # (the child: the CLI, its standard streams the terminal)
+        os.execve(sys.executable, [sys.executable, "-m", "jupyter_llama.cli", *argv], env)
+    out, deadline = b"", time.monotonic() + timeout
+    pending = list(typed)
+
+    def read_until_quiet(quiet: float) -> bool:
+        nonlocal out
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], quiet)
+            if not ready:
+                return True
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # (the child has closed the terminal: it is done)
+                return False
+            if not chunk:
+                return False
+            out += chunk
+        return False
+
+    try:
+        while read_until_quiet(3.0) and pending:
+            if pending[0] and pending[0] not in ("\x04",) and b">>> " not in out.rsplit(b"\n", 1)[-1]:
+                continue  # (not yet at a prompt)
+            os.write(fd, pending.pop(0).encode())
+        read_until_quiet(3.0)
+    finally:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    return os.waitstatus_to_exitcode(status), out.decode(errors="replace").replace("\r\n", "\n")
+
+
+def test_a_person_at_a_terminal_gets_a_missing_model_pulled_and_a_conversation(registry_manager, tmp_path):
+    """`ollama run`'s two habits: a registry model that is not here is pulled first, and
+    `run MODEL` without a prompt holds a conversation (a line at a time, /bye ends it). A
+    script (no terminal) is told how to pull instead, and downloads nothing."""
+    reg, env = registry_manager
+    gguf = write_synthetic(tmp_path / "talk.gguf", SynthShape(layers=2, embd=64, heads=4, kv_heads=2, ctx=1024, seed=9))
+    reg.add_model("talk", "1b", [(MODEL_MEDIA_TYPE, gguf)])
+
+    scripted = cli(env, "run", "talk:1b", "Hello", "--num-predict", "4")
+    assert scripted.returncode == 1 and "`pull talk:1b` downloads it" in scripted.stderr, scripted.stderr
+    assert reg.total_blob_bytes_sent() == 0
+
+    code, said = _at_a_terminal(env, ["run", "talk:1b", "Hello", "--num-predict", "4"], [])
+    assert code == 0, said
+    assert "talk:1b is not here: pulling it" in said and "success" in said
+    assert "talk:1b" in [m["name"] for m in json.loads(cli(env, "list", "--json").stdout)["models"]]
+
+    code, said = _at_a_terminal(env, ["run", "talk:1b", "--num-predict", "3"], ["Hello\n", "Again\n", "/bye\n"])
+    assert code == 0, said
+    assert "type a message (/bye or Ctrl-D to end" in said
+    assert said.count(">>> ") >= 3  # a prompt for each line, and one for the /bye
