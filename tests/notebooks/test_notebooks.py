@@ -26,6 +26,8 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
+from jupyter_llama.client import LlamaClient
+
 
 
 def notebook_test(func):
@@ -159,6 +161,11 @@ def run_notebook(request, engine, monkeypatch, tmp_path, notebook_timings):
         monkeypatch.setenv("JUPYTER_LLAMA_URL", manager["env"]["JUPYTER_LLAMA_URL"])
         monkeypatch.setenv("JUPYTER_LLAMA_TOKEN", manager["env"]["JUPYTER_LLAMA_TOKEN"])
         manager_pid = manager["pid"]
+        # the lab holds a model of its own while the course runs (a student's usual state)
+        lab = LlamaClient(manager["url"], manager["token"])
+        lab.create("lab-model", files={"lab.gguf": lab.create_blob(request.getfixturevalue("tiny_model"))})
+        lab.load("lab-model", options={"num_ctx": 512}, keep_alive="10m")
+        request.addfinalizer(lambda: (lab.unload("lab-model"), lab.delete("lab-model"), lab.close()))
     else:
         from jupyter_llama import background
 
@@ -174,6 +181,9 @@ def run_notebook(request, engine, monkeypatch, tmp_path, notebook_timings):
 
     def run(name: str):
         nb, elapsed, managers = execute(name, lasting)
+        with LlamaClient(start=False) as c:  # the manager the kernel used: the notebook left its list as it was
+            left = [m["name"] for m in c.tags()["models"] if m["name"].startswith("nb")]
+        assert not left, f"{name} left models registered: {left}"
         label = name if request.param == "server" else f"{name} ({request.param})"
         notebook_timings[label] = elapsed
         print(f"{label}: {elapsed:.1f} s")
@@ -290,3 +300,14 @@ def _cmdline(pid: int) -> list[str]:
         return psutil.Process(pid).cmdline()
     except psutil.Error:
         return []
+
+
+@notebook_test
+@pytest.mark.parametrize("run_notebook", ["server"], indirect=True)
+def test_the_course_runs_again_in_the_same_lab(run_notebook):
+    """"Restart kernel and run all", the second time: after every notebook has run once in
+    the session's manager (the tests above), each runs again there, while the lab holds a
+    model of its own, with nothing in its way (each left the model list as it was)."""
+    for name in NAMES:
+        nb, claims, _ = run_notebook(name)
+        assert claims, f"{name} printed no claims the second time"
