@@ -289,6 +289,8 @@ def plot_sweep(result: SweepResult, *, budget: int | None = None, sources: Seque
         ax.set_xticks(xs, [str(p.value) for p in result.points])
     if log_y:
         ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)  # (an axis from zero: a bar or a line's height is its size)
     ax.set_xlabel(result.param)
     ax.set_ylabel(f"total memory ({unit})")
     ax.legend(fontsize=8, frameon=False)
