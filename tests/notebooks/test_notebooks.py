@@ -27,6 +27,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 from jupyter_llama.client import LlamaClient
+from jupyter_llama.demo import gemma_path
 
 
 
@@ -249,6 +250,17 @@ def test_03_where_the_memory_goes(run_notebook):
     # the two rules the text states, shown: cells rounded up to 256, a q8_0 V cache refused without flash attention
     assert c["rounded_to_256"] and c["kv_1000"] == c["kv_1024_by_hand"] == 2 * 8 * 2 * 64 * 1024 * 2
     assert c["q8_v_refusal"] and "cache_type_v q8_0 needs flash attention, and flash_attn is off" in c["q8_v_refusal"]
+    # on the real model (when its package is here): the sliding window and the vocabulary, as the text says
+    if gemma_path() is None:
+        assert c["swa"] == {} and c["vocab"] == {}
+        return
+    swa = c["swa"]
+    assert swa["2048"]["formula"] > swa["2048"]["actual"]
+    ratios = [swa[k]["formula"] / swa[k]["actual"] for k in ("2048", "8192", "32768")]
+    assert ratios == sorted(ratios) and ratios[-1] > 3, "further off the longer the context; several times at 32k"
+    assert all(v["detailed"] == pytest.approx(v["actual"], abs=0.02 * MiB) for v in swa.values())
+    assert c["vocab"]["embd_share"] > 0.5, "the embedding table is most of the weights"
+    assert c["vocab"]["output_log"] == pytest.approx(c["vocab"]["logits_by_hand"], abs=0.01 * MiB)
 
 
 @notebook_test
