@@ -208,6 +208,9 @@ class GenerateRequest:
     # (the preset's messages are left out then); None when not given, and for a raw request
     context: list[int] | None = None
     logprobs: int | None = None  # logprobs asked: how many of the likeliest tokens each carries (see _logprobs)
+    # base64 images that go with the prompt (a vision model's): the request then goes to the child's
+    # chat route, which reads them with the projector and the model's own chat template
+    images: list[str] = field(default_factory=list)
 
     @property
     def is_load_only(self) -> bool:
@@ -217,7 +220,8 @@ class GenerateRequest:
     @property
     def needs(self) -> list[str]:
         """The capabilities this request asks of the model (see :func:`check_capabilities`)."""
-        return (["insert"] if self.suffix else []) + (["thinking"] if self.think else [])
+        return (["insert"] if self.suffix else []) + (["thinking"] if self.think else []) + (
+            ["vision"] if self.images else [])
 
     @property
     def thinks(self) -> bool:
@@ -232,8 +236,10 @@ class GenerateRequest:
     def prompt_messages(self) -> list[dict]:
         """The conversation a template (or the model's chat template) turns into the prompt."""
         system = self.system or self.default_system
-        return ([{"role": "system", "content": system}] if system else []) + [dict(m) for m in self.history] + [
-            {"role": "user", "content": self.prompt}]
+        user: dict[str, Any] = {"role": "user", "content": self.prompt}
+        if self.images:
+            user = _chat_message(0, {"role": "user", "content": self.prompt, "images": self.images}, "images")
+        return ([{"role": "system", "content": system}] if system else []) + [dict(m) for m in self.history] + [user]
 
     @property
     def unloads(self) -> bool:
@@ -269,7 +275,7 @@ class ChatRequest:
     @property
     def needs(self) -> list[str]:
         """The capabilities this request asks of the model (see :func:`check_capabilities`)."""
-        return (["tools"] if self.tools else []) + (["thinking"] if self.think else [])
+        return (["tools"] if self.tools else []) + (["thinking"] if self.think else []) + self.needs_vision
 
     @property
     def chat_params(self) -> dict:
@@ -295,6 +301,10 @@ class ChatRequest:
     @property
     def has_images(self) -> bool:
         return any(isinstance(m.get("content"), list) for m in self.messages)
+
+    @property
+    def needs_vision(self) -> list[str]:
+        return ["vision"] if self.has_images else []
 
     @property
     def unloads(self) -> bool:
@@ -352,10 +362,6 @@ def _sampling_from(body: dict, split, logprobs: int | None = None) -> dict:
         sampling["n_probs"] = max(1, logprobs)
     return sampling
 
-
-_UNSUPPORTED_GENERATE = {
-    "images": "images are not supported yet (multimodal input)",
-}
 
 _THINK_LEVELS = ("low", "medium", "high")
 
@@ -455,10 +461,15 @@ def parse_generate(body: dict, preset: Preset | None = None) -> GenerateRequest:
     templated prompt; the preset's messages are then left out, as Ollama leaves them out (its
     system message stays). A raw request ignores it."""
     model = model_name(body)
-    for key, why in _UNSUPPORTED_GENERATE.items():
-        if body.get(key):
-            raise BadRequest(why)
     raw = _bool(body, "raw", False)
+    images = _images(body.get("images"), "images")
+    if images and raw:
+        raise BadRequest("images cannot go with raw: a raw prompt has no place for them; leave raw out, and the "
+                         "model's chat template puts the images before your prompt")
+    if images and body.get("suffix"):
+        raise BadRequest("images cannot go with suffix (fill in the middle); send one or the other")
+    for x in images:
+        _image_type(x, "images")
     context = _context(body)
     if raw:
         context = None
@@ -492,14 +503,25 @@ def parse_generate(body: dict, preset: Preset | None = None) -> GenerateRequest:
         think=None if raw else _think(body),
         context=context,
         logprobs=logprobs,
+        images=images,
     )
+
+
+def _images(images, where: str) -> list[str]:
+    """A request's ``images``: base64-encoded images (none: an empty list)."""
+    if images is None:
+        return []
+    if not isinstance(images, list) or not all(isinstance(x, str) and x for x in images):
+        raise BadRequest(f"{where} must be a list of base64-encoded images")
+    return images
 
 
 _ROLES = ("system", "user", "assistant", "tool")
 
 
-def _chat_message(i: int, m) -> dict:
-    """One Ollama message as an OpenAI message for llama-server."""
+def _chat_message(i: int, m, where: str = "") -> dict:
+    """One Ollama message as an OpenAI message for llama-server (``where``: how an error
+    names its images; ``messages[i].images`` by default)."""
     if not isinstance(m, dict):
         raise BadRequest(f"messages[{i}] must be an object with role and content")
     role = m.get("role")
@@ -510,13 +532,12 @@ def _chat_message(i: int, m) -> dict:
         content = ""
     if not isinstance(content, str):
         raise BadRequest(f"messages[{i}].content must be a string")
-    images = m.get("images") or []
-    if not isinstance(images, list) or not all(isinstance(x, str) and x for x in images):
-        raise BadRequest(f"messages[{i}].images must be a list of base64-encoded images")
+    where = where or f"messages[{i}].images"
+    images = _images(m.get("images") or [], where)
     out: dict[str, Any] = {"role": role, "content": content}
     if images:  # OpenAI content parts, which llama-server's chat route reads with the model's projector
         out["content"] = [{"type": "text", "text": content}] + [
-            {"type": "image_url", "image_url": {"url": f"data:{_image_type(x, i)};base64,{x}"}} for x in images]
+            {"type": "image_url", "image_url": {"url": f"data:{_image_type(x, where)};base64,{x}"}} for x in images]
     calls = m.get("tool_calls")
     if calls:
         if not isinstance(calls, list):
@@ -546,7 +567,7 @@ _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jp
                 (b"RIFF", "image/webp"), (b"BM", "image/bmp"))
 
 
-def _image_type(b64: str, i: int) -> str:
+def _image_type(b64: str, where: str) -> str:
     """The media type of a base64 image, from its first bytes (400 for text that is not base64)."""
     import base64
     import binascii
@@ -554,7 +575,7 @@ def _image_type(b64: str, i: int) -> str:
     try:
         head = base64.b64decode(b64[:64] + "=" * (-len(b64[:64]) % 4), validate=True)
     except (binascii.Error, ValueError):
-        raise BadRequest(f"messages[{i}].images: not base64 (give the image's bytes base64-encoded, "
+        raise BadRequest(f"{where}: not base64 (give the image's bytes base64-encoded, "
                          "without a data: prefix)") from None
     return next((t for magic, t in _IMAGE_MAGIC if head.startswith(magic)), "image/jpeg")
 
@@ -1021,6 +1042,7 @@ class ChatTranslator(_Lines):
         self.parts: list[str] = []
         self.thinking: list[str] = []
         self.tool_calls: dict[int, dict] = {}
+        self.calls: list[dict] = []  # the tool calls, parsed once the child's answer ended
         self.final: dict | None = None
         self._want_logprobs(logprobs)
         self._template()
@@ -1072,10 +1094,12 @@ class ChatTranslator(_Lines):
             out.append(self._with_logprobs(self.chunk(text, think), (ch.get("logprobs") or {}).get("content")))
         finish = ch.get("finish_reason")
         if finish:
-            msg: dict[str, Any] = {"role": "assistant", "content": ""}
             calls = self._calls()
-            if calls:  # the parsed calls, once complete: on the last chunk
-                msg["tool_calls"] = calls
+            if calls:  # the parsed calls, once complete: in a chunk before the last, as Ollama sends them
+                self.calls = calls
+                out.append({"model": self.model, "created_at": rfc3339(),
+                            "message": {"role": "assistant", "content": "", "tool_calls": calls}, "done": False})
+            msg: dict[str, Any] = {"role": "assistant", "content": ""}
             self.final = {"model": self.model, "created_at": rfc3339(), "message": msg, "done": True,
                           "done_reason": "length" if finish == "length" else "stop",
                           **stats_from_timings(event.get("timings"), time.monotonic() - self.started, self.load_s)}
@@ -1092,6 +1116,8 @@ class ChatTranslator(_Lines):
         msg["content"] = "".join(self.parts)
         if any(self.thinking):
             msg["thinking"] = "".join(self.thinking)
+        if self.calls:
+            msg["tool_calls"] = self.calls
         d["message"] = msg
         if self.top is not None:
             d["logprobs"] = self.logprobs
@@ -1205,12 +1231,18 @@ def check_capabilities(name: str, ref, wanted: Iterable[str]) -> None:
         raise BadRequest(f"{json.dumps(name)} does not support {' or '.join(missing)}")
 
 
-def show_body(show: dict, verbose: bool = False) -> dict:
-    """``/api/show`` from ``ModelStore.show(name)``'s dict."""
+def show_body(show: dict, verbose: bool = False, arrays: dict | None = None, tensors: list | None = None) -> dict:
+    """``/api/show`` from ``ModelStore.show(name)``'s dict. Its metadata arrays (the
+    tokenizer's tokens, merges, scores) are null, as Ollama answers; with ``verbose``, the
+    file's arrays whole (``arrays``, from ``gguf_info.read_arrays``: Ollama sends them all,
+    however long, hundreds of thousands of tokens for a real model) and ``tensors`` (its
+    tensor table, ``TensorInfo``s) as Ollama's name, type and shape (innermost dimension
+    first, as the file and llama.cpp list it)."""
     info = show.get("info") or {}
     arch = info.get("architecture") or show.get("architecture") or "unknown"
-    model_info = {k: v for k, v in (show.get("model_info") or {}).items()
-                  if verbose or not (isinstance(v, str) and v.startswith("[array of"))}
+    arrays = arrays or {}
+    model_info = {k: (arrays.get(k) if verbose else None) if isinstance(v, str) and v.startswith("[array of") else v
+                  for k, v in (show.get("model_info") or {}).items()}
     model_info.setdefault("general.architecture", arch)
     model_info["general.parameter_count"] = info.get("parameter_count") or show.get("parameters") or 0
     for key in ("context_length", "embedding_length", "block_count", "feed_forward_length"):
@@ -1239,6 +1271,8 @@ def show_body(show: dict, verbose: bool = False) -> dict:
         "files": show.get("files"),
         "source": show.get("source"),
         "preset": preset.to_dict(),  # what the model carries besides its weights, as stored
+        **({"tensors": [{"name": t.name, "type": t.ggml_type, "shape": list(t.shape)} for t in tensors]}
+           if verbose and tensors is not None else {}),
     }
 
 

@@ -61,7 +61,7 @@ from ..api.options import split_options
 from ..config import ConfigError
 from ..load_options import LoadOptionsError
 from ..engine.runner import EngineError, RequestError, RunnerCrashed, reserve_for
-from ..models.gguf_info import GGUFError
+from ..models.gguf_info import GGUFError, read_arrays, read_gguf_info
 from ..errors import NoSuchRoute, NotLoaded, NotSupported
 from ..models.names import plainly_a_path, same_model
 from ..models.store import LOCAL_KEY_FILE_HEADER, LOCAL_KEY_HEADER, PathNotAllowed, local_caller
@@ -387,7 +387,11 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         is a 400 before anything loads, as in Ollama."""
         sched = await self.ext.get_scheduler()
         if needs:
-            oa.check_capabilities(name, await sched.resolver(name), needs)
+            ref = await sched.resolver(name)
+            if "vision" in needs and not ref.mmproj:
+                raise BadRequest(f"{name} has no multimodal projector, so it cannot read images; use a vision model "
+                                 "(one pulled with its mmproj file, or created with a projector)")
+            oa.check_capabilities(name, ref, [n for n in needs if n != "vision"])
         self._acquiring = True
         try:
             lease = await sched.acquire(name, options, keep_alive)
@@ -469,10 +473,11 @@ class GenerateHandler(LlamaHandler):
                                                load_s=lease.load_duration))
                 return
             runner = lease.runner
-            thinking = req.thinks and lease.loaded.ref.has_chat_template  # the child's chat route separates the reasoning
-            tr = (oa.ThinkingGenerateTranslator if thinking else oa.GenerateTranslator)(
+            # the child's chat route separates the reasoning, and reads images with the projector
+            chats = req.images or (req.thinks and lease.loaded.ref.has_chat_template)
+            tr = (oa.ThinkingGenerateTranslator if chats else oa.GenerateTranslator)(
                 req.model, started, lease.load_duration, logprobs=req.logprobs)
-            if thinking:
+            if chats:
                 start = functools.partial(runner.relay_chat, req.prompt_messages(), truncate=req.truncate,
                                           **req.chat_params)
             elif req.suffix:  # fill in the middle: the child's /infill puts the model's FIM tokens around both
@@ -556,9 +561,6 @@ class ChatHandler(LlamaHandler):
                 self.finish_json(oa.load_chunk(req.model, "load", chat=True, total_s=time.monotonic() - started,
                                                load_s=lease.load_duration))
                 return
-            if req.has_images and not lease.loaded.ref.mmproj:
-                raise BadRequest(f"{lease.loaded.name} has no multimodal projector, so it cannot read images; "
-                                 "use a vision model (one pulled with its mmproj file, or created with a projector)")
             runner = lease.runner
             if req.templated is not None:  # the model's preset template makes the prompt
                 text = req.templated.render(req.all_messages, think=bool(req.think))
@@ -642,7 +644,12 @@ class ShowHandler(LlamaHandler):
     async def post(self):
         name, verbose = oa.parse_show(self.json_body())
         data = await asyncio.to_thread(self.ext.store.show, name)
-        self.finish(dumps(oa.show_body(data, verbose)))
+        arrays = tensors = None
+        path = next((f.get("path") for f in data.get("files") or [] if f.get("role") == "model"), None)
+        if verbose and path:  # (the store keeps a summary; the arrays and the tensor table are in the file)
+            arrays = await asyncio.to_thread(read_arrays, path)
+            tensors = (await asyncio.to_thread(read_gguf_info, path)).tensors
+        self.finish(await asyncio.to_thread(dumps, oa.show_body(data, verbose, arrays, tensors)))
 
 
 class PullHandler(LlamaHandler):

@@ -33,6 +33,21 @@ async def wait_until(cond, timeout: float = 10.0, interval: float = 0.02):
         await asyncio.sleep(interval)
 
 
+def png(width: int = 28, height: int = 28) -> str:
+    """A small solid-colour PNG, base64-encoded (as Ollama clients send images)."""
+    import base64
+    import struct
+    import zlib
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    rows = b"".join(b"\x00" + bytes([120, 80, 200]) * width for _ in range(height))
+    image = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+             + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return base64.b64encode(image).decode()
+
+
 def lines(body: bytes) -> list[dict]:
     return [json.loads(ln) for ln in body.decode().splitlines() if ln.strip()]
 

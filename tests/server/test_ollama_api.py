@@ -9,7 +9,7 @@ import math
 
 import httpx
 import pytest
-from srvutil import LONG, OPTS, FileHost, lines, wait_until
+from srvutil import LONG, OPTS, FileHost, lines, png, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -524,29 +524,13 @@ async def test_log_of_a_loaded_model(http):
 
 # ----------------------------------------------------------------------------- images
 
-
-def _png(width: int = 28, height: int = 28) -> str:
-    """A small solid-colour PNG, base64-encoded (as Ollama clients send images)."""
-    import base64
-    import struct
-    import zlib
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    rows = b"".join(b"\x00" + bytes([120, 80, 200]) * width for _ in range(height))
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
-    return base64.b64encode(png).decode()
-
-
 async def test_chat_with_an_image_on_a_vision_model(http, store):
     from srvutil import TINY
 
     # the same weights as "tiny" (so the same model file), plus a synthetic projector: a runner is
     # for a file and its projector, so "tiny" below must not be served by vision's child
     store.synth("vision", projector=True, **TINY)
-    msg = {"role": "user", "content": "What is in the picture?", "images": [_png()]}
+    msg = {"role": "user", "content": "What is in the picture?", "images": [png()]}
     r = await http.post("api/chat", json={"model": "vision", "messages": [msg], "stream": False,
                                           "options": dict(OPTS, num_predict=4)})
     body = r.json()

@@ -174,10 +174,12 @@ def test_chat_translator_with_tool_calls():
     tr.feed({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": ' 1}'}}]}}]})
     out = tr.feed({"choices": [{"delta": {}, "finish_reason": "tool_calls"}],
                    "timings": {"prompt_n": 9, "prompt_ms": 1, "predicted_n": 5, "predicted_ms": 2}})
-    final = out[-1]
+    calls, final = out[-2:]  # the calls in a chunk of their own, before the last (as Ollama streams them)
     assert final["done"] and final["done_reason"] == "stop" and final["eval_count"] == 5
-    assert final["message"]["tool_calls"] == [{"function": {"name": "add", "arguments": {"a": 1}}}]
-    assert tr.combined()["message"]["content"] == "Hi"
+    assert not calls["done"] and "tool_calls" not in final["message"]
+    assert calls["message"]["tool_calls"] == [{"function": {"name": "add", "arguments": {"a": 1}}}]
+    whole = tr.combined()["message"]  # not streamed: one answer with both
+    assert whole["content"] == "Hi" and whole["tool_calls"] == calls["message"]["tool_calls"]
 
 
 def test_ps_and_show_bodies():
@@ -206,7 +208,8 @@ def test_ps_and_show_bodies():
                          "template": "{{x}}", "files": [{"role": "model", "path": "/b"}],
                          "details": {"family": "llama"}, "modified_at": "2026-01-01T00:00:00+00:00"})
     assert show["model_info"]["llama.context_length"] == 4096 and show["model_info"]["general.parameter_count"] == 5
-    assert "tokenizer.ggml.tokens" not in show["model_info"] and "FROM /b" in show["modelfile"]
+    assert show["model_info"]["tokenizer.ggml.tokens"] is None and "FROM /b" in show["modelfile"]  # (Ollama's null)
+    assert "tensors" not in show
     assert show["template"] == "{{x}}" and show["capabilities"] == ["completion"]
 
 
