@@ -25,10 +25,12 @@ cells per stream):
 * graph inputs, allocated before anything else: token ids, positions, K/V row indices
   (``8*T`` bytes each; without flash attention the transposed V cache is written element by
   element, so the V indices take ``8*T*V``), the attention mask ``n_kv*T`` elements (f16 with
-  flash attention, f32 without; a second one for sliding-window layers), the output-row ids,
+  flash attention, f32 without), the output-row ids,
   a vector-embedding input ``E*T*4`` that llama.cpp reserves for embedding batches and that
   stays allocated for the whole graph, and the inputs of the "mixed batch" path
-  (``E*T*4``, whose copy is kept alive by a view, so another ``E*T*4`` stays allocated too);
+  (``E*T*4``, whose copy is kept alive by a view, so another ``E*T*4`` stays allocated too).
+  A model with sliding-window layers has two caches (llama.cpp's iSWA cache), each with its
+  own row indices, mask and rotations, so the sliding-window layers' set comes on top;
 * per layer, attention: RMS norm (``E``), Q (``Q``) and its rotary copy (``Q``; RoPE does not
   run in place here), V (``V``), K and its rotary copy (``K``), with a quantized K cache a
   Hadamard-rotated copy of Q and K (``Q``, ``K``); then either flash attention (output ``Q``;
@@ -278,6 +280,15 @@ class GraphPlan:
     embeddings: bool = False  # pooled embeddings instead of logits
 
 
+@dataclass(frozen=True)
+class _CacheInputs:
+    k_idxs: Tensor
+    v_idxs: Tensor
+    mask: Tensor
+    k_rot: Tensor
+    v_rot: Tensor
+
+
 def layers_elsewhere(here: frozenset[int], n_layer: int) -> bool:
     """Whether another backend runs some of the ``n_layer`` repeating layers."""
     return any(il not in here for il in range(n_layer))
@@ -342,16 +353,27 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
             copy = add(Tensor("mixed_copy", E * T * F32, "DUP", [mixed_embd]))
             add(Tensor("mixed_set_rows", E * T * F32, "SET_ROWS", [tok_rows, slots, copy], view_src=copy))
 
-    max_v = max((ly.n_embd_v for ly in plan.layers), default=0)
     pos = Tensor("inp_pos", T * 4, is_input=True)
-    k_idxs = Tensor("k_idxs", T * 8, is_input=True)
-    v_idxs = Tensor("v_idxs", (T if plan.flash_attn else T * max_v) * 8, is_input=True)
     mask_bytes = 2 if plan.flash_attn else 4
-    mask = Tensor("kq_mask", plan.n_kv * T * mask_bytes, is_input=True)
-    mask_swa = Tensor("kq_mask_swa", plan.n_kv_swa * T * mask_bytes, is_input=True)
     out_ids = Tensor("out_ids", O * 4, is_input=True)
-    k_rot = Tensor("k_rot", plan.rot_k * plan.rot_k * F32, is_input=True)
-    v_rot = Tensor("v_rot", plan.rot_v * plan.rot_v * F32, is_input=True)
+
+    def cache_inputs(suffix: str, swa: bool) -> _CacheInputs:
+        """The inputs of one KV cache: row indices for K and V, the mask, the rotations."""
+        max_v = max((ly.n_embd_v for ly in plan.layers if ly.swa == swa), default=0)
+        n_kv = plan.n_kv_swa if swa else plan.n_kv
+        return _CacheInputs(
+            Tensor("k_idxs" + suffix, T * 8, is_input=True),
+            Tensor("v_idxs" + suffix, (T if plan.flash_attn else T * max_v) * 8, is_input=True),
+            Tensor("kq_mask" + suffix, n_kv * T * mask_bytes, is_input=True),
+            Tensor("k_rot" + suffix, plan.rot_k * plan.rot_k * F32, is_input=True),
+            Tensor("v_rot" + suffix, plan.rot_v * plan.rot_v * F32, is_input=True))
+
+    # A model with sliding-window layers keeps two caches (llama.cpp's iSWA cache), and each has
+    # inputs of its own: the sliding-window layers read only the second set. Without flash
+    # attention the V indices are per element, so the second set is as large as the first.
+    iswa = bool(plan.n_kv_swa) and any(ly.swa for ly in plan.layers)
+    base = cache_inputs("", False)
+    window = cache_inputs("_swa", True) if iswa else base
 
     inp = embd
     handed_on: list[Tensor] = []  # the host's last activations, read by the next backend
@@ -366,8 +388,9 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
                                   Tensor("ffn_inp(copy)", E * T * F32, is_input=True)]))
             else:
                 inp = Tensor("inp_from_other_backend", E * T * F32, is_input=True)
-        n_kv = plan.n_kv_swa if (ly.swa and plan.n_kv_swa) else plan.n_kv
-        lmask = mask_swa if (ly.swa and plan.n_kv_swa) else mask
+        n_kv = plan.n_kv_swa if (ly.swa and iswa) else plan.n_kv
+        cache = window if ly.swa else base
+        k_idxs, v_idxs, lmask, k_rot, v_rot = cache.k_idxs, cache.v_idxs, cache.mask, cache.k_rot, cache.v_rot
         Q, K, V = ly.n_embd_q, ly.n_embd_k, ly.n_embd_v
         norm = add(Tensor("attn_norm", E * T * F32, "RMS_NORM", [inp]))
         norm = add(Tensor("attn_norm_w", E * T * F32, "MUL", [norm, weight("attn_norm.w")]))
@@ -428,10 +451,11 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
         if n_layer and not first_here and plan.mixed_batch:
             exported += [mixed_embd, slots]
         if n_layer and layers_elsewhere(here, n_layer):
-            exported += [pos, k_idxs, v_idxs, mask]
-            if plan.n_kv_swa and any(ly.swa for ly in plan.layers):
-                exported.append(mask_swa)
-            exported += [t for t, used in ((k_rot, plan.rot_k), (v_rot, plan.rot_v)) if used]
+            exported += [pos, base.k_idxs, base.v_idxs, base.mask]
+            if iswa:
+                exported += [window.k_idxs, window.v_idxs, window.mask]
+            for cache in (base, window) if iswa else (base,):
+                exported += [t for t, used in ((cache.k_rot, plan.rot_k), (cache.v_rot, plan.rot_v)) if used]
         if n_layer and n_layer - 1 not in here:
             exported.append(out_ids)
         add(Tensor("to_other_backends", 0, "EXPORT", exported))

@@ -932,6 +932,7 @@ class OpenAIHandler(LlamaHandler):
     """OpenAI's routes (and, below, Anthropic's): scheduled, then relayed to the child's own."""
 
     parse_request = staticmethod(oai.parse_request)
+    mend_for = staticmethod(oai.mend_for)  # what the child's answer needs changed on its way (see api.openai.Mend)
     _named = False  # this request's stream is of named events (set once it is parsed)
 
     def error_payload(self, status: int, message: str) -> dict:
@@ -953,16 +954,19 @@ class OpenAIHandler(LlamaHandler):
     async def _run(self, req: oai.OpenAIRequest) -> None:
         lease = await self.acquire(req.model, req.options, req.keep_alive, req.needs)
         try:
+            if req.suffix is not None:
+                await self._infill(lease, req)
+                return
+            mend = self.mend_for(req)
             if not req.stream:
-                try:  # (a chat longer than the context loses its oldest turns, as on /api/chat)
-                    res = await (lease.runner.send_chat(req.body) if req.endpoint == "/v1/chat/completions"
-                                 else lease.runner.post(req.endpoint, req.body))
-                except RequestError as e:
-                    if req.endpoint != "/v1/embeddings" or "pooling" not in str(e).lower():
-                        raise
-                    res = await _openai_embeddings(lease, req)  # the model does not pool: we do
+                if req.choices > 1:
+                    res = await self._several(lease, req)
+                else:
+                    res = await self._answer(lease, req, req.body)
                 if isinstance(res, dict) and "model" in res:
                     res["model"] = req.model  # the name asked for, as OpenAI and Ollama answer
+                if mend is not None:
+                    mend.answer(res)
                 self.finish_json(res)
                 return
             self.start_stream(SSE)
@@ -972,13 +976,23 @@ class OpenAIHandler(LlamaHandler):
             # same file) gets its own name back, by a replace of that one JSON string.
             # A stream of named events (Responses, Anthropic) comes with its ``event:`` lines
             # (the relay passes them on) and ends without [DONE]. The child's head (a batch of
-            # no events) sends ours, while the child makes its first token.
+            # no events) sends ours, while the child makes its first token. A mend (see
+            # api.openai.Mend) sees each event first, and may hold some back to its end.
             write = self.stream_writer()
             head = b"" if req.named else b"data: "
             # spelled as llama-server spells it (UTF-8 as it is, not \u escapes)
             alias = b'"model":' + json.dumps(lease.runner.name, ensure_ascii=False).encode()
             asked = b'"model":' + json.dumps(req.model, ensure_ascii=False).encode()
-            if alias == asked:
+
+            def named(d: bytes) -> bytes:
+                return d if alias == asked else d.replace(alias, asked, 1)
+
+            if mend is not None:
+                def frame(batch):
+                    mended = [m for m in map(mend.event, batch) if m is not None]
+                    return write(b"".join([head + named(d) + b"\n\n" for d in mended])) if mended or not batch \
+                        else None
+            elif alias == asked:
                 def frame(batch):
                     return write(b"".join([head + d + b"\n\n" for d in batch]))
             else:
@@ -988,7 +1002,8 @@ class OpenAIHandler(LlamaHandler):
                 await lease.runner.send_chat(req.body, frame)
             else:
                 await lease.runner.relay_sse(req.endpoint, req.body, frame, named=req.named)
-            self.end_stream(SSE, b"" if req.named else oai.SSE_DONE)
+            held = b"".join([head + named(d) + b"\n\n" for d in mend.end()]) if mend is not None else b""
+            self.end_stream(SSE, held + (b"" if req.named else oai.SSE_DONE))
         finally:
             lease.release()
 
@@ -997,8 +1012,66 @@ async def _openai_embeddings(lease, req: oai.OpenAIRequest) -> dict:
     """OpenAI embeddings for a model that does not pool: the child's per-token vectors, pooled here."""
     inputs, fmt = oai.embedding_inputs(req.body), oai.encoding_format(req.body)
     raw, tokens = await lease.runner.embed(inputs)
-    vectors = await asyncio.to_thread(oa.unit_vectors, raw)
+    vectors = oai.cut_dimensions(await asyncio.to_thread(oa.unit_vectors, raw), req.dimensions, req.model)
     return oai.embeddings_body(req.model, vectors, tokens, fmt)
+
+    async def _answer(self, lease, req: oai.OpenAIRequest, body: dict):
+        """The child's answer to ``body`` (not streamed), embeddings cut to ``dimensions``."""
+        if req.dimensions:  # the child's vectors as numbers, to cut here and then spell as asked
+            body = {k: v for k, v in body.items() if k != "encoding_format"}
+        try:  # (a chat longer than the context loses its oldest turns, as on /api/chat)
+            res = await (lease.runner.send_chat(body) if req.endpoint == "/v1/chat/completions"
+                         else lease.runner.post(req.endpoint, body))
+        except RequestError as e:
+            if req.endpoint != "/v1/embeddings" or "pooling" not in str(e).lower():
+                raise
+            return await _openai_embeddings(lease, req)  # the model does not pool: we do
+        if req.dimensions and isinstance(res, dict):
+            data = sorted(res.get("data") or [], key=lambda d: d.get("index", 0))
+            vectors = oai.cut_dimensions([d.get("embedding") or [] for d in data], req.dimensions, req.model)
+            res = oai.embeddings_body(req.model, vectors, int((res.get("usage") or {}).get("prompt_tokens") or 0),
+                                      oai.encoding_format(req.body))
+        return res
+
+    async def _several(self, lease, req: oai.OpenAIRequest) -> dict:
+        """An answer of ``n`` > 1 choices, not streamed: asked one at a time, side by side
+        (the child's slots share the prompt's cache), and merged. The child's own ``n`` would
+        merge them with the usage of one answer alone; OpenAI counts all of them."""
+        one = {**req.body, "n": 1}
+        try:  # (one that fails stops the others: none goes on once the lease is given back)
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._answer(lease, req, one)) for _ in range(req.choices)]
+        except BaseExceptionGroup as group:
+            raise group.exceptions[0] from None
+        return oai.merged_answers([t.result() for t in tasks])
+
+    async def _infill(self, lease, req: oai.OpenAIRequest) -> None:
+        """``/v1/completions`` with ``suffix``: fill in the middle with the child's ``/infill``
+        (the model's FIM tokens around the prompt and the suffix), its native events told as
+        OpenAI's completion chunks."""
+        include_usage = bool((req.body.get("stream_options") or {}).get("include_usage")) \
+            if isinstance(req.body.get("stream_options"), dict) else False
+        tr = oai.InfillTranslator(req.model, include_usage=include_usage and req.stream)
+        body = oai.infill_body(req)
+        if not req.stream:
+            def gather(batch: list[bytes]) -> None:
+                for data in batch:
+                    tr.feed(json.loads(data))
+
+            await lease.runner.relay_sse("/infill", body, gather)
+            self.finish_json(tr.combined())
+            return
+        self.start_stream(SSE)
+        write = self.stream_writer()
+
+        def send_on(batch: list[bytes]):
+            if not batch:
+                return write(b"")
+            out = b"".join([oai.sse(c) for data in batch for c in tr.feed(json.loads(data))])
+            return write(out) if out else None
+
+        await lease.runner.relay_sse("/infill", body, send_on)
+        self.end_stream(SSE, oai.SSE_DONE)
 
 
 class AnthropicHandler(OpenAIHandler):
@@ -1006,6 +1079,7 @@ class AnthropicHandler(OpenAIHandler):
     to the child's own, with Anthropic's error shape."""
 
     parse_request = staticmethod(anth.parse_request)
+    mend_for = staticmethod(anth.mend_for)
 
     def error_payload(self, status: int, message: str) -> dict:
         return anth.error_body(status, message)

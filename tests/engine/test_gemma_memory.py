@@ -16,7 +16,7 @@ import pytest
 
 from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory.estimate import estimate_coarse, estimate_detailed, format_estimates
-from jupyter_llama.memory.report import ACTUAL, COARSE, DETAILED, KV, WEIGHTS
+from jupyter_llama.memory.report import ACTUAL, COARSE, COMPUTE, DETAILED, KV, WEIGHTS
 from jupyter_llama.models.gguf_info import read_gguf_info
 
 pytestmark = pytest.mark.engine
@@ -35,8 +35,10 @@ GRID = [
 
 @pytest.mark.parametrize("options", GRID, ids=["512", "4k-np4", "32k", "8k-q8-fa", "2k-fa-off-ub256"])
 async def test_the_detailed_estimate_holds_on_gemma(start_runner, gemma_model, options):
-    """Within 1% in total, and the KV cache and weights to the log's rounding: the sliding
-    window (most of Gemma's layers keep only their last 512 positions) included."""
+    """Within 1% in total, and the KV cache, weights and compute buffer to the log's rounding:
+    the sliding window (most of Gemma's layers keep only their last 512 positions) included,
+    and its cache's own inputs in the compute buffer (without flash attention its V indices
+    are one per element: 8 bytes x 256 x n_ubatch beside the global cache's)."""
     info = read_gguf_info(gemma_model)
     predicted = estimate_detailed(info, options, [])
     actual = (await start_runner(gemma_model, options)).memory()
@@ -44,6 +46,8 @@ async def test_the_detailed_estimate_holds_on_gemma(start_runner, gemma_model, o
     assert predicted.total() == pytest.approx(actual.total(), rel=0.01), table
     assert predicted.total(component=KV) == pytest.approx(actual.total(component=KV), abs=0.02 * MiB), table
     assert predicted.total(component=WEIGHTS) == pytest.approx(actual.total(component=WEIGHTS), abs=0.02 * MiB), table
+    # (the log gives MiB to two decimals)
+    assert predicted.total(component=COMPUTE) == pytest.approx(actual.total(component=COMPUTE), abs=0.005 * MiB), table
 
 
 async def test_one_kv_formula_for_every_layer_overcounts_a_sliding_window_model(start_runner, gemma_model):

@@ -315,6 +315,20 @@ def test_compute_does_not_grow_with_layers():
     assert compute_buffer_bytes(one_more, 512, 4, 4) == compute_buffer_bytes(_plan(), 512, 4, 4)
 
 
+def test_a_sliding_window_cache_brings_its_own_inputs():
+    # llama.cpp's iSWA cache gives the sliding-window layers row indices of their own; without
+    # flash attention the V indices are one per element (8 bytes x V x T), so they cost as much
+    # again as the global cache's (measured on Gemma 3: 8 x 256 x n_ubatch bytes).
+    wide = LayerShape(n_embd_q=256, n_embd_k=256, n_embd_v=256, n_head=1, n_ff=704)
+    window = LayerShape(n_embd_q=256, n_embd_k=256, n_embd_v=256, n_head=1, n_ff=704, swa=True)
+    one_cache = _plan(layers=(wide,) * 4, n_kv=1024, flash_attn=False)
+    two_caches = _plan(layers=(window, window, window, wide), n_kv=1024, n_kv_swa=1024, flash_attn=False)
+    # (the same cells in both caches, so only the second set of inputs differs: its mask, f32,
+    # and its indices)
+    extra = compute_buffer_bytes(two_caches, 512, 1, 1) - compute_buffer_bytes(one_cache, 512, 1, 1)
+    assert extra == 1024 * 512 * 4 + 512 * 8 + 512 * 256 * 8
+
+
 def test_compute_feed_forward_peak_closed_form():
     # Feed-forward dominated (F >> E): mask + 4*T*(3F + 5E) plus the small integer inputs.
     plan = _plan(layers=(LayerShape(256, 64, 64, 8, 4096),) * 2, n_kv=2048)

@@ -227,7 +227,6 @@ async def test_openai_client(llama_url, token):
     # what llama-server's routes would leave out of their answer without a word is a 400 that says so
     for call, kw, said in ((c.completions.create, dict(prompt="Once", echo=True), "echo is not supported"),
                            (c.completions.create, dict(prompt="Once", best_of=3), "best_of is not supported"),
-                           (c.completions.create, dict(prompt="Once", suffix="end."), "suffix (fill in the middle)"),
                            (c.chat.completions.create, dict(messages=msgs, stop=5), "stop must be a string or a list")):
         with pytest.raises(openai.BadRequestError) as e:
             await run(call, model="tiny", max_tokens=3, **kw)

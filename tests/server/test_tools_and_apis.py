@@ -144,11 +144,11 @@ async def test_openai_tools_and_the_responses_api(llama_url, token):
     assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris"}
 
     r = await run(c.responses.create, model="tiny", input="Hello", max_output_tokens=4)
-    assert r.model == "tiny" and r.status == "completed" and r.output_text, r
+    assert r.model == "tiny" and r.status == "incomplete" and r.output_text, r  # (cut by its limit)
     events = await run(lambda: list(c.responses.create(model="tiny", input="Hello", max_output_tokens=4,
                                                        stream=True)))
     kinds = [e.type for e in events]
-    assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete", kinds
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert events[-1].response.model == "tiny"
     r = await run(c.responses.create, model="agent", input="What is the weather in Paris?", max_output_tokens=200,
