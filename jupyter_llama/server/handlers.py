@@ -1007,14 +1007,6 @@ class OpenAIHandler(LlamaHandler):
         finally:
             lease.release()
 
-
-async def _openai_embeddings(lease, req: oai.OpenAIRequest) -> dict:
-    """OpenAI embeddings for a model that does not pool: the child's per-token vectors, pooled here."""
-    inputs, fmt = oai.embedding_inputs(req.body), oai.encoding_format(req.body)
-    raw, tokens = await lease.runner.embed(inputs)
-    vectors = oai.cut_dimensions(await asyncio.to_thread(oa.unit_vectors, raw), req.dimensions, req.model)
-    return oai.embeddings_body(req.model, vectors, tokens, fmt)
-
     async def _answer(self, lease, req: oai.OpenAIRequest, body: dict):
         """The child's answer to ``body`` (not streamed), embeddings cut to ``dimensions``."""
         if req.dimensions:  # the child's vectors as numbers, to cut here and then spell as asked
@@ -1072,6 +1064,14 @@ async def _openai_embeddings(lease, req: oai.OpenAIRequest) -> dict:
 
         await lease.runner.relay_sse("/infill", body, send_on)
         self.end_stream(SSE, oai.SSE_DONE)
+
+
+async def _openai_embeddings(lease, req: oai.OpenAIRequest) -> dict:
+    """OpenAI embeddings for a model that does not pool: the child's per-token vectors, pooled here."""
+    inputs, fmt = oai.embedding_inputs(req.body), oai.encoding_format(req.body)
+    raw, tokens = await lease.runner.embed(inputs)
+    vectors = oai.cut_dimensions(await asyncio.to_thread(oa.unit_vectors, raw), req.dimensions, req.model)
+    return oai.embeddings_body(req.model, vectors, tokens, fmt)
 
 
 class AnthropicHandler(OpenAIHandler):
