@@ -20,7 +20,8 @@ Routes (Ollama-compatible unless noted):
 
 Every method requires Jupyter authentication (token in ``Authorization: token|Bearer``,
 or the login cookie plus XSRF, exactly as jupyter_server's own API) and authorization on
-the resource ``llama``.
+the resource ``llama``, but ``GET``/``HEAD`` of the root itself, which says only that the
+server runs (as Ollama's root answers anyone).
 
 Errors: the HTTP status is the core error's ``status`` (404 unknown model, 400 bad
 request, 503 queue full, 507 does not fit in memory or the store's disk is full (create,
@@ -48,6 +49,12 @@ from http.client import responses
 from typing import TYPE_CHECKING, Any, Callable
 
 from jupyter_server.auth.decorator import authorized
+
+try:
+    from jupyter_server.auth.decorator import allow_unauthenticated
+except ImportError:  # jupyter_server before 2.13, which let a handler's own checks decide (there are none here)
+    def allow_unauthenticated(method):
+        return method
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
@@ -1152,16 +1159,18 @@ class OpenAPIHandler(LlamaHandler):
 
 
 class RootHandler(LlamaHandler):
+    """``GET /llama/`` (and HEAD): a plain sentence that the server runs, to anyone, as
+    Ollama's root answers ("Ollama is running"): clients probe it before they send their
+    key. It is the one route open without the token, and says nothing else."""
+
     counts_as_activity = False
 
-    @web.authenticated
-    @authorized
+    @allow_unauthenticated
     @api_method
     async def get(self):
         self.finish("jupyter-llama is running", set_content_type="text/plain; charset=utf-8")
 
-    @web.authenticated
-    @authorized
+    @allow_unauthenticated
     @api_method
     async def head(self):
         self.finish(set_content_type="text/plain; charset=utf-8")

@@ -281,10 +281,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (--token, JUPYTER_TOKEN) is the user's secret and stays out of the log.
     shown = token if getattr(app.identity_provider, "token_generated", False) else "<your token>"
     key = shown if token else ""
-    app.log.info("  Ollama clients: OLLAMA_HOST=%s with header 'Authorization: token %s' (ollama-python sends "
-                 "OLLAMA_API_KEY=%s so)", url, key, key)
-    app.log.info("  OpenAI clients: base_url=%s/v1 api_key=%s", url, key)
-    app.log.info("  Anthropic clients: base_url=%s api_key=%s", url, key)
+    # (each line's variables as the clients read them from the environment, ready to copy)
+    app.log.info("  Ollama clients: OLLAMA_HOST=%s OLLAMA_API_KEY=%s (or the header 'Authorization: token %s')",
+                 url, key, key)
+    app.log.info("  OpenAI clients: OPENAI_BASE_URL=%s/v1 OPENAI_API_KEY=%s", url, key)
+    app.log.info("  Anthropic clients: ANTHROPIC_BASE_URL=%s ANTHROPIC_API_KEY=%s", url, key)
     if args.exit_when_idle is not None:
         _exit_when_idle(app, args.exit_when_idle)
     # What is built by now (jupyter_server, Tornado, the extension: ~200,000 objects) lives as

@@ -102,6 +102,11 @@ def test_no_child_outlives_the_server(serve, sig, tmp_path):
     assert llama_children(proc.pid) == []
     log = (tmp_path / "serve.log").read_text(errors="replace")
     assert "Authorization: token <your token>" in log
+    # each API's variables, ready to copy (the token given to serve shown as a placeholder)
+    port = url.split(":")[2].split("/")[0]
+    for line in (f":{port}/llama OLLAMA_API_KEY=<your token>", f":{port}/llama/v1 OPENAI_API_KEY=<your token>",
+                 f":{port}/llama ANTHROPIC_API_KEY=<your token>", "ANTHROPIC_BASE_URL=http", "OLLAMA_HOST=http"):
+        assert line in log, log
     assert token not in log, "a token given to serve (--token) is the user's secret: never logged"
 
 
