@@ -87,7 +87,18 @@ class ChildProcess:
 
     @property
     def returncode(self) -> int | None:
-        return self._popen.returncode
+        """Its exit status once it has exited, else None. Asked of the kernel each time (a
+        reap that does not block), not only when the loop has run the exit's callback: a
+        child whose exit can be reaped is dead to whoever asks next (a lease, ``ps``), not
+        alive for a few more turns of the loop. (A child killed is a zombie in /proc a little
+        before that, while its threads are torn down.)"""
+        code = self._popen.returncode
+        if code is None:
+            try:
+                code = self._popen.poll()
+            except OSError:  # (not ours to reap any more: the loop's callback will say)
+                code = self._popen.returncode
+        return code
 
     def _watch(self) -> None:
         loop = asyncio.get_running_loop()

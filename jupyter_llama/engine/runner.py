@@ -76,7 +76,20 @@ class LoadError(EngineError):
 
 
 class RunnerCrashed(EngineError):
-    """The child died while serving a request."""
+    """The child died while serving a request. ``retryable``: it was dead before any of the
+    request's answer went to the caller (the request found it dead, or its connection broke
+    before the first event), so sending the request again, to a fresh child, repeats nothing
+    the caller has seen; False when some of the answer had gone, or when the child was
+    killed for not answering (a request that wedges a child may well wedge the next)."""
+
+    def __init__(self, message: str, *, retryable: bool = False):
+        self.retryable = retryable
+        super().__init__(message)
+
+
+class LoadStopped(EngineError):
+    """The child's start was stopped by its manager (:meth:`Runner.stop` while it loaded): no
+    crash of the engine, and no fault of the model. Whoever stopped it says why."""
 
 
 # llama.cpp's refusals (src/llama-context.cpp, b11434) of load options that do not suit the
@@ -173,6 +186,8 @@ class Runner:
         self._ready_line = asyncio.Event()
         self._exited = asyncio.Event()
         self._stop_lock = asyncio.Lock()
+        self._stop_asked = False  # stop() was called: no child is started after it, a starting one is stopped
+        self._spawning: asyncio.Event | None = None  # while a child is being started: set once it is (or failed)
         self._lost_workers: list[str] | None = None
 
     # ------------------------------------------------------------------ properties
@@ -212,6 +227,8 @@ class Runner:
     async def start(self) -> "Runner":
         """Start the child and wait until it answers ``/health``; raise :class:`LoadError` if not
         (BadRequest when its log says the load options do not suit the model: :func:`options_mistake`)."""
+        if self._stop_asked and self.state in (RunnerState.NEW, RunnerState.STOPPED) and self.proc is None:
+            raise self._stopped_error()  # stopped before it was started: it starts no child
         if self.state != RunnerState.NEW:
             raise EngineError(f"runner for {self.name} was already started ({self.state})")
         if not os.path.isfile(self.model_path):
@@ -220,6 +237,8 @@ class Runner:
         self.state = RunnerState.STARTING
         for attempt in range(3):
             try:
+                if self._stop_asked:  # stopped before (or between) its tries: no child is started
+                    raise self._stopped_error()
                 await self._spawn()
                 await self._wait_ready()
                 return self
@@ -230,8 +249,9 @@ class Runner:
                 self._exited = asyncio.Event()
                 continue
             except BaseException:
+                stopped = self._stop_asked  # (before our own stop below, which sets it)
                 await self.stop()
-                self.state = RunnerState.FAILED
+                self.state = RunnerState.STOPPED if stopped else RunnerState.FAILED
                 raise
         self.state = RunnerState.FAILED
         raise LoadError(f"could not find a free port for {self.name} after 3 tries")
@@ -253,9 +273,16 @@ class Runner:
             preexec = _pdeathsig_preexec
         self.started_at = time.monotonic()
         self._last_output = self.started_at
-        self.proc = await ChildProcess.start(argv, env, preexec_fn=preexec)
-        _LIVE.add(self)
-        self._reader = asyncio.create_task(self._read_log(), name=f"llama-log-{self.name}")
+        # The child exists from the fork on, but ``proc`` only once its pipe is watched (an
+        # await): a stop meanwhile waits for this (see stop), so no child is ever started that
+        # nobody stops.
+        spawning = self._spawning = asyncio.Event()
+        try:
+            self.proc = await ChildProcess.start(argv, env, preexec_fn=preexec)
+            _LIVE.add(self)
+            self._reader = asyncio.create_task(self._read_log(), name=f"llama-log-{self.name}")
+        finally:
+            spawning.set()
 
     async def _read_log(self) -> None:
         assert self.proc and self.proc.stdout
@@ -319,6 +346,8 @@ class Runner:
             while True:
                 if self._exited.is_set():
                     await asyncio.sleep(0)  # let the reader drain the last lines
+                    if self._stop_asked:  # it exited because we stopped it: no crash, no fault of the model
+                        raise self._stopped_error()
                     if any("address already in use" in ln.lower() or "couldn't bind" in ln.lower()
                            for ln in list(self.parser.lines)[-20:]):
                         raise _PortTaken()
@@ -351,6 +380,10 @@ class Runner:
             exited.cancel()
             ready_line.cancel()
 
+    def _stopped_error(self) -> LoadStopped:
+        return LoadStopped(f"the start of llama-server for {self.name} was stopped by its manager before the "
+                           "model was ready")
+
     async def _health_ok(self, timeout: float = HEALTH_TIMEOUT_S) -> bool:
         try:
             body = await http1.request_json(self.port, "/health", None, self._headers(), timeout=timeout)
@@ -378,7 +411,7 @@ class Runner:
             self._lost_workers = [ep for ep, up in zip(eps, alive) if not up]
         return self._lost_workers
 
-    def _crash_error(self) -> RunnerCrashed:
+    def _crash_error(self, retryable: bool = False) -> RunnerCrashed:
         code = self.returncode if self.returncode is not None else (self.proc.returncode if self.proc else None)
         tail = self.parser.last_error_lines(5)
         detail = f" ({exit_words(code)})" if code is not None else ""
@@ -386,9 +419,12 @@ class Runner:
             detail += f"; RPC worker {', '.join(self._lost_workers)} went away (connection refused)"
         if tail:
             detail += "; last log lines: " + " | ".join(tail)
-        return RunnerCrashed(f"{CRASH_MESSAGE}{detail}")
+        return RunnerCrashed(f"{CRASH_MESSAGE}{detail}", retryable=retryable)
 
-    async def _after_transport_error(self, exc: Exception) -> EngineError:
+    async def _after_transport_error(self, exc: Exception, answered: bool = True) -> EngineError:
+        """The error for a request whose connection to the child failed: RunnerCrashed when
+        the child is dead (``retryable`` when nothing of the answer had gone to the caller,
+        ``answered`` False), else an EngineError that says how the request failed."""
         # Give the reader a moment to notice the exit, so the message carries the exit code.
         if self.proc is not None:
             try:
@@ -399,13 +435,13 @@ class Runner:
             self.state = RunnerState.FAILED if self.state != RunnerState.STOPPING else self.state
             if self.options.rpc:
                 await self.lost_workers()
-            return self._crash_error()
+            return self._crash_error(retryable=not answered)
         return EngineError(f"request to llama-server for {self.name} failed: {str(exc) or type(exc).__name__}")
 
     def _check_ready(self) -> None:
         if self.state != RunnerState.READY or not self.alive:
             if self.proc is not None and not self.alive and self.state != RunnerState.STOPPED:
-                raise self._crash_error()
+                raise self._crash_error(retryable=True)  # dead before this request sent anything
             raise EngineError(f"runner for {self.name} is not ready ({self.state})")
 
     async def post(self, path: str, payload: dict) -> Any:
@@ -426,8 +462,8 @@ class Runner:
         self._check_ready()
         try:
             return await self._watched(http1.request_json(self.port, path, self._windows(payload), self._headers()))
-        except _TRANSPORT_ERRORS as e:
-            raise await self._after_transport_error(e) from None
+        except _TRANSPORT_ERRORS as e:  # (answered whole or not at all: nothing went to the caller)
+            raise await self._after_transport_error(e, answered=False) from None
         except ValueError as e:  # not the JSON llama-server answers with
             raise EngineError(f"llama-server for {self.name} answered {path} with something that is not JSON "
                               f"({e})") from None
@@ -460,12 +496,14 @@ class Runner:
 
     async def _guarded(self, events: AsyncIterator) -> AsyncIterator:
         self._check_ready()
+        answered = False
         try:  # closing this iterator closes the child's connection at once, not at garbage collection
             async with contextlib.aclosing(events) as evs:
                 async for event in evs:
+                    answered = True
                     yield event
         except _TRANSPORT_ERRORS as e:
-            raise await self._after_transport_error(e) from None
+            raise await self._after_transport_error(e, answered) from None
 
     async def relay_sse(self, path: str, payload: dict, on_data, named: bool = False) -> None:
         """POST with ``stream: true``; each batch of events' data (JSON bytes, as the child
@@ -477,16 +515,18 @@ class Runner:
         self._check_ready()
         loop = asyncio.get_running_loop()
         last = [loop.time()]
+        answered = [False]  # on_data was given something (even the head, an empty batch)
 
         def progressing(batch):
             last[0] = loop.time()
+            answered[0] = True
             return on_data(batch)
 
         try:
             await self._watched(http1.relay_sse(self.port, path, self._windows(payload), self.api_key, progressing,
                                                 named), last)
         except _TRANSPORT_ERRORS as e:
-            raise await self._after_transport_error(e) from None
+            raise await self._after_transport_error(e, answered[0]) from None
 
     async def _watched(self, coro, last: list[float] | None = None):
         """Await ``coro`` (a request to the child) while watching for a wedged child: see
@@ -672,16 +712,21 @@ class Runner:
         ``truncate`` False is a 400."""
         if not inputs:
             return [], 0
-        n_ctx = self._request_ctx()
+        # the longest input: the request's context, and the micro-batch, which takes an input whole
+        n_ctx, n_batch = self._request_ctx(), self.parser.n_ubatch
+        most = min(n_ctx, n_batch) if n_ctx and n_batch else n_ctx or n_batch
         content: list = list(inputs)
-        for i, text in enumerate(inputs if n_ctx else ()):
-            tokens = await self._tokens_over(text, n_ctx)
+        for i, text in enumerate(inputs if most else ()):
+            tokens = await self._tokens_over(text, most)
             if tokens is None:
                 continue
             if not truncate:
-                raise BadRequest(f"input {i} is {len(tokens)} tokens, longer than the context of {self.name} "
-                                 f"({n_ctx}); split it, load the model with a larger num_ctx, or allow truncate")
-            content[i] = tokens[:n_ctx]
+                what = (f"the context of {self.name} ({most})" if most == n_ctx else f"the batch of {self.name} "
+                        f"({most}: an input is embedded in one batch, no longer than the context)")
+                raise BadRequest(f"input {i} is {len(tokens)} tokens, longer than {what}; split it, load the model "
+                                 f"with a larger {'num_ctx' if most == n_ctx else 'num_ctx or num_batch'}, or allow "
+                                 "truncate")
+            content[i] = tokens[:most]
         try:
             res = await self.post("/embedding", {"content": content})
         except RequestError as e:
@@ -809,8 +854,16 @@ class Runner:
     # ------------------------------------------------------------------ stop
 
     async def stop(self, timeout: float = 5.0) -> None:
-        """Stop gracefully (SIGTERM to its group), then forcefully (SIGKILL); always reap."""
+        """Stop gracefully (SIGTERM to its group), then forcefully (SIGKILL); always reap.
+
+        A stop while the child is being started waits for that start to have a process to
+        stop, and stops it; a stop before the start means no child is started at all
+        (:meth:`start` raises :class:`LoadStopped`). Either way, when this returns no child of
+        this runner is running, nor will be."""
+        self._stop_asked = True
         async with self._stop_lock:
+            if self._spawning is not None:
+                await self._spawning.wait()
             if self.proc is None:
                 self.state = RunnerState.STOPPED if self.state != RunnerState.FAILED else self.state
                 return

@@ -283,3 +283,81 @@ async def test_real_english_from_stories260k(start_runner, stories_model):
     words = re.findall(r"[A-Za-z]+", text)
     common = {"the", "a", "and", "was", "he", "she", "to", "it", "they", "her", "his", "of", "in", "with", "said"}
     assert len(words) >= 10 and sum(w.lower() in common for w in words) >= 3, text
+
+
+# ----------------------------------------------------------------------------- a stop during the start
+
+
+async def test_a_stop_while_the_child_is_being_started_stops_that_child(engine, tiny_model):
+    """Issue 58 item 3: between the fork and ``proc`` (the child's pipe is being watched, an
+    await) a stop found no process and returned, and the child went on to serve, owned by
+    nobody. Now the stop waits for the start, stops the child, and the start says it was
+    stopped (LoadStopped, no crash)."""
+    from jupyter_llama.engine.runner import LoadStopped
+
+    r = Runner(tiny_model, LoadOptions(num_ctx=256, num_parallel=1), binary=engine.path)
+    starting = asyncio.create_task(r.start())
+    await asyncio.sleep(0)  # the start runs up to its first wait: the pipe of a child just forked
+    assert r.proc is None and r._spawning is not None and not r._spawning.is_set(), "not in the spawn"
+    await r.stop()
+    with pytest.raises(LoadStopped, match="stopped by its manager"):
+        await starting
+    assert r.pid is not None, "the child had been forked"
+    assert not process_alive(r.pid) and not r.alive
+    assert r.state == "stopped"
+
+
+async def test_a_stop_while_the_child_loads_is_a_stop_not_a_crash(engine, tiny_model):
+    """SIGTERM from the manager while the model loads was told as "llama-server exited while
+    loading (killed by SIGTERM)": the manager's own stop worded as an engine crash."""
+    from jupyter_llama.engine.runner import LoadStopped
+
+    r = Runner(tiny_model, LoadOptions(num_ctx=256, num_parallel=1), binary=engine.path)
+    starting = asyncio.create_task(r.start())
+    while r.proc is None:
+        await asyncio.sleep(0)
+    await r.stop()
+    with pytest.raises(LoadStopped):
+        await starting
+    assert not process_alive(r.pid)
+
+
+async def test_a_runner_stopped_before_its_start_starts_no_child(engine, tiny_model):
+    from jupyter_llama.engine.runner import LoadStopped
+
+    r = Runner(tiny_model, LoadOptions(num_ctx=256, num_parallel=1), binary=engine.path)
+    await r.stop()
+    with pytest.raises(LoadStopped):
+        await r.start()
+    assert r.proc is None and r.pid is None
+
+
+async def test_a_killed_child_is_dead_to_the_next_asker_at_once(start_runner, tiny_model):
+    """Ollama #16830: for a moment after a SIGKILL the runner still said it served. Once the
+    kernel has the child as exited (a zombie), ``alive`` and ``serving`` say so, without
+    waiting for the loop to run the exit's callback, and a request to it fails as a crash that
+    may be retried (nothing of its answer went anywhere)."""
+    r = await start_runner(tiny_model, LoadOptions(num_ctx=256, num_parallel=1))
+    os.kill(r.pid, signal.SIGKILL)
+    # Until its exit can be reaped (every thread gone; asked without reaping it), blocking on
+    # purpose: the loop runs no callback meanwhile.
+    while os.waitid(os.P_PID, r.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        time.sleep(0.001)
+    assert not r.alive and not r.serving
+    with pytest.raises(RunnerCrashed) as info:
+        await r.complete_text("Hi", n_predict=2)
+    assert info.value.retryable
+
+
+async def test_a_crash_after_the_answer_began_is_not_retryable(start_runner, tiny_model):
+    r = await start_runner(tiny_model, LoadOptions(num_ctx=4096, num_parallel=1))
+    got = []
+
+    def on_data(batch):
+        got.extend(batch)
+        if len(got) >= 3 and process_alive(r.pid):
+            os.kill(r.pid, signal.SIGKILL)
+
+    with pytest.raises(RunnerCrashed) as info:
+        await r.relay_completion("Tell me a story", on_data, n_predict=100000, ignore_eos=True)
+    assert got and not info.value.retryable
