@@ -66,6 +66,14 @@ class LoadFailed(SchedulerError):
     status = 500
 
 
+class LoadCancelled(SchedulerError):
+    """A load the manager stopped before it was ready, for a reason of its own (the model's
+    name now means another file, an unload): the requests that waited for it are answered
+    with this, which says why, and sending the request again loads what the name means now."""
+
+    status = 409
+
+
 class NoSuchRoute(SchedulerError):
     status = 404
 

@@ -33,9 +33,10 @@ import time
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from ..config import ConfigError, format_duration, parse_duration, shown
-from ..errors import BadRequest, DoesNotFit, LoadFailed, ModelNotFound, PinnedInTheWay, SchedulerError, ServerBusy
+from ..errors import (BadRequest, DoesNotFit, LoadCancelled, LoadFailed, ModelNotFound, PinnedInTheWay, SchedulerError,
+                      ServerBusy)
 from ..load_options import LoadOptions
-from ..engine.runner import EngineError, LoadError, Runner
+from ..engine.runner import EngineError, LoadError, LoadStopped, Runner
 from ..memory import devices as devmod
 from ..memory import peers as peermod
 from ..memory import rpc
@@ -124,6 +125,7 @@ class Scheduler:
         self.loaded: dict[str, Loaded] = {}
         self.events = EventLog()
         self._lock = asyncio.Lock()
+        self._name_changes = 0  # name_changed and unload_file calls so far (see acquire)
         self._pending = 0
         self._in_flight = 0
         self._closed = False
@@ -157,12 +159,15 @@ class Scheduler:
         if self._closed:
             raise SchedulerError("the scheduler is shutting down")
         ka = None if keep_alive is None else parse_duration(keep_alive)
+        asked = options or LoadOptions()
+        names_seen = self._name_changes
         ref = await self.resolver(name)
-        options = within_training(options or LoadOptions(), ref.info)  # (what a load of it would have)
+        options = within_training(asked, ref.info)  # (what a load of it would have)
+        again = (name, options, keep_alive)  # (a lease whose child is found dead asks again, once: Lease)
         lo = self.loaded.get(ref.key)
         if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.matches(options) \
                 and lo.runner is not None and lo.runner.serving:
-            return self._lease(lo, ka, 0.0, ref)  # fast path: no queue, no lock
+            return self._lease(lo, ka, 0.0, ref, again)  # fast path: no queue, no lock
         if self._pending >= self.settings.max_queue:
             self.events.emit(EventKind.BUSY, ref.name, f"queue full ({self._pending} waiting, limit "
                              f"{self.settings.max_queue}): request refused", pending=self._pending,
@@ -182,10 +187,18 @@ class Scheduler:
                 if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.matches(options):
                     if await self._healthy(lo) and lo.state == ModelState.READY and not lo.unload_when_idle:
                         # (a health check is no load: 0 unless it waited for one)
-                        return self._lease(lo, ka, time.monotonic() - t0 if loading else 0.0, ref)
+                        return self._lease(lo, ka, time.monotonic() - t0 if loading else 0.0, ref, again)
                 async with self._lock:
                     if self._closed:
                         raise SchedulerError("the scheduler is shutting down")
+                    if self._name_changes != names_seen:
+                        # A name was created, copied over or deleted since this request resolved
+                        # its own: it loads what the name means now (or is a 404), never the
+                        # file the name meant before under it.
+                        names_seen = self._name_changes
+                        ref = await self.resolver(name)
+                        options = within_training(asked, ref.info)
+                        continue
                     lo = self.loaded.get(ref.key)
                     if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle \
                             and not lo.matches(options) and await self._healthy(lo):
@@ -193,7 +206,7 @@ class Scheduler:
                     if lo is not None:
                         await self._retire_for_reload(lo, options)
                     lo = await self._load(ref, options, ka)
-                return self._lease(lo, ka, time.monotonic() - t0, ref)
+                return self._lease(lo, ka, time.monotonic() - t0, ref, again)
         finally:
             self._pending -= 1
 
@@ -243,10 +256,13 @@ class Scheduler:
                 lo.runner.kill_now()
 
     async def unload_file(self, path: str, reason: str) -> None:
-        """Unload every model loaded from the file ``path`` (a model being deleted)."""
+        """Unload every model loaded from the file ``path`` (a model being deleted); one still
+        loading is stopped, and the requests waiting for it are told it was deleted (404)."""
+        self._name_changes += 1
         for lo in self.live():
             if lo.ref.path == path:
-                await self._unload(lo, reason, rule="explicit")
+                await self._unload(lo, reason, rule="explicit",
+                                   cancel=ModelNotFound(lo.name, "it was deleted while it was loading"))
 
     async def name_changed(self, name: str) -> list[str]:
         """``name`` was created, copied over or deleted: retire the runners loaded under it
@@ -257,6 +273,7 @@ class Scheduler:
         once no model made here has that name, and its full name again beside one). Names
         it has also served (``also_as``) that no longer point at it are dropped. Returns the
         names retired."""
+        self._name_changes += 1
         try:
             named = (await self.resolver(name)).key
         except SchedulerError:
@@ -278,7 +295,11 @@ class Scheduler:
                 continue
             if ref is None or ref.key != lo.ref.key:
                 what = "now names another file" if ref is not None else "was deleted"
-                await self._unload(lo, f"{name} {what}", rule="replaced")
+                # (a load of it under way is stopped: its requests hear why, 404 or 409)
+                cancel = (ModelNotFound(loaded_as, "it was deleted while it was loading") if ref is None else
+                          LoadCancelled(f"{loaded_as} was pointed at another model file while it was loading, so "
+                                        "that load was stopped; send the request again to load what it names now"))
+                await self._unload(lo, f"{name} {what}", rule="replaced", cancel=cancel)
                 retired.append(lo.name)
             elif ref.name != lo.ref.name:  # ps shows it as tags does
                 lo.ref = dataclasses.replace(lo.ref, name=ref.name)
@@ -355,7 +376,10 @@ class Scheduler:
         for lo in los:
             if lo.timer:
                 lo.timer.cancel()
-        await asyncio.gather(*(self._stop_runner(lo, "manager shutting down", rule="shutdown") for lo in los),
+        await asyncio.gather(*(self._stop_runner(lo, "manager shutting down", rule="shutdown",
+                                                 cancel=ServerBusy(f"the manager is shutting down: the load of "
+                                                                   f"{lo.name} was stopped"))
+                               for lo in los),
                              *list(self._stopping), return_exceptions=True)
         for t in list(self._tasks):
             t.cancel()
@@ -367,7 +391,8 @@ class Scheduler:
 
     # -------------------------------------------------------------- internals: leasing
 
-    def _lease(self, lo: Loaded, keep_alive: float | None, waited: float, ref: ModelRef | None = None) -> Lease:
+    def _lease(self, lo: Loaded, keep_alive: float | None, waited: float, ref: ModelRef | None = None,
+               again: tuple | None = None) -> Lease:
         if ref is not None and ref.name != lo.ref.name:  # the same file under another name: ps says so
             lo.also_as.add(ref.name)
         if keep_alive is not None:
@@ -380,7 +405,7 @@ class Scheduler:
         lo.idle.clear()
         lo.last_used = time.monotonic()
         self._in_flight += 1
-        return Lease(self, lo, waited)
+        return Lease(self, lo, waited, again)
 
     def _release(self, lo: Loaded) -> None:
         lo.refcount -= 1
@@ -484,7 +509,8 @@ class Scheduler:
             rule = "reload"
         else:
             reason, rule = "health check failed", "reload"
-        self.events.emit(EventKind.RELOAD, lo.name, f"reloading: {reason}", changed=changed)
+        self.events.emit(EventKind.RELOAD, lo.name, f"reloading: {reason}", changed=changed,
+                         pid=lo.runner.pid if lo.runner is not None else None)
         await self._unload(lo, reason, rule=rule)
 
     async def inventory(self, planning: bool = False) -> devmod.Inventory:
@@ -599,7 +625,11 @@ class Scheduler:
         return policy.need(preds, fit_source, self.settings.safety_margin)
 
     async def _load(self, ref: ModelRef, options: LoadOptions, keep_alive: float | None) -> Loaded:
-        """Called with the lock held: make room, start the runner, retry on OOM as Ollama does."""
+        """Called with the lock held: make room, start the runner, retry on OOM as Ollama does.
+
+        A load the scheduler stops meanwhile (:meth:`_stop_runner`: its name changed, a
+        delete, shutdown) fails with the error the stop gave it (``Loaded.cancelled``), once its
+        child has exited: no child of it outlives it, and none is started after the stop."""
         if not os.path.isfile(ref.path):  # deleted while this request waited: as if it never was
             raise ModelNotFound(ref.name, "it was deleted while this request waited")
         options = self.effective_options(options, ref)
@@ -615,24 +645,40 @@ class Scheduler:
                     break
                 except LoadError as e:
                     retry = await self._oom_retry(lo, e, retried) if e.oom else None
-                    if retry is None:
+                    if retry is None or lo.cancelled is not None:
                         raise
-        except BaseException as e:
+            if lo.cancelled is not None:  # stopped as its start ended: its stop has the child
+                raise lo.cancelled
+        except BaseException as exc:
+            cancelled = lo.cancelled
+            if cancelled is not None and lo.runner is not None:
+                # The stop that cancelled it may still be waiting for the child to exit: the
+                # load ends once it has (every child is known here until it has exited).
+                with contextlib.suppress(Exception):
+                    await lo.runner.stop()
             lo.state = ModelState.GONE
             lo.gone.set()
-            self.loaded.pop(ref.key, None)
-            if isinstance(e, Exception) and lo.runner is not None and lo.runner.parser.n_lines:  # (not a cancel)
+            if self.loaded.get(ref.key) is lo:
+                self.loaded.pop(ref.key)
+            # a stopped load fails with the reason it was stopped, not with how its child ended
+            e = cancelled if cancelled is not None and isinstance(exc, Exception) else exc
+            if isinstance(e, LoadStopped):  # (stopped by someone other than this loop: still no crash)
+                e = cancelled = LoadCancelled(f"the load of {ref.name} was stopped before it was ready; send the "
+                                              "request again")
+            if isinstance(e, Exception) and cancelled is None and lo.runner is not None \
+                    and lo.runner.parser.n_lines:  # (not a cancel)
                 self.failed[ref.key] = lo
                 while len(self.failed) > 8:  # (the newest few: a log is up to 2,000 lines)
                     self.failed.pop(next(iter(self.failed)))
             err = e if isinstance(e, SchedulerError) else LoadFailed(
                 f"failed to load {ref.name}: {e}") if isinstance(e, EngineError) else e
             if isinstance(e, Exception):
-                self.events.emit(EventKind.ERROR, ref.name, f"load failed: {str(e).splitlines()[0]}")
+                self.events.emit(EventKind.ERROR, ref.name, ("load stopped: " if cancelled is not None else
+                                                             "load failed: ") + str(e).splitlines()[0])
             if not lo.ready.done():
-                lo.ready.set_exception(err if isinstance(err, BaseException) else e)
+                lo.ready.set_exception(err)
                 lo.ready.exception()  # mark retrieved: waiters re-raise it themselves
-            if err is e:
+            if err is exc:
                 raise
             raise err from None
         lo.state = ModelState.READY
@@ -644,13 +690,16 @@ class Scheduler:
                          actual=actual.to_dict() if actual else None)
         published = asyncio.ensure_future(self._publish())  # (on the board's thread, while the budgets are checked)
         try:
-            await self._enforce_budgets(lo)
-        except DoesNotFit as e:
+            try:
+                await self._enforce_budgets(lo)
+            finally:
+                await published
+            if lo.cancelled is not None:  # stopped while its budgets were checked or published: see _stop_runner
+                raise lo.cancelled
+        except SchedulerError as e:
             lo.ready.set_exception(e)
             lo.ready.exception()
             raise
-        finally:
-            await published
         lo.ready.set_result(lo)
         self._spawn(self._watch(lo))
         return lo
@@ -690,6 +739,8 @@ class Scheduler:
             await self._unload(victim, f"evicted for {new.name} (budget)", rule="evict")
 
     async def _start_runner(self, lo: Loaded) -> None:
+        if lo.cancelled is not None:  # stopped between two tries (an OOM retry): no new child
+            raise lo.cancelled
         r = self.runner_factory(lo.ref.path, lo.options, binary=self.settings.binary, name=lo.ref.name,
                                 load_timeout=self.settings.load_timeout)
         lo.runner = r
@@ -839,15 +890,17 @@ class Scheduler:
 
     # -------------------------------------------------------------- internals: unloading
 
-    async def _unload(self, lo: Loaded, reason: str, rule: str) -> None:
-        """Unload, waiting for running requests first; then wait for GPU memory to come back."""
+    async def _unload(self, lo: Loaded, reason: str, rule: str, cancel: SchedulerError | None = None) -> None:
+        """Unload, waiting for running requests first; then wait for GPU memory to come back.
+        ``cancel``: what the requests waiting for its load hear, if it is still loading (see
+        :meth:`_stop_runner`)."""
         if lo.state == ModelState.GONE:
             return
         if lo.refcount > 0:
             lo.unload_when_idle = reason
             await lo.gone.wait()
             return
-        await self._stop_runner(lo, reason, rule)
+        await self._stop_runner(lo, reason, rule, cancel)
 
     def _stop_behind(self, lo: Loaded, reason: str) -> None:
         """Take an idle runner off the loaded models now and stop it in the background;
@@ -857,10 +910,17 @@ class Scheduler:
         self._retiring.append(lo)
         self._stop_soon(lo, reason, rule="evict", tasks=self._stopping)
 
-    async def _stop_runner(self, lo: Loaded, reason: str, rule: str) -> None:
+    async def _stop_runner(self, lo: Loaded, reason: str, rule: str, cancel: SchedulerError | None = None) -> None:
+        """Stop its runner and take it off the loaded models. One whose load has not finished
+        is stopped too (a child being started included: :meth:`Runner.stop` waits for it), and
+        its load fails with ``cancel`` (by default a 409 that gives ``reason``), not with the
+        child's exit worded as a crash."""
         if lo.state in (ModelState.UNLOADING, ModelState.GONE):
             await lo.gone.wait()
             return
+        if not lo.ready.done() and lo.cancelled is None:
+            lo.cancelled = cancel or LoadCancelled(f"the load of {lo.name} was stopped before it was ready ({reason}); "
+                                                   "send the request again")
         lo.state = ModelState.UNLOADING
         if lo.timer:
             lo.timer.cancel()
@@ -950,7 +1010,7 @@ class Scheduler:
         self.events.emit(EventKind.CRASH, lo.name, f"llama-server for {lo.name} stopped unexpectedly "
                          f"({exit_words(code)}){cause}; the next request reloads it"
                          + (" on the devices that are left" if lost else ""),
-                         exit_code=code, lost_workers=lost,
+                         exit_code=code, lost_workers=lost, pid=lo.runner.pid if lo.runner else None,
                          last_lines=lo.runner.parser.last_error_lines(5) if lo.runner else [])
         await self._stop_runner(lo, "its runner crashed", rule="crash")
 

@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import enum
+import inspect
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..load_options import LoadOptions
 from ..memory.report import ACTUAL, MemoryReport
 from ..models.names import same_model
 from ..models.ref import ModelRef
+from ..procs import process_alive
 
 if TYPE_CHECKING:  # (types only: the state is not the engine's)
     from ..engine.runner import Runner
+    from ..errors import SchedulerError
     from .loop import Scheduler
 
 class ModelState(enum.StrEnum):
@@ -50,6 +54,7 @@ class EventKind(enum.StrEnum):
     ERROR = "error"
     BUSY = "busy"
     RECOVER = "recover"
+    RETRY = "retry"  # a request that found its child dead was sent again, to a fresh one
 
 
 # ----------------------------------------------------------------------------- events
@@ -169,6 +174,10 @@ class Loaded:
     last_used: float = field(default_factory=time.monotonic)
     load_duration: float = 0.0
     also_as: set[str] = field(default_factory=set)  # other names of the same file it has served
+    # Set when the manager stops it before its load has finished (its name now means another
+    # file, it was deleted, the manager shuts down): what the requests waiting for that load
+    # are answered with, instead of the child's exit worded as a crash.
+    cancelled: SchedulerError | None = None
 
     @property
     def name(self) -> str:
@@ -223,12 +232,25 @@ class Loaded:
                 "lines": kept[-lines:] if lines > 0 else [],
                 "lines_seen": runner.parser.n_lines if runner else 0}
 
+    @property
+    def shown_state(self) -> ModelState:
+        """Its state as ``ps`` tells it: a ready model whose child has died is unloading (the
+        scheduler is about to stop it), from the moment the child's death can be seen, not
+        from when the loop has acted on it. Seen as anyone sees it: a child killed is a
+        zombie in /proc while its threads are still being torn down, before its exit can be
+        reaped (``Runner.alive``) or its pidfd wakes the loop."""
+        r = self.runner
+        if self.state == ModelState.READY and r is not None and (
+                not r.alive or (r.pid is not None and not process_alive(r.pid))):
+            return ModelState.UNLOADING
+        return self.state
+
     def info(self) -> dict:
         actual = self.actual
         charge = self.charge
         return {
             "name": self.name, "also_as": sorted(self.also_as), "path": self.ref.path, "digest": self.ref.digest,
-            "state": self.state,
+            "state": self.shown_state,
             "options": self.options.to_dict(), "keep_alive": None if self.pinned else self.keep_alive,
             "pinned": self.pinned, "refcount": self.refcount, "expires_at": self.expires_at,
             "pid": self.runner.pid if self.runner else None,
@@ -244,19 +266,128 @@ class Loaded:
 
 
 class Lease:
-    """A request's hold on a ready runner. Release it (or use ``async with``) when done."""
+    """A request's hold on a ready runner. Release it (or use ``async with``) when done.
 
-    def __init__(self, scheduler: "Scheduler", loaded: Loaded, load_duration: float):
+    ``runner`` is the runner to send the request to, as a :class:`LeasedRunner`: a request
+    that finds its child dead before any of its answer went to the caller is sent once more,
+    to a fresh runner of the same model (loaded as ``acquire(*again)`` would load it), and
+    this lease holds that runner from then on. ``loaded`` is the model it holds now."""
+
+    def __init__(self, scheduler: "Scheduler", loaded: Loaded, load_duration: float,
+                 again: tuple | None = None):
         self._scheduler = scheduler
         self.loaded = loaded
-        self.runner: Runner = loaded.runner  # type: ignore[assignment]
+        self._runner: Runner = loaded.runner  # type: ignore[assignment]
+        self.runner = LeasedRunner(self)
         self.load_duration = load_duration
         self._released = False
+        self._again = again  # (name, options, keep_alive) of the acquire that made it: for the retry
+        self._retried = False
+        self._swap: asyncio.Lock | None = None
 
     def release(self) -> None:
         if not self._released:
             self._released = True
             self._scheduler._release(self.loaded)
+
+    async def _fresh_runner(self, dead: "Runner", error: Exception) -> "Runner | None":
+        """A fresh runner for a request that failed on ``dead``'s dead child, or None when it
+        may not be retried (retried once already, released, or the name now means another
+        file). Calls of one request that failed together share the one retry."""
+        if self._swap is None:
+            self._swap = asyncio.Lock()
+        async with self._swap:
+            if self._runner is not dead:  # another call of this request has found a fresh one
+                return self._runner
+            if self._retried or self._released or self._again is None:
+                return None
+            self._retried = True
+            old = self.loaded
+            self._scheduler.events.emit(
+                EventKind.RETRY, old.name,
+                f"a request to {old.name} found its llama-server (pid {dead.pid}) dead before any of its answer was "
+                f"sent ({error}); sending it once more, to a fresh runner",
+                pid=dead.pid, exit_code=dead.returncode)
+            self._released = True  # (the dead one's hold goes: its release lets the scheduler retire it)
+            self._scheduler._release(old)
+            fresh = await self._scheduler.acquire(*self._again)
+            if fresh.loaded.ref.key != old.ref.key:  # the name moved meanwhile: not the same model
+                fresh.release()
+                return None
+            fresh._released = True  # (its hold is this lease's now)
+            self.loaded, self._runner, self._released = fresh.loaded, fresh._runner, False
+            return self._runner
+
+    async def __aenter__(self) -> "Lease":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()
+
+
+def _retryable(e: BaseException) -> bool:
+    return getattr(e, "retryable", False) is True
+
+
+class LeasedRunner:
+    """The runner a :class:`Lease` holds, with its interface: attributes are the runner's;
+    a call that fails because the child was dead before any of its answer went to the
+    caller (``RunnerCrashed.retryable``) is made once more on a fresh runner (see
+    :meth:`Lease._fresh_runner`), with a ``retry`` event. Awaitables and async iterators
+    alike; anything else is the runner's call as it is."""
+
+    __slots__ = ("_lease",)
+
+    def __init__(self, lease: Lease):
+        self._lease = lease
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._lease._runner, name)
+        if name.startswith("_") or not inspect.ismethod(value):
+            return value
+
+        def call(*args, **kwargs):
+            runner = self._lease._runner
+            first = getattr(runner, name)(*args, **kwargs)
+            if inspect.isawaitable(first):
+                return self._awaited(runner, name, first, args, kwargs)
+            if hasattr(first, "__aiter__"):
+                return self._iterated(runner, name, first, args, kwargs)
+            return first
+
+        return call
+
+    async def _awaited(self, runner, name, first, args, kwargs):
+        try:
+            return await first
+        except Exception as e:
+            if not _retryable(e):
+                raise
+            fresh = await self._lease._fresh_runner(runner, e)
+            if fresh is None:
+                raise
+        return await getattr(fresh, name)(*args, **kwargs)
+
+    async def _iterated(self, runner, name, first, args, kwargs):
+        answered = False
+        try:
+            async with contextlib.aclosing(first) as events:
+                async for event in events:
+                    answered = True
+                    yield event
+            return
+        except Exception as e:
+            if answered or not _retryable(e):
+                raise
+            fresh = await self._lease._fresh_runner(runner, e)
+            if fresh is None:
+                raise
+        async with contextlib.aclosing(getattr(fresh, name)(*args, **kwargs)) as events:
+            async for event in events:
+                yield event
+
+    def __repr__(self) -> str:
+        return f"<leased {self._lease._runner!r}>"
 
     async def __aenter__(self) -> "Lease":
         return self

@@ -23,7 +23,7 @@ async def make_scheduler(engine):
 
     def make(**settings) -> Scheduler:
         budget = settings.pop("budget", None)
-        extra = {"predictor": settings.pop("predictor")} if "predictor" in settings else {}
+        extra = {k: settings.pop(k) for k in ("predictor", "runner_factory", "resolver") if k in settings}
         s = SchedulerSettings(binary=engine.path, **settings)
         if budget is not None:
             s.budgets = Budgets(limits={"cpu": int(budget)})
