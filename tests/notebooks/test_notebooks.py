@@ -281,6 +281,13 @@ def test_04_estimates_versus_reality(run_notebook):
     assert sp["stopped"] and sp["offloaded"][0] == 3 and len(sp["devices"]) == 2, sp
     assert all(abs(e) < 0.10 for e in sp["errors"].values()), f"detailed per device within 10%: {sp['errors']}"
     assert not any("jupyter_llama.server.serve" in " ".join(_cmdline(p)) for p in c["manager_pids"])
+    g = c["gemma"]  # the real model, when its package is here: conservative in total, short in its KV cache
+    if gemma_path() is None:
+        assert g == {}
+        return
+    assert g["coarse"]["kv"] / g["actual"]["kv"] == pytest.approx(160 / 256), "head dim 640/4 where keys are 256"
+    assert g["coarse"]["total"] > g["actual"]["total"]
+    assert g["detailed"]["total"] == pytest.approx(g["actual"]["total"], rel=0.01)
 
 
 @notebook_test
