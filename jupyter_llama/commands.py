@@ -766,9 +766,9 @@ def _conversation(args, fe: Frontend) -> RunResult:
         if not line.strip():
             continue
         messages = history + [{"role": "user", "content": line}]
-        result = _generate(args, fe, lambda: client.chat(args.model, messages, stream=True,
-                                                         options=_options(args) or None, keep_alive=args.keep_alive,
-                                                         format=args.format, default_options=_length_default(args)),
+        result = _generate(args, fe, lambda asked=messages: client.chat(
+            args.model, asked, stream=True, options=_options(args) or None, keep_alive=args.keep_alive,
+            format=args.format, default_options=_length_default(args)),
                            lambda c: (c.get("message") or {}).get("content", ""))
         history = messages + [{"role": "assistant", "content": result.text}]
 

@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from jupyter_llama.commands import RunResult
-from jupyter_llama.magics import LlamaMagics, load_ipython_extension
+from jupyter_llama.magics import load_ipython_extension
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
