@@ -28,7 +28,7 @@ from ..memory import devices as devmod
 from ..memory import peers as peermod
 from ..memory import rpc
 from ..memory.devices import MEMORY_LIMIT_VAR
-from ..memory.estimate import estimate_layer_counts, fit_layers
+from ..memory.estimate import estimate_detailed, estimate_layer_counts, fit_layers
 from ..memory.report import (COARSE, COMPUTE, DETAILED, HOST, KV, OTHER, WEIGHTS, MemoryReport, MiB, format_bytes,
                              is_gpu)
 from .settings import SAFETY_MARGIN_VAR, SchedulerSettings, format_margin
@@ -96,11 +96,49 @@ class Placement:
     """Where a load goes: its options with the placement fields filled in (``rpc``, the
     workers it connects to; ``fit_target_mib``, the room llama.cpp's --fit leaves free on
     each accelerator), the accelerators' ids in llama.cpp's order, and the share of the
-    offloaded layers each is expected to get (None: no accelerator)."""
+    offloaded layers each is expected to get (None: no accelerator). ``rooms``: with
+    automatic placement, the bytes each accelerator may hold (what its budget leaves, or its
+    free memory less what llama.cpp keeps free), by device id."""
 
     options: LoadOptions
     devices: tuple[str, ...]
     split: tuple[float, ...] | None
+    rooms: Mapping[str, int] = field(default_factory=dict)
+
+
+# Rounds of raising a --fit-target before the plan takes what it has (each round moves at
+# least a layer off the device that was over, so a few suffice).
+FIT_ROUNDS = 8
+
+
+def fit_targets(info, options: LoadOptions, accel: Sequence[devmod.DeviceState],
+                keeps: Sequence[int]) -> tuple[list[float], list[int]]:
+    """The ``--fit-target`` per accelerator (bytes to keep free, whole MiB) with which
+    llama.cpp's ``--fit`` keeps each of ``accel`` within its room (``free - keeps[i]``),
+    and the split :func:`fit_layers` predicts --fit arrives at with them.
+
+    llama.cpp's --fit fills the devices one at a time from the last, each as full as its
+    target allows, measuring each candidate with the other devices as they stand. When the
+    first device's share makes every layer offloaded, llama.cpp turns pipeline parallelism
+    on (several copies of every graph input, larger compute buffers on every device), and
+    the devices filled before it are not measured again: they end over their room by their
+    growth. So the whole placement is predicted (the detailed estimate, pipeline included)
+    and a device over its room gets that much more kept free, and the fit is predicted again:
+    it then takes fewer layers, and either the rest still fit on the devices (the growth now
+    has room) or a layer stays on the host and pipeline parallelism stays off."""
+    ids = [d.id for d in accel]
+    rooms = [d.free - k for d, k in zip(accel, keeps)]
+    targets = [(k + MiB - 1) // MiB * MiB for k in keeps]  # (llama.cpp takes whole MiB)
+    weights: list[float] = []
+    for _ in range(FIT_ROUNDS):
+        weights = fit_layers(info, options, [(i, max(0, d.free - t)) for i, d, t in zip(ids, accel, targets)],
+                             free=[d.free for d in accel])
+        rep = estimate_detailed(info, options.replace(num_gpu=None), ids, split=weights)
+        over = [rep.total(device=i) - room for i, room in zip(ids, rooms)]
+        if all(x <= 0 for x in over):
+            break
+        targets = [t + (x + MiB - 1) // MiB * MiB if x > 0 else t for t, x in zip(targets, over)]
+    return weights, targets
 
 
 def placement(info, options: LoadOptions, inv: devmod.Inventory, used: Mapping[str, int],
@@ -109,14 +147,17 @@ def placement(info, options: LoadOptions, inv: devmod.Inventory, used: Mapping[s
     this manager's runners hold; ``held``: what the user's other managers hold).
 
     The accelerators are the local GPUs and the RPC workers no runner holds. With automatic
-    placement (``num_gpu`` unset) the room under each device's budget becomes llama.cpp's
-    ``--fit-target`` for it, and the split follows the layers :func:`fit_layers` expects
-    llama.cpp to put there; a worker expected to get no layer is left out of ``--rpc``, free
-    for another model. With ``num_gpu N`` llama.cpp splits the N layers by free memory, and
-    so does the split. ``num_gpu 0`` uses no device."""
+    placement (``num_gpu`` unset) llama.cpp's ``--fit`` places the layers, keeping free on
+    each accelerator its ``--fit-target``: everything beyond the room under the device's
+    budget (at least llama.cpp's own 1 GiB, and a GPU's overhead), raised where --fit would
+    otherwise leave the device over that room (:func:`fit_targets`). The split follows the
+    layers :func:`fit_layers` expects llama.cpp to put there; a worker expected to get no
+    layer is left out of ``--rpc``, free for another model. With ``num_gpu N`` llama.cpp
+    splits the N layers by free memory, and so does the split. ``num_gpu 0`` uses no device."""
     accel = [] if options.num_gpu == 0 else inv.accelerators()
     split: list[float] | None = None
     margins: tuple[int, ...] | None = None
+    rooms: dict[str, int] = {}
     if accel and options.gpu_automatic:
         keeps = []
         for d in accel:
@@ -125,18 +166,19 @@ def placement(info, options: LoadOptions, inv: devmod.Inventory, used: Mapping[s
             if room is not None:  # leave free everything beyond what is left of the budget here
                 keep = max(keep, d.free - max(0, room))
             keeps.append(keep)
-        weights = fit_layers(info, options, [(d.id, max(0, d.free - k)) for d, k in zip(accel, keeps)],
-                             free=[d.free for d in accel])
+        weights, targets = fit_targets(info, options, accel, keeps)
         layers = estimate_layer_counts(info, options, [d.id for d in accel], weights)
         kept = [i for i, d in enumerate(accel) if d.kind != "rpc" or layers[i] > 0]
+        rooms = {accel[i].id: max(0, accel[i].free - keeps[i]) for i in kept}
         accel = [accel[i] for i in kept]
         split = [weights[i] for i in kept]
-        margins = tuple(int(keeps[i] // MiB) for i in kept)
+        margins = tuple(int(targets[i] // MiB) for i in kept)
     elif accel:
         split = [float(max(d.free, 1)) for d in accel]
     workers = tuple(dict.fromkeys(rpc.split_id(d.id)[0] for d in accel if d.kind == "rpc"))
     options = options.replace(rpc=workers or None, fit_target_mib=margins if accel else None)
-    return Placement(options, tuple(d.id for d in accel), tuple(split) if accel and split is not None else None)
+    return Placement(options, tuple(d.id for d in accel), tuple(split) if accel and split is not None else None,
+                     rooms)
 
 
 # ----------------------------------------------------------------------------- eviction order
@@ -209,9 +251,12 @@ class FitPlan:
     ``devices`` maps each device the prediction uses to ``need`` (the deciding estimate, with
     its margin), ``estimate`` (the same before the margin), ``available`` (what may still be
     planned with there: free memory less GPU overhead, capped by the budget less what loaded
-    models use), ``in_use``, ``budget``, ``checked`` (whether the verdict looks at it: with
-    automatic placement llama.cpp's --fit keeps each accelerator within the room it was
-    given, so only the host is checked) and ``fits``. ``verdict`` is ``fits``, ``evict``
+    models use), ``in_use``, ``budget``, ``checked`` (whether the verdict looks at it: every
+    device does, unless the deciding estimate says nothing of where llama.cpp's --fit puts
+    the layers), ``fitted`` (an accelerator under automatic placement: its need is the
+    detailed estimate of the placement llama.cpp's --fit is predicted to reach, pipeline
+    parallelism included, without a safety margin, since --fit measures each placement it
+    tries on the device itself) and ``fits``. ``verdict`` is ``fits``, ``evict``
     (``evict`` names the models a load now would unload, in order), ``first`` (it may not
     fit but nothing else is loaded, so it gets to try), ``over_budget`` (alone it needs more
     than a budget: refused), ``peers`` (it fits the budget alone, but this user's other
@@ -233,6 +278,7 @@ class FitPlan:
     peers: list[str] = field(default_factory=list)  # other managers of this user holding budgeted memory
     margin: float = 0.0
     after: dict[str, dict] = field(default_factory=dict)
+    layers: tuple[int, int] | None = None  # (offloaded, in all) as the detailed estimate places them
 
     @property
     def fits(self) -> bool:
@@ -282,21 +328,38 @@ def fit_plan(model: str, key: str, placed: LoadOptions, preds: Mapping[str, Memo
     needed = need(preds, source, safety)
     cap = max_loaded(settings, len(inv.accelerators(include_unusable=True)))
     others = [s for s in loaded if s.state in (ModelState.READY, ModelState.LOADING) and s.key != key]
-    checked = {HOST} if placed.fit_target_mib is not None else set(needed.devices)
+    # With automatic placement llama.cpp's --fit puts the layers on the accelerators; the
+    # detailed estimate is made for the placement --fit is predicted to reach (see
+    # :func:`placement`), so it is what each accelerator is checked by, as it is, without a
+    # margin. Without a detailed estimate nothing says where --fit puts them: only the host
+    # is checked then.
+    placed_by_fit = DETAILED in preds if placed.fit_target_mib is not None else False
+    fitted = {d for d in needed.devices if d != HOST} if placed_by_fit else set()
+    if placed.fit_target_mib is not None and not placed_by_fit:
+        checked = {HOST}
+    else:
+        checked = set(needed.devices)
     held = peermod.usage(list(peers or []))
 
     def rows(usage: Mapping[str, int], returned: Mapping[str, int] | None = None) -> dict[str, dict]:
         avail = available(inv, usage, held, returned)
         out = {}
         for d in needed.devices:
-            n, a = needed.total(device=d), avail.get(d, (0, None))
-            out[d] = {"need": n, "estimate": base.total(device=d), "available": a[0], "in_use": usage.get(d, 0),
-                      "budget": a[1], "checked": d in checked, "fits": d not in checked or n <= a[0]}
+            if d in fitted:
+                n = est = preds[DETAILED].total(device=d)
+            else:
+                n, est = needed.total(device=d), base.total(device=d)
+            a = avail.get(d, (0, None))
+            out[d] = {"need": n, "estimate": est, "available": a[0], "in_use": usage.get(d, 0),
+                      "budget": a[1], "checked": d in checked, "fitted": d in fitted,
+                      "fits": d not in checked or n <= a[0]}
         return out
 
     devices = rows(used)
+    det = preds.get(DETAILED)
+    layers = (det.layers_offloaded, det.layers_total) if det is not None and det.layers_total else None
     plan = FitPlan(model, source, needed.source, devices, cap, len(others), "fits",
-                   workers=list(placed.rpc or ()), margin=safety)
+                   workers=list(placed.rpc or ()), margin=safety, layers=layers)
     if not plan.short and not plan.over_cap:
         return plan
     if not others:
@@ -328,9 +391,13 @@ def sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def _what_to_shrink(report: MemoryReport | None, device: str, estimator: str, offload: bool = True) -> str:
+def _what_to_shrink(report: MemoryReport | None, device: str, estimator: str, offload: bool = True,
+                    layers: tuple[int, int] | None = None) -> str:
     """Advice for a load over its budget, from the largest part of what it needs there;
-    ``offload``: there are devices (GPUs, RPC workers) that layers could go to instead of the host."""
+    ``offload``: there are devices (GPUs, RPC workers) that layers could go to instead of the host;
+    ``layers``: (offloaded, in all) where llama.cpp's --fit placed the layers and left some on
+    the host because the devices' room holds no more (then more layers on devices is not the
+    change that fits: more room there is)."""
     parts = {c: report.total(device=device, component=c) for c in (WEIGHTS, KV, COMPUTE, OTHER)} if report else {}
     if not parts or not any(parts.values()):
         return "load it with a smaller context (num_ctx) or a smaller quantisation"
@@ -345,10 +412,19 @@ def _what_to_shrink(report: MemoryReport | None, device: str, estimator: str, of
     if part == KV:
         return (f"{share} the K/V cache: load it with a smaller context (num_ctx), fewer parallel requests "
                 "(num_parallel) or a quantised cache (cache_type_k/cache_type_v q8_0)")
+    if device == HOST and layers is not None and layers[0] < layers[1]:
+        return (f"{share} weights: {layers[1] - layers[0]} of the {layers[1]} layers stay on the host, as the "
+                f"devices' room holds {layers[0]} (llama.cpp's --fit fills each device within its budget and free "
+                f"memory). Raise a device's budget ({MEMORY_LIMIT_VAR}) to take more layers there, or use a "
+                "smaller quantisation of the model")
     if device == HOST:
         return f"{share} the weights: use a smaller quantisation of the model" + (
             ", or put more layers on devices (num_gpu)" if offload else ", or a smaller model")
     return f"{share} the weights: use a smaller quantisation of the model, or put fewer layers here (num_gpu)"
+
+
+# How the need of an accelerator under automatic placement is said (see FitPlan's ``fitted``).
+FITTED_WORDS = "detailed, as llama.cpp's --fit will place it; no safety margin: --fit measures what it places"
 
 
 def _apart(row: Mapping) -> bool:
@@ -367,8 +443,11 @@ def _fit_words(numbers: Mapping[str, Mapping], source: str) -> str:
         left = ("; not checked: llama.cpp's --fit places layers within that room by its own projection, which can "
                 "be lower than this one (a budget is checked again once llama.cpp has allocated)"
                 if n.get("checked") is False and short else "")
-        what = (f"{source}: {format_bytes(n['estimate'])} by the estimate, "
-                f"{format_bytes(n['need'] - n['estimate'])} its safety margin" if short and _apart(n) else source)
+        if n.get("fitted"):
+            what = FITTED_WORDS
+        else:
+            what = (f"{source}: {format_bytes(n['estimate'])} by the estimate, "
+                    f"{format_bytes(n['need'] - n['estimate'])} its safety margin" if short and _apart(n) else source)
         parts.append(f"{d} needs {format_bytes(n['need'])} ({what}), {format_bytes(n['available'])} available "
                      f"({format_bytes(n['in_use'])} in use by loaded models{budget}){left}")
     return "; ".join(parts)
@@ -379,6 +458,8 @@ def need_words(plan: FitPlan, device: str, row: Mapping | None = None) -> str:
     estimate and the margin apart: ``needs 291.0 MiB on cpu by the detailed estimate, 320.1
     MiB with its 10% safety margin (JUPYTER_LLAMA_SAFETY_MARGIN)``."""
     row = plan.devices[device] if row is None else row
+    if row.get("fitted"):
+        return f"needs {format_bytes(row['need'])} on {device} ({FITTED_WORDS})"
     if plan.margin and _apart(row):
         return (f"needs {format_bytes(row['estimate'])} on {device} by the {plan.fit_source} estimate, "
                 f"{format_bytes(row['need'])} with its {format_margin(plan.margin)} safety margin "
@@ -430,7 +511,11 @@ def refusal(plan: FitPlan, report: MemoryReport | None, offload: bool,
             enough = n["need"] + (peers_held or {}).get(d, 0)
             return (f"{said}: the estimate fits, the safety margin alone does not. {sentence(_lower_margin(plan, pct))}"
                     f", or raise {MEMORY_LIMIT_VAR} there to {format_bytes(enough)} or more")
-        return f"{said}; {_what_to_shrink(report, d, plan.estimator, offload)}, or raise {MEMORY_LIMIT_VAR}"
+        if n.get("fitted"):
+            return (f"{said}: llama.cpp's --fit would leave it over the budget there. Place the layers with num_gpu "
+                    f"(fewer on the devices), or raise {MEMORY_LIMIT_VAR} there")
+        shrink = _what_to_shrink(report, d, plan.estimator, offload, _left_on_host(plan, d))
+        return f"{said}; {shrink}" + ("" if MEMORY_LIMIT_VAR in shrink else f", or raise {MEMORY_LIMIT_VAR}")
     if plan.verdict == "peers":
         d = next(iter(plan.short))
         n = plan.devices[d]
@@ -449,11 +534,20 @@ def refusal(plan: FitPlan, report: MemoryReport | None, offload: bool,
             advice = (f"With them gone the estimate would fit and the safety margin alone would not: "
                       f"{_lower_margin(plan, pct)}" + (f", or raise {MEMORY_LIMIT_VAR}" if budgeted else ""))
         else:
-            advice = sentence(_what_to_shrink(report, next(iter(short)), plan.estimator, offload))
+            d = next(iter(short))
+            advice = sentence(_what_to_shrink(report, d, plan.estimator, offload, _left_on_host(plan, d)))
         return (f"cannot load {name}: {eviction_reason(plan)}; unloading every other model would not make room "
                 f"({plan.estimator} estimate), so none was unloaded. {advice}, or unload the others yourself to let "
                 "it try alone")
     raise ValueError(f"a {plan.verdict!r} verdict is not a refusal")
+
+
+def _left_on_host(plan: FitPlan, device: str) -> tuple[int, int] | None:
+    """(offloaded, in all) when ``device`` is the host and llama.cpp's --fit is predicted to
+    leave layers there because the devices' room holds no more; None otherwise."""
+    if device != HOST or plan.layers is None or not any(r.get("fitted") for r in plan.devices.values()):
+        return None
+    return plan.layers if plan.layers[0] < plan.layers[1] else None
 
 
 def eviction_reason(plan: FitPlan) -> str:

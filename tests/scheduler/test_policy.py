@@ -21,6 +21,7 @@ from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory import devices as devmod
 from jupyter_llama.memory import peers as peermod
 from jupyter_llama.memory import rpc
+from jupyter_llama.memory.estimate import estimate_detailed, fit_layers
 from jupyter_llama.memory.report import COARSE, DETAILED, HOST, KV, WEIGHTS, MemoryReport, MiB
 from jupyter_llama.scheduler import policy
 from jupyter_llama.scheduler.settings import SchedulerSettings
@@ -43,13 +44,15 @@ def loaded(name: str, mib: float = 100, keep_alive: float = 300, refcount: int =
                           state, by_device)
 
 
-def prediction(**mib: float) -> dict[str, MemoryReport]:
+def prediction(layers: tuple[int, int] | None = None, sources=(DETAILED, COARSE), **mib: float) -> dict[str, MemoryReport]:
     """Both estimates of a load, the same bytes, as weights per device (``cpu=100``,
-    ``rpc_a=40``); ``kv_cpu=...`` puts that much K/V cache on the host."""
+    ``rpc_a=40``); ``kv_cpu=...`` puts that much K/V cache on the host. ``layers``: (offloaded,
+    in all), as the detailed estimate placed them."""
     names = {"cpu": HOST, "rpc_a": RPC_A, "rpc_b": RPC_B, "cuda0": "cuda:0"}
     out = {}
-    for source in (DETAILED, COARSE):
-        rep = MemoryReport(source)
+    for source in sources:
+        rep = MemoryReport(source, layers_offloaded=layers[0] if layers else None,
+                           layers_total=layers[1] if layers else None)
         for k, v in mib.items():
             part, _, dev = k.rpartition("_") if k.startswith("kv_") else ("", "", k)
             rep.add(names.get(dev, dev), KV if part == "kv" else WEIGHTS, int(v * MiB))
@@ -95,11 +98,16 @@ class Case:
     peers: list[peermod.Peer] = field(default_factory=list)
     said: tuple[str, ...] = ()  # phrases the verdict's words must contain (the refusal, or the fit words)
     not_said: tuple[str, ...] = ()
+    layers: tuple[int, int] | None = None  # (offloaded, in all) in the detailed estimate
+    sources: tuple[str, ...] = (DETAILED, COARSE)  # the estimates the load has
+
+    def preds(self) -> dict[str, MemoryReport]:
+        return prediction(self.layers, self.sources, **self.need)
 
 
 def plan_for(case: Case) -> policy.FitPlan:
     settings = dataclasses.replace(SchedulerSettings(), **case.settings)
-    return policy.fit_plan("new:latest", "/models/new.gguf", case.placed, prediction(**case.need), case.inv,
+    return policy.fit_plan("new:latest", "/models/new.gguf", case.placed, case.preds(), case.inv,
                            used_by(case.models), case.models, settings, case.peers)
 
 
@@ -107,7 +115,7 @@ def words_of(plan: policy.FitPlan, case: Case) -> str:
     """What a person is told: the refusal for a refused load, else the fit words (with the
     eviction's reason when it evicts)."""
     if plan.verdict in ("over_budget", "peers", "refuse"):
-        return policy.refusal(plan, prediction(**case.need)[plan.fit_source], bool(case.inv.accelerators()),
+        return policy.refusal(plan, case.preds()[plan.fit_source], bool(case.inv.accelerators()),
                               peermod.usage(case.peers))
     if plan.verdict == "evict":
         return policy.eviction_reason(plan)
@@ -239,13 +247,41 @@ CASES = [
     Case("and that margin fits", need={"cpu": 100}, verdict="fits", inv=inventory(budgets={"cpu": 110}),
          settings={"safety_margin": 0.10}),
     # ---- several devices: host + RPC workers, with budgets
-    Case("automatic placement checks the host only; --fit keeps the workers in their room",
-         need={"cpu": 50, "rpc_a": 100, "rpc_b": 100}, verdict="fits", placed=AUTO,
+    # Automatic placement: the detailed estimate is made for the placement llama.cpp's --fit is
+    # predicted to reach (pipeline parallelism included), so each worker is checked by it, as it
+    # is: --fit measures each placement it tries there, and a margin would refuse every worker
+    # --fit fills to its budget. (Issue 52: a plan that predicted a worker at 114.9 MiB with its
+    # margin, over a 90 MiB budget, said `fits` without checking it.)
+    Case("automatic placement: each worker is checked by the estimate of --fit's placement, without a margin",
+         need={"cpu": 50, "rpc_a": 88, "rpc_b": 87.5}, verdict="fits", placed=AUTO, layers=(9, 9),
          inv=inventory(budgets={RPC_A: 90, RPC_B: 90}, workers={A: 4096, B: 4096}),
-         said=("cpu needs 55.0 MiB (detailed+10%), 16.00 GiB available",  # (fits: no need to say it apart)
-               f"{RPC_A} needs 110.0 MiB (detailed+10%: 100.0 MiB by the estimate, 10.0 MiB its safety margin), "
-               "90.0 MiB available",
-               "not checked: llama.cpp's --fit places layers within that room")),
+         said=("cpu needs 55.0 MiB (detailed+10%), 16.00 GiB available",
+               f"{RPC_A} needs 88.0 MiB (detailed, as llama.cpp's --fit will place it; no safety margin: --fit "
+               "measures what it places), 90.0 MiB available (0 B in use by loaded models, budget 90.0 MiB)"),
+         not_said=("not checked",)),
+    Case("a worker predicted over its budget under --fit is refused before loading",
+         need={"cpu": 50, "rpc_a": 100, "rpc_b": 80}, verdict="over_budget", placed=AUTO, layers=(9, 9),
+         inv=inventory(budgets={RPC_A: 90, RPC_B: 90}, workers={A: 4096, B: 4096}),
+         said=(f"new:latest needs 100.0 MiB on {RPC_A} (detailed, as llama.cpp's --fit will place it",
+               "but the budget there is 90.0 MiB: llama.cpp's --fit would leave it over the budget there. Place the "
+               "layers with num_gpu (fewer on the devices), or raise JUPYTER_LLAMA_MEMORY_LIMIT there"),
+         not_said=("smaller context", "safety margin of")),
+    Case("layers the workers' budgets cannot hold stay on the host: a device's budget is what would fit",
+         need={"cpu": 200, "rpc_a": 88, "rpc_b": 87.5}, verdict="over_budget", placed=AUTO, layers=(6, 9),
+         inv=inventory(budgets={HOST: 150, RPC_A: 90, RPC_B: 90}, workers={A: 4096, B: 4096}),
+         said=("new:latest needs 200.0 MiB on cpu by the detailed estimate, 220.0 MiB with its 10% safety margin",
+               "200.0 MiB of it is weights: 3 of the 9 layers stay on the host, as the devices' room holds 6",
+               "Raise a device's budget (JUPYTER_LLAMA_MEMORY_LIMIT) to take more layers there, or use a smaller "
+               "quantisation of the model"),
+         not_said=("num_gpu",)),
+    Case("without a detailed estimate nothing says where --fit puts the layers: only the host is checked",
+         need={"cpu": 50, "rpc_a": 100}, verdict="fits", placed=AUTO, sources=(COARSE,),
+         inv=inventory(budgets={RPC_A: 90}, workers={A: 4096}),
+         said=(f"{RPC_A} needs 100.0 MiB (coarse), 90.0 MiB available", "not checked: llama.cpp's --fit places")),
+    Case("the coarse estimate decides the host; the workers are checked by the detailed one",
+         need={"cpu": 50, "rpc_a": 100}, verdict="over_budget", placed=AUTO, settings={"fit_estimator": COARSE},
+         inv=inventory(budgets={RPC_A: 90}, workers={A: 4096}), layers=(9, 9),
+         said=(f"needs 100.0 MiB on {RPC_A} (detailed, as llama.cpp's --fit will place it",)),
     Case("layers placed by num_gpu: each worker is checked against its budget",
          need={"cpu": 50, "rpc_a": 100, "rpc_b": 50}, verdict="over_budget", placed=MANUAL,
          inv=inventory(budgets={RPC_A: 90, RPC_B: 90}, workers={A: 4096, B: 4096}),
@@ -388,3 +424,66 @@ def test_automatic_placement_leaves_free_what_the_budget_does_not_give(info):
     where = policy.placement(info, LoadOptions(), inv, {RPC_A: 100 * MiB})
     assert where.options.fit_target_mib == (4096 - 200, 1024)
     assert where.options.rpc == (A, B) and where.devices == (RPC_A, RPC_B)
+
+
+@pytest.fixture(scope="module")
+def wide(make_model):
+    """The model of issue 52's scenario: 8 GQA layers of Q4_0 weights, 12 to 14 MiB a layer at
+    a 2048-token context, a 32000-token vocabulary."""
+    from jupyter_llama.models.gguf_info import read_gguf_info
+
+    return read_gguf_info(str(make_model("policy-wide", layers=8, embd=1024, heads=16, kv_heads=4, vocab=32000,
+                                         ctx=4096, type="q4_0", seed=4)))
+
+
+def _by_device(info, where: policy.Placement) -> dict[str, int]:
+    rep = estimate_detailed(info, where.options, list(where.devices), split=where.split)
+    return {d: rep.total(device=d) for d in where.devices}
+
+
+@pytest.mark.parametrize("budget, plain_over", [
+    # the issue's case: --fit alone fills the last worker to 7 layers and the first to 2; all 9
+    # offloaded turns pipeline parallelism on, and the last worker grows past its budget
+    (90, True),
+    (82, True),  # the raised target leaves a layer on the host, which keeps pipeline parallelism off
+    (64, True),  # the last worker grows when the first takes the layers before it from the host
+    (100, False),  # the default split (by free memory) fits: nothing to raise
+    (40, False),
+])
+def test_automatic_placement_keeps_every_worker_within_its_budget(wide, budget, plain_over):
+    """The placement predicts what llama.cpp's --fit does with each --fit-target, pipeline
+    parallelism included, and raises the target of a worker --fit would leave over its room
+    until none is: every worker's predicted use is then within its budget."""
+    options = LoadOptions(num_ctx=2048)
+    inv = inventory(budgets={RPC_A: budget, RPC_B: budget}, workers={A: 4096, B: 4096})
+    where = policy.placement(wide, options, inv, {})
+    assert all(n <= budget * MiB for n in _by_device(wide, where).values()), _by_device(wide, where)
+    assert where.rooms == {RPC_A: budget * MiB, RPC_B: budget * MiB}
+    # what --fit would do with the budgets alone as its targets
+    accel = inv.accelerators()
+    split = fit_layers(wide, options, [(d.id, budget * MiB) for d in accel], free=[d.free for d in accel])
+    plain = estimate_detailed(wide, options, [d.id for d in accel], split=split)
+    assert any(plain.total(device=d.id) > budget * MiB for d in accel) == plain_over
+    plain_targets = (4096 - budget, 4096 - budget)
+    assert (where.options.fit_target_mib != plain_targets) == plain_over
+
+
+def test_the_issue_case_is_planned_within_the_budgets_and_refused_when_the_host_cannot_take_the_rest(wide):
+    options = LoadOptions(num_ctx=2048)
+    settings = SchedulerSettings()
+    inv = inventory(budgets={RPC_A: 90, RPC_B: 90}, workers={A: 4096, B: 4096})
+    where = policy.placement(wide, options, inv, {})
+    preds = {DETAILED: estimate_detailed(wide, where.options, list(where.devices), split=where.split)}
+    plan = policy.fit_plan("wide:latest", "/models/wide.gguf", where.options, preds, inv, {}, [], settings)
+    assert plan.verdict == "fits" and all(r["checked"] for r in plan.devices.values())
+    assert plan.devices[RPC_A]["fitted"] and plan.devices[RPC_A]["need"] <= 90 * MiB
+    # Smaller budgets leave layers on the host; with a host budget too small for them, the load is
+    # refused before it starts, naming the layers the workers cannot take.
+    inv = inventory(budgets={RPC_A: 40, RPC_B: 40, HOST: 60}, workers={A: 4096, B: 4096})
+    where = policy.placement(wide, options, inv, {})
+    preds = {DETAILED: estimate_detailed(wide, where.options, list(where.devices), split=where.split)}
+    plan = policy.fit_plan("wide:latest", "/models/wide.gguf", where.options, preds, inv, {}, [], settings)
+    assert plan.verdict == "over_budget" and plan.layers[0] < plan.layers[1]
+    said = policy.refusal(plan, preds[DETAILED], True)
+    assert f"layers stay on the host, as the devices' room holds {plan.layers[0]}" in said, said
+    assert "Raise a device's budget (JUPYTER_LLAMA_MEMORY_LIMIT)" in said and "num_gpu" not in said
