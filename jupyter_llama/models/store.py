@@ -87,6 +87,7 @@ __all__ = [
     "BlobCorrupt",
     "BlobMissing",
     "StoreBusy",
+    "StoreGone",
     "LOCK_WAIT",
     "PRUNE_GRACE",
     "InvalidGGUF",
@@ -147,6 +148,19 @@ class BlobMissing(StoreError):
     """A blob a manifest was about to use disappeared (removed concurrently); retry."""
 
     status = 409
+
+
+class StoreGone(StoreError):
+    """The store's folder was there and is not any more (deleted while a manager used it):
+    nothing is made again behind the user's back; the message says what to do."""
+
+    status = 503
+
+    def __init__(self, root: Path):
+        self.root = root
+        super().__init__(f"the model folder {root} was deleted while this manager was using it: restart the "
+                         "manager for a new one (`jupyter-llama status --stop` stops the background manager; the "
+                         "next command starts it), or put the folder back")
 
 
 class StoreBusy(StoreError):
@@ -761,6 +775,7 @@ class ModelStore:
         self._preset_cache: dict[str, bytes] = {}
         self._cache_lock = threading.Lock()
         self._stopping = threading.Event()  # set by stop_waiting: lock waits end at once
+        self._root_seen = False  # the folder existed once in this object's life (see check_root)
 
     def stop_waiting(self) -> None:
         """End every wait for a store lock in this process now, and refuse later ones
@@ -770,6 +785,15 @@ class ModelStore:
 
     def __repr__(self) -> str:
         return f"ModelStore({str(self.root)!r})"
+
+    def check_root(self) -> None:
+        """StoreGone when the folder, seen before, is gone; else note that it is there. A
+        manager whose folder was deleted says so rather than list nothing, or make a new
+        empty one the next time it writes."""
+        if self.root.is_dir():
+            self._root_seen = True
+        elif self._root_seen:
+            raise StoreGone(self.root)
 
     def usable_root(self) -> str | None:
         """Why this store's folder cannot hold models (None when it can): it is a file, or it
@@ -783,10 +807,12 @@ class ModelStore:
             return f"{root} cannot be made: {e.strerror or e}"
         if not os.access(root, os.W_OK | os.X_OK):
             return f"{root} is not writable by this user"
+        self._root_seen = True
         return None
 
     def ensure_dirs(self) -> None:
         """The store's folders; those made here are this user's only (0700), whatever the umask."""
+        self.check_root()
         with self._space("making the store's folders"):
             try:
                 self.root.mkdir(parents=True, mode=0o700)
@@ -1170,6 +1196,7 @@ class ModelStore:
         """The model a request for ``name`` means: :meth:`_find`, and for a name without a host
         (``llama3.2:1b``) that no model made here has, the one pulled under it from the
         registry (``registry.ollama.ai/library/llama3.2:1b``; see ``names.also_registry``)."""
+        self.check_root()
         e = self._find(name)
         if e is None:
             alias = also_registry(name)
@@ -1578,6 +1605,7 @@ class ModelStore:
 
     def list(self) -> list[ModelEntry]:
         """Every model, by name; reads manifests only."""
+        self.check_root()
         out = []
         for p, parts in self._iter_manifest_paths():
             e = self._load_entry(p, parts)
@@ -1830,14 +1858,21 @@ class ModelStore:
         except OSError:
             entries = []
         shown = [e.display for e in entries]
+
+        def bare(name: str) -> str:
+            # compared without the default tag: every NAME:latest shares ":latest", which alone
+            # passes difflib's cutoff (any unknown name would "mean" every model)
+            name = name.casefold()
+            return name[:-len(":latest")] if name.endswith(":latest") else name
+
         pool: dict[str, str] = {}
         for e in entries:
-            pool[e.display.casefold()] = e.display
+            pool[bare(e.display)] = e.display
             pool.setdefault(e.name.model.casefold(), e.display)
             pool.setdefault(f"{e.name.namespace}/{e.name.model}".casefold(), e.display)
-        probes = [text.casefold()]
+        probes = [bare(text)]
         if mname is not None:
-            probes += [mname.display.casefold(), mname.model.casefold()]
+            probes += [bare(mname.display), mname.model.casefold()]
         close: list[str] = []
         for probe in probes:
             for m in difflib.get_close_matches(probe, list(pool), n=5, cutoff=0.6):

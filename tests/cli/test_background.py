@@ -254,6 +254,22 @@ def test_a_setting_applies_where_it_is_given_never_to_another_store(alone, tmp_p
     assert "note:" not in cli(mine, "ps").stderr  # the same settings: nothing to say
 
 
+def test_a_manager_whose_model_folder_was_deleted_says_so(alone):
+    """Deleting the model folder under a running manager: it says the folder is gone and what
+    to do, rather than list nothing or make a new empty folder behind the user's back."""
+    assert cli(alone, "synth", "doomed", "--layers", "2", "--embd", "64").returncode == 0
+    models = Path(alone["JUPYTER_LLAMA_MODELS"])
+    shutil.rmtree(models)
+    for argv in (("list",), ("run", "doomed", "Hello"), ("synth", "again", "--layers", "2", "--embd", "64")):
+        r = cli(alone, *argv)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert f"the model folder {models} was deleted while this manager was using it" in r.stderr, r.stderr
+        assert "`jupyter-llama status --stop`" in r.stderr
+    assert not models.exists()
+    assert cli(alone, "status", "--stop").returncode == 0
+    assert cli(alone, "list").returncode == 0  # a new manager, a new folder
+
+
 def test_an_embedded_manager_keeps_its_log_where_only_its_user_can_look(alone):
     """Plain IPython's and VS Code's manager (embedded.py) writes its log, by default, in a
     folder of its own, named at random and closed to other users: a fixed name in the shared

@@ -285,8 +285,6 @@ async def test_the_root_answers_without_the_token(llama_url, token):
         assert r.status_code == 401
 
 
-@pytest.mark.xfail(strict=True, reason="the fix is in models/store.py (ModelStore._not_found), which this change "
-                                       "leaves to its owner: compare names without the :latest tag")
 async def test_did_you_mean_names_only_a_close_model(llama_url, token):
     c = ollama.Client(host=llama_url, headers={"Authorization": f"token {token}"})
     with pytest.raises(ollama.ResponseError) as e:
