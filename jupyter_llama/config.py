@@ -193,3 +193,57 @@ def cache_dir() -> Path:
     """Per-user, per-machine cache (engine builds): ``$XDG_CACHE_HOME/jupyter-llama``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "jupyter-llama"
+
+
+# ----------------------------------------------------------------------------- default context
+
+CONTEXT_LENGTH_VAR = ENV_PREFIX + "CONTEXT_LENGTH"
+OLLAMA_CONTEXT_LENGTH_VAR = "OLLAMA_CONTEXT_LENGTH"  # Ollama's own name for it, honoured as Ollama does
+MIN_CONTEXT = 16  # the least num_ctx a load takes (LoadOptions says the same of a request's)
+MAX_CONTEXT = 1 << 27  # the most (far beyond any model's training context)
+_WARNED: set[str] = set()  # Ollama's values already warned about (once each, not on every request)
+
+# Ollama's default context when no setting gives one: by the GPUs' total memory, the first
+# tier that the total reaches (47 and 23 GiB: a little under 48 and 24, so that a card that
+# reports slightly less than its label still counts), else the last.
+CONTEXT_TIERS = ((47 * 1024**3, 262144), (23 * 1024**3, 32768))
+SMALL_CONTEXT = 4096
+
+
+def context_for_gpu_memory(total: int) -> int:
+    """Ollama's default context for ``total`` bytes of GPU memory in all (0: no GPU)."""
+    return next((ctx for least, ctx in CONTEXT_TIERS if total >= least), SMALL_CONTEXT)
+
+
+def context_length(environ=None) -> tuple[int, str] | None:
+    """The default context set by the environment, and the variable that set it:
+    ``JUPYTER_LLAMA_CONTEXT_LENGTH``, else Ollama's ``OLLAMA_CONTEXT_LENGTH``; None when neither
+    sets one (unset, empty or 0, which Ollama also reads as unset): the default then follows
+    the GPUs' memory (:func:`context_for_gpu_memory`).
+
+    Ours must be a whole number of at least :data:`MIN_CONTEXT` (a ConfigError naming it
+    otherwise). Ollama's variable is read as Ollama reads it: a value it cannot read is left
+    out with a warning in the log, and one below the least a load takes is raised to it."""
+    environ = os.environ if environ is None else environ
+    ours = (environ.get(CONTEXT_LENGTH_VAR) or "").strip()
+    if ours:
+        n = parse_int(ours, CONTEXT_LENGTH_VAR)
+        if n and not MIN_CONTEXT <= n <= MAX_CONTEXT:
+            raise ConfigError(f"{CONTEXT_LENGTH_VAR} must be 0 (unset) or {MIN_CONTEXT} to {MAX_CONTEXT} tokens, "
+                              f"got {n}")
+        if n:
+            return n, CONTEXT_LENGTH_VAR
+    theirs = (environ.get(OLLAMA_CONTEXT_LENGTH_VAR) or "").strip().strip("\"'")  # (Ollama drops quotes too)
+    if not theirs:
+        return None
+    if not (theirs.isascii() and theirs.isdigit()):
+        if theirs not in _WARNED:
+            import logging
+
+            _WARNED.add(theirs)
+            logging.getLogger("jupyter_llama").warning(
+                "jupyter-llama: %s=%s is not a whole number of tokens; it is left out, as Ollama leaves it out",
+                OLLAMA_CONTEXT_LENGTH_VAR, shown(theirs))
+        return None
+    n = int(theirs)
+    return (min(max(n, MIN_CONTEXT), MAX_CONTEXT), OLLAMA_CONTEXT_LENGTH_VAR) if n else None

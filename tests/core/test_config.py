@@ -91,3 +91,26 @@ def test_values_in_messages_are_spelled_as_json_and_cut_when_long():
     assert len(shown("y" * 500)) == 60 and shown("y" * 500).endswith("...")
     with pytest.raises(BadRequest, match=r'raw must be true or false, got \{"": true\}$'):
         oa.parse_generate({"model": "m", "prompt": "p", "raw": {"": True}})
+
+
+def test_the_default_context_setting_and_ollamas(caplog):
+    from jupyter_llama.config import context_length
+
+    ours, theirs = "JUPYTER_LLAMA_CONTEXT_LENGTH", "OLLAMA_CONTEXT_LENGTH"
+    assert context_length({}) is None
+    assert context_length({ours: "8192"}) == (8192, ours)
+    assert context_length({theirs: "8192"}) == (8192, theirs)
+    assert context_length({ours: "2048", theirs: "8192"}) == (2048, ours)
+    assert context_length({ours: "0", theirs: "8192"}) == (8192, theirs)  # 0 is unset, for both
+    assert context_length({ours: " ", theirs: "0"}) is None
+    assert context_length({theirs: '"8192"'}) == (8192, theirs)  # quotes dropped, as Ollama drops them
+    assert context_length({theirs: "4"}) == (16, theirs)  # Ollama takes it; a load takes no less than 16
+    for bad, said in (("lots", "expected a whole number"), ("8", "0 \\(unset\\) or 16 to"), ("-1", "16 to")):
+        with pytest.raises(ConfigError, match=f"JUPYTER_LLAMA_CONTEXT_LENGTH.*{said}"):
+            context_length({ours: bad})
+    with caplog.at_level("WARNING", logger="jupyter_llama"):  # Ollama's: left out with a warning, as Ollama does
+        assert context_length({theirs: "4k"}) is None
+        assert context_length({theirs: "4k"}) is None
+    assert [r.getMessage() for r in caplog.records].count(
+        "jupyter-llama: OLLAMA_CONTEXT_LENGTH=\"4k\" is not a whole number of tokens; it is left out, as Ollama "
+        "leaves it out") == 1
