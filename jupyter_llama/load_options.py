@@ -35,7 +35,12 @@ class LoadOptions:
     Sampling options (temperature, top_k, ...) are per request and deliberately absent.
     """
 
-    num_ctx: int | None = None  # context per request; None = training context (fit may shrink it)
+    num_ctx: int | None = None  # context per request; None = automatic (default_ctx, else the training context)
+    # What an automatic num_ctx stands for: Ollama's default context capped at the training
+    # context, filled in (whether num_ctx is set or not) by memory.estimate.within_training.
+    # None, with num_ctx None: llama-server's own choice, the training context, which llama.cpp's
+    # fit may shrink.
+    default_ctx: int | None = None
     num_parallel: int | None = None  # -np; None = llama-server's auto (4 slots, unified KV)
     num_gpu: int | None = None  # -ngl; None or -1 = automatic placement by llama.cpp
     main_gpu: int | None = None  # -mg
@@ -69,6 +74,7 @@ class LoadOptions:
         if self.num_ctx == 0:
             object.__setattr__(self, "num_ctx", None)  # 0 is "automatic" in Ollama's API too
         positive("num_ctx")
+        positive("default_ctx")
         positive("num_parallel")
         positive("num_gpu", allow_zero=True)
         positive("main_gpu", allow_zero=True)
@@ -90,6 +96,7 @@ class LoadOptions:
         if self.num_ctx is not None and self.num_ctx < 16:
             raise LoadOptionsError(f"num_ctx {self.num_ctx} is too small; use at least 16 tokens")
         for name, most, why in (("num_ctx", 1 << 27, "128M tokens, far beyond any model's training context"),
+                                ("default_ctx", 1 << 27, "128M tokens"),
                                 ("num_parallel", 256, "256 slots, llama.cpp's LLAMA_MAX_SEQ"),
                                 ("num_thread", 1024, "1024 threads"),
                                 # llama-server reads these as C ints: past that it exits at start
@@ -100,19 +107,11 @@ class LoadOptions:
             v = getattr(self, name)
             if v is not None and v > most:
                 raise LoadOptionsError(f"{name} {v} is more than llama-server can be given here (at most {why})")
-        if self.num_ctx is not None and self.num_ctx * (self.num_parallel or 1) >= 1 << 31:
-            raise LoadOptionsError(f"num_ctx {self.num_ctx} x num_parallel {self.num_parallel} is more context than "
+        ctx = self.num_ctx or self.default_ctx
+        if ctx is not None and ctx * (self.num_parallel or 1) >= 1 << 31:
+            raise LoadOptionsError(f"num_ctx {ctx} x num_parallel {self.num_parallel} is more context than "
                                    "llama-server can hold (under 2^31 cells)")
-        slots = self.num_parallel or AUTO_SLOTS
-        if self.num_batch is not None and self.num_batch < max(2, slots):
-            # measured: llama-server aborts at start (GGML_ASSERT n_outputs_max) below this
-            raise LoadOptionsError(f"num_batch {self.num_batch} is too small for {slots} request slot(s): llama-server "
-                                   f"needs at least {max(2, slots)} (its default is 2048)")
-        if self.embedding and self.num_ubatch is not None and self.num_ubatch < max(2, slots):
-            # an embedding load's batch is its micro-batch (llama-server sets -b to -ub): the same limit
-            raise LoadOptionsError(f"num_ubatch {self.num_ubatch} is too small for embeddings with {slots} request "
-                                   f"slot(s): llama-server embeds a batch in one micro-batch and needs at least "
-                                   f"{max(2, slots)}")
+        # (a num_batch below what llama-server starts with is raised on its command line: batch_args)
         if self.fit_target_mib is not None:
             object.__setattr__(self, "fit_target_mib", tuple(int(x) for x in self.fit_target_mib))
         if self.rpc is not None:
@@ -122,10 +121,18 @@ class LoadOptions:
     def total_ctx(self) -> int | None:
         """The ``-c`` value: ``num_ctx`` is the context *each request* gets (Ollama's meaning),
         so with ``P`` explicit slots the child needs ``num_ctx * P`` cells. With automatic
-        slots llama-server shares one unified cache in which every request may use all of it."""
-        if self.num_ctx is None:
+        slots llama-server shares one unified cache in which every request may use all of it.
+        An automatic ``num_ctx`` counts as its ``default_ctx``; None when both are unset."""
+        ctx = self.num_ctx or self.default_ctx
+        if ctx is None:
             return None
-        return self.num_ctx * (self.num_parallel or 1)
+        return ctx * (self.num_parallel or 1)
+
+    @property
+    def request_ctx(self) -> int | None:
+        """The context each request gets: ``num_ctx``, else ``default_ctx`` (None: the
+        training context, llama-server's own choice)."""
+        return self.num_ctx or self.default_ctx
 
     @property
     def gpu_automatic(self) -> bool:
@@ -146,6 +153,29 @@ class LoadOptions:
         return cls(**data)
 
 
+def least_batch(options: LoadOptions) -> int:
+    """The smallest batch llama-server starts with under ``options``: two tokens, and one per
+    request slot (below it, it aborts at start on ``GGML_ASSERT n_outputs_max``, measured)."""
+    return max(2, options.num_parallel or AUTO_SLOTS)
+
+
+def batch_args(options: LoadOptions) -> tuple[int | None, int | None]:
+    """``(-b, -ub)`` as the child is given them (None: not passed, llama-server's default).
+
+    As asked, except that a batch below :func:`least_batch` is raised to it: Ollama takes any
+    ``num_batch`` (its runner has one request slot, where llama-server's automatic slots are
+    four), so such a request is served rather than refused. An embedding load runs a batch in
+    one micro-batch (llama-server sets ``-b`` to ``-ub``), so there the micro-batch is raised too.
+    """
+    least = least_batch(options)
+    batch, ubatch = options.num_batch, options.num_ubatch
+    if batch is not None:
+        batch = max(batch, least)
+    if options.embedding and ubatch is not None:
+        ubatch = max(ubatch, least)
+    return batch, ubatch
+
+
 def memory_args(options: LoadOptions) -> list[str]:
     """The options that decide placement and memory, as llama.cpp's tools spell them.
 
@@ -154,7 +184,8 @@ def memory_args(options: LoadOptions) -> list[str]:
     """
     o = options
     rpc = [("--rpc", ",".join(o.rpc))] if o.rpc else []
+    batch, ubatch = batch_args(o)
     pairs = [*rpc, ("-c", o.total_ctx), ("-np", o.num_parallel), ("-ngl", o.num_gpu), ("-mg", o.main_gpu),
-             ("-b", o.num_batch), ("-ub", o.num_ubatch), ("-fa", o.flash_attn),
+             ("-b", batch), ("-ub", ubatch), ("-fa", o.flash_attn),
              ("-ctk", o.cache_type_k), ("-ctv", o.cache_type_v)]
     return [x for flag, value in pairs if value is not None for x in (flag, str(value))]

@@ -22,7 +22,8 @@ import platform
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..load_options import QUANTIZED_KV, LoadOptions
+from .. import config
+from ..load_options import QUANTIZED_KV, LoadOptions, batch_args
 from ..models.gguf_info import GGUFInfo
 from .computegraph import CPU_ALIGNMENT, GPU_ALIGNMENT, GraphPlan, LayerShape, compute_buffer_bytes
 from .report import (ACTUAL, format_bytes, format_pct, COARSE, COMPONENTS, COMPUTE, DETAILED, HOST, KV, LLAMA_CPP, OTHER, OUTPUT,
@@ -46,15 +47,115 @@ def capped_ctx(num_ctx: int | None, info: GGUFInfo) -> int | None:
     return trained if num_ctx and trained and num_ctx > trained else num_ctx
 
 
-def within_training(options: LoadOptions, info: GGUFInfo) -> LoadOptions:
-    """``options`` with their ``num_ctx`` capped (:func:`capped_ctx`): what a load uses."""
+@functools.lru_cache(maxsize=1)
+def gpu_memory() -> int:
+    """Bytes of memory on this machine's visible GPUs, all together (0 without one), as the
+    manager first saw them: Ollama also sizes its default context once, at start."""
+    from .devices import list_gpus
+
+    return sum(g.total for g in list_gpus())
+
+
+def default_context() -> int:
+    """The context a request gets when neither it nor the model's preset sets ``num_ctx``:
+    ``JUPYTER_LLAMA_CONTEXT_LENGTH``, else ``OLLAMA_CONTEXT_LENGTH``, else Ollama's default
+    for the GPUs' memory (4096 tokens, 32768 from 23 GiB in all, 262144 from 47 GiB; see
+    :func:`config.context_for_gpu_memory`). A setting that cannot be read is a ConfigError
+    naming it."""
+    setting = config.context_length()
+    return setting[0] if setting else config.context_for_gpu_memory(gpu_memory())
+
+
+# The batch of an embedding load: Ollama's (its DefaultEmbeddingNumBatch) at most, llama-server's
+# own micro-batch at least. An input is embedded in one micro-batch, so this is also the longest
+# input such a load takes, unless the context is shorter.
+EMBED_BATCH = 2048
+EMBED_BATCH_LEAST = 512  # (llama-server's default -ub)
+# What the logits of an embedding batch may take, as a share of the machine's memory: what
+# Ollama's batch of logits costs a model with Llama 3's vocabulary on a 16 GiB machine.
+EMBED_LOGITS_SHARE = 16
+
+
+@functools.lru_cache(maxsize=1)
+def machine_memory() -> int:
+    """The memory a load may use on this machine, as first seen: its GPUs' together, else the
+    host's (its cgroup limit counted), 0 when unknown."""
+    if gpu_memory():
+        return gpu_memory()
+    try:
+        from .devices import read_host_memory
+
+        return read_host_memory().total
+    except OSError:
+        return 0
+
+
+def _has_output_head(info: GGUFInfo) -> bool:
+    """The model ends in an output projection to its vocabulary (a causal language model: its
+    own ``output.weight``, or the token embedding tied to it in an architecture we model)."""
+    return info.architecture in LLAMA_LIKE or any(t.name == "output.weight" for t in info.tensors)
+
+
+def embed_batch(info: GGUFInfo, ctx: int, memory: int | None = None) -> int:
+    """The batch (and micro-batch) an embedding load of ``info`` gets when the request sets
+    neither: :data:`EMBED_BATCH`, halved down to :data:`EMBED_BATCH_LEAST` while the logits of
+    the batch would outweigh both the model itself and a :data:`EMBED_LOGITS_SHARE`-th of the
+    machine's memory (``memory``; None: :func:`machine_memory`); never more than ``ctx``.
+
+    A causal model computes the logits of every token of a micro-batch when it embeds
+    (``4 * n_vocab`` bytes a token), and llama.cpp reserves its compute buffer for them: with a
+    large vocabulary a batch as long as the context costs many times the model's own size, so
+    the cost has to be justified by the model's size or by the machine's.
+    A model without an output head (an encoder such as BERT) computes no logits and gets
+    Ollama's batch. The result depends on the model and the machine only, never on what is free
+    now: a request's options must resolve to those of the runner it is served by."""
+    batch = EMBED_BATCH
+    if _has_output_head(info):
+        memory = machine_memory() if memory is None else memory
+        room = max(info.file_size, memory // EMBED_LOGITS_SHARE)
+        while batch > EMBED_BATCH_LEAST and 4 * info.vocab_size * batch > room:
+            batch //= 2
+    return max(1, min(batch, ctx))
+
+
+def within_training(options: LoadOptions, info: GGUFInfo, default_ctx: int | None = None) -> LoadOptions:
+    """``options`` as a load of ``info`` uses them, the way Ollama resolves a request's:
+
+    * ``num_ctx`` above the training context is brought down to it (:func:`capped_ctx`);
+    * ``LoadOptions.default_ctx``, what an automatic ``num_ctx`` stands for, is ``default_ctx``
+      (None: :func:`default_context`) capped at the training context the same way (a model
+      that says no training context, or one below the least a load takes, keeps llama-server's
+      own). It is set whether or not ``num_ctx`` is, so that it is the same in every request
+      for the model: a request that sets no ``num_ctx`` still matches a runner loaded with one
+      (no reload for a client that cannot set it, such as OpenAI's);
+    * an embedding load with neither ``num_batch`` nor ``num_ubatch`` gets a batch and
+      micro-batch of :func:`embed_batch` (an input is embedded in one micro-batch), not the
+      context itself; with only ``num_batch``, a micro-batch of that size, as Ollama gives it.
+
+    Resolving the same options twice gives the same result, so a request's options match
+    those its runner was loaded with."""
     capped = capped_ctx(options.num_ctx, info)
-    return options if capped == options.num_ctx else options.replace(num_ctx=capped)
+    if capped != options.num_ctx:
+        options = options.replace(num_ctx=capped)
+    if options.default_ctx is None:
+        ctx = capped_ctx(default_context() if default_ctx is None else default_ctx, info)
+        if ctx is not None and ctx >= config.MIN_CONTEXT:
+            options = options.replace(default_ctx=ctx)
+    else:
+        capped = capped_ctx(options.default_ctx, info)
+        if capped != options.default_ctx:
+            options = options.replace(default_ctx=capped)
+    if options.embedding and options.num_ubatch is None:
+        ctx = options.request_ctx or info.context_length or EMBED_BATCH
+        batch = options.num_batch or embed_batch(info, ctx * (options.num_parallel or 1))
+        options = options.replace(num_batch=batch, num_ubatch=batch)
+    return options
 
 
 def coarse_context(info: GGUFInfo, options: LoadOptions) -> int:
-    """Cells the coarse estimate assumes: min(num_ctx, training context) x slots."""
-    per_request = capped_ctx(options.num_ctx, info) or info.context_length
+    """Cells the coarse estimate assumes: min(num_ctx, training context) x slots (an automatic
+    num_ctx counts as its default context, else the training context)."""
+    per_request = capped_ctx(options.request_ctx, info) or info.context_length
     return per_request * (options.num_parallel or 1)
 
 
@@ -68,7 +169,7 @@ def batch_surcharge(options: LoadOptions) -> int:
     and the coarse estimate carries the full 2 GiB: deliberately conservative (and, on small
     models, the very cost of being conservative that notebook 04 shows).
     """
-    batch = options.num_batch or LLAMA_SERVER_DEFAULT_BATCH
+    batch = batch_args(options)[0] or LLAMA_SERVER_DEFAULT_BATCH
     if batch >= 2048:
         return 2 * GiB
     if batch >= 1024:
@@ -98,7 +199,7 @@ def estimate_coarse(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None
     if surcharge:
         rep.add(device, OTHER, surcharge)
         rep.warnings.append(f"'other' is Ollama's allowance of {format_bytes(surcharge)} for a batch of "
-                            f"{options.num_batch or LLAMA_SERVER_DEFAULT_BATCH} tokens (num_batch; llama-server's "
+                            f"{batch_args(options)[0] or LLAMA_SERVER_DEFAULT_BATCH} tokens (num_batch; llama-server's "
                             f"default is {LLAMA_SERVER_DEFAULT_BATCH}): conservative, and on a small model most of "
                             "what it predicts")
     return rep
@@ -193,10 +294,11 @@ def plan_context(info: GGUFInfo, options: LoadOptions) -> ContextPlan:
         n_seq, unified = AUTO_SLOTS, True
     else:
         n_seq, unified = int(o.num_parallel), bool(o.kv_unified)
-    requested = int(o.total_ctx) if o.num_ctx is not None else int(info.context_length)
+    requested = int(o.total_ctx) if o.total_ctx is not None else int(info.context_length)
     requested = max(1, requested)
-    n_ubatch_opt = o.num_ubatch or DEFAULT_UBATCH
-    n_batch = o.num_batch or DEFAULT_BATCH
+    batch, ubatch = batch_args(o)  # (as the child's command line says them)
+    n_ubatch_opt = ubatch or DEFAULT_UBATCH
+    n_batch = batch or DEFAULT_BATCH
     if o.embedding and n_batch > n_ubatch_opt:
         n_batch = n_ubatch_opt  # llama-server: embeddings need the whole batch in one ubatch
     n_batch = min(requested, n_batch)
@@ -502,7 +604,10 @@ def graph_plan(info: GGUFInfo, plan: ContextPlan) -> GraphPlan:
         k_cast=plan.flash_attn and plan.type_k == "f32", v_cast=plan.flash_attn and plan.type_v == "f32",
         rot_k=_rotation(info.head_dim_k(0), plan.type_k in QUANTIZED_KV, grow=True),
         rot_v=_rotation(info.head_dim_v(0), plan.type_v in QUANTIZED_KV, grow=False),
-        embeddings=plan.embedding)
+        # A causal model computes its logits even when it embeds (llama.cpp builds the output
+        # head into the graph, and an embedding load outputs every token of a micro-batch), so
+        # its graph is the one with logits, for that many rows.
+        embeddings=plan.embedding and info.architecture not in LLAMA_LIKE)
 
 
 def compute_bytes(info: GGUFInfo, plan: ContextPlan, alignment: int = CPU_ALIGNMENT, copies: int = 1,
@@ -638,7 +743,7 @@ def _estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str],
             rep.add(main, COMPUTE, max(lb.get(il, 0) for il in host_layers))
     rep.add(HOST, OUTPUT, output_bytes(info, plan))
 
-    if options.num_ctx is None and plan.n_ctx_requested > FIT_MIN_CTX:
+    if options.total_ctx is None and plan.n_ctx_requested > FIT_MIN_CTX:
         rep.warnings.append(f"automatic context: this estimate assumes the training context ({plan.n_ctx_requested}); "
                             f"llama.cpp's --fit shrinks it (to no less than {FIT_MIN_CTX}) when that would not fit "
                             "in free GPU memory or in total host memory")

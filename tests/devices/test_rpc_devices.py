@@ -321,7 +321,9 @@ async def test_a_worker_that_stops_answering_fails_the_load_within_the_stall_tim
         a.resume()
 
 
-async def test_out_of_memory_on_a_worker_with_an_automatic_context_steps_down(workers, make_scheduler, make_model):
+async def test_out_of_memory_on_a_worker_with_an_automatic_context_steps_down(workers, make_scheduler, make_model,
+                                                                              monkeypatch):
+    monkeypatch.setenv("JUPYTER_LLAMA_CONTEXT_LENGTH", str(64 * 1024 * 1024))  # automatic: the training context
     # Tiny weights and a 64M-token training context: with llama.cpp's --fit off, the whole model
     # and its KV cache go to the worker, which cannot allocate the cache; the scheduler steps the
     # automatic context down once, and the retry loads on the same worker.

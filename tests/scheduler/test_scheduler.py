@@ -473,7 +473,8 @@ def oom_model(make_model):
     return str(make_model("oom", layers=1, embd=256, heads=2, kv_heads=2, ctx=64 * 1024 * 1024, seed=5))
 
 
-async def test_oom_with_automatic_context_steps_down(make_scheduler, oom_model):
+async def test_oom_with_automatic_context_steps_down(make_scheduler, oom_model, monkeypatch):
+    monkeypatch.setenv("JUPYTER_LLAMA_CONTEXT_LENGTH", str(64 * 1024 * 1024))  # automatic: the training context
     # llama.cpp's own --fit would shrink an automatic context before allocating (it does so for
     # host memory too); with it off, the full training context is tried and runs out of memory.
     sched = make_scheduler(fit_estimator="coarse", max_loaded_models=2)

@@ -276,10 +276,12 @@ def test_capabilities_come_from_the_model():
         "completion", "embedding", "tools", "thinking", "insert", "vision"]
 
 
-def test_a_batch_llama_server_would_abort_on_is_a_400():
-    with pytest.raises(BadRequest, match="num_batch 1 is too small for 4 request slot"):
-        split_options({"num_batch": 1}).load_options()
-    assert split_options({"num_batch": 2, "num_parallel": 2}).load_options().num_batch == 2
+def test_a_batch_llama_server_would_abort_on_is_raised_on_its_command_line():
+    from jupyter_llama.load_options import memory_args
+
+    # Ollama takes any num_batch; llama-server needs one token per slot (and two) to start
+    assert memory_args(split_options({"num_batch": 1}).load_options()) == ["-b", "4"]
+    assert memory_args(split_options({"num_batch": 2, "num_parallel": 2}).load_options()) == ["-np", "2", "-b", "2"]
 
 
 def test_bodies_nested_too_deeply_or_with_nan_are_400():
