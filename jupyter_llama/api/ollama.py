@@ -49,7 +49,8 @@ from ..models.preset import Preset
 from ..models.ref import model_details
 from .gotemplate import GoTemplate, TemplateUnsupported
 from .modelfile import write_modelfile
-from .options import format_to_schema, parameters_text, parse_keep_alive, parse_parameters, split_options
+from .options import (format_to_schema, parameters_text, parse_keep_alive, parse_parameters, split_options,
+                      with_sampling_defaults)
 
 __all__ = [
     "OLLAMA_VERSION",
@@ -354,7 +355,7 @@ def _logprobs(body: dict) -> int | None:
 
 
 def _sampling_from(body: dict, split, logprobs: int | None = None) -> dict:
-    sampling = dict(split.sampling)
+    sampling = with_sampling_defaults(split.sampling)  # (Ollama's defaults where nothing is set)
     schema = format_to_schema(body.get("format"))
     if schema is not None:
         sampling["json_schema"] = schema

@@ -8,9 +8,10 @@ Ollama puts load-time settings (``num_ctx``, ``num_gpu`` ...) and sampling setti
 * sampling options become the fields of llama-server's ``/completion`` (and of its
   OpenAI-compatible endpoints, which read the same names), per request, never a reload.
 
-Unknown names are refused with HTTP 400 naming them, so a typo (``temprature``) does not
-silently do nothing. A few options Ollama still accepts but no longer uses are accepted
-and ignored (:data:`IGNORED_OPTIONS`).
+Unknown names are ignored with a line in the log, as Ollama ignores them; a known name with
+a value of the wrong kind is refused with HTTP 400 naming it. A few options Ollama still
+accepts but no longer uses are accepted and ignored (:data:`IGNORED_OPTIONS`). Sampling
+options a request leaves unset get Ollama's defaults (:data:`OLLAMA_SAMPLING_DEFAULTS`).
 
 Pure functions; the only errors raised are :class:`~jupyter_llama.scheduler.BadRequest`.
 """
@@ -33,6 +34,8 @@ __all__ = [
     "IGNORED_OPTIONS",
     "SplitOptions",
     "split_options",
+    "OLLAMA_SAMPLING_DEFAULTS",
+    "with_sampling_defaults",
     "load_options",
     "parse_keep_alive",
     "format_to_schema",
@@ -88,6 +91,32 @@ SAMPLING_OPTIONS: dict[str, tuple[str, str]] = {
     "dry_penalty_last_n": ("dry_penalty_last_n", "int"),
     "ignore_eos": ("ignore_eos", "bool"),
 }
+
+# Ollama's sampling defaults (its api.DefaultOptions, at the version REFERENCE.md pins), under
+# llama-server's names: what its runner sends the child for every option a request and the
+# model's preset leave unset. Sent the same way here, so that a bare request samples as it
+# would in Ollama, not with llama-server's own defaults (top_p 0.95, min_p 0.05, no repeat
+# penalty). Left out, as Ollama leaves them out: num_predict (an answer ends when the
+# request's context is full; see docs/settings.md), num_keep and seed (llama-server's own
+# default seed is Ollama's -1, a random one), and the samplers Ollama does not name.
+OLLAMA_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "temperature": 0.8,
+    "top_k": 40,
+    "top_p": 0.9,
+    "min_p": 0.0,
+    "typical_p": 1.0,
+    "repeat_last_n": 64,
+    "repeat_penalty": 1.1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+
+
+def with_sampling_defaults(sampling: dict) -> dict:
+    """``sampling`` (llama-server fields) over :data:`OLLAMA_SAMPLING_DEFAULTS`: what an Ollama
+    API request sends the child."""
+    return {**OLLAMA_SAMPLING_DEFAULTS, **sampling}
+
 
 # Accepted for compatibility (older clients send them) and ignored, as Ollama does.
 IGNORED_OPTIONS = frozenset({

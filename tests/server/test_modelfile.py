@@ -8,7 +8,7 @@ import pytest
 from jupyter_llama.api import ollama as oa
 from jupyter_llama.api.gotemplate import GoTemplate, TemplateSyntaxError, TemplateUnsupported
 from jupyter_llama.api.modelfile import ModelfileError, parse_modelfile, read_modelfile, write_modelfile
-from jupyter_llama.api.options import parameters_text, parse_parameters
+from jupyter_llama.api.options import OLLAMA_SAMPLING_DEFAULTS, parameters_text, parse_parameters
 from jupyter_llama.errors import BadRequest
 from jupyter_llama.models.preset import Preset
 
@@ -238,7 +238,8 @@ def test_a_preset_is_the_default_of_every_request_and_the_request_wins():
                                                           "temperature": 0.5},
                     messages=[{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "Mario"}])
     g = oa.parse_generate({"model": "mario", "prompt": "hi"}, preset)
-    assert g.options.num_ctx == 512 and g.sampling == {"n_predict": 3, "stop": ["###"], "temperature": 0.5}
+    assert g.options.num_ctx == 512
+    assert g.sampling == {**OLLAMA_SAMPLING_DEFAULTS, "n_predict": 3, "stop": ["###"], "temperature": 0.5}
     assert g.prompt_messages() == [{"role": "system", "content": "You are Mario"}, *preset.messages,
                                    {"role": "user", "content": "hi"}]
     g = oa.parse_generate({"model": "mario", "prompt": "hi", "system": "You are Luigi",

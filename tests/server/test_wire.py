@@ -10,7 +10,7 @@ import pytest
 
 from jupyter_llama.api import ollama as oa
 from jupyter_llama.api import openai as oai
-from jupyter_llama.api.options import parse_keep_alive, split_options
+from jupyter_llama.api.options import OLLAMA_SAMPLING_DEFAULTS, parse_keep_alive, split_options
 from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.scheduler import BadRequest
 
@@ -74,7 +74,8 @@ def test_keep_alive():
 def test_parse_requests():
     g = oa.parse_generate({"model": "m", "prompt": "hi", "format": "json", "options": {"num_predict": 3},
                            "keep_alive": "5m", "stream": False})
-    assert g.sampling == {"n_predict": 3, "json_schema": {"type": "object"}} and g.keep_alive == 300 and not g.stream
+    assert g.sampling == {**OLLAMA_SAMPLING_DEFAULTS, "n_predict": 3, "json_schema": {"type": "object"}}
+    assert g.keep_alive == 300 and not g.stream
     assert oa.parse_generate({"name": "m"}).is_load_only  # "name": Ollama's older spelling
     assert oa.parse_generate({"model": "m", "keep_alive": 0}).unloads
     assert not oa.parse_generate({"model": "m", "prompt": "x", "keep_alive": 0}).unloads
