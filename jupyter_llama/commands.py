@@ -741,12 +741,29 @@ def _pulled_if_missing(args, fe: Frontend, attempt: Callable[[], RunResult]) -> 
     return attempt()
 
 
+def _say_if_no_chat_template(fe: Frontend, client, model: str) -> None:
+    """A chat with a model that has no chat template gets only each message's text, as
+    Ollama's default template gives it: no roles, no earlier answers. Said before it starts,
+    with what suits such a model (a base model continues text)."""
+    from .client import LlamaError
+
+    try:
+        shown = client.show(model)
+    except LlamaError:  # (a missing model is said by the chat itself, which may pull it)
+        return
+    if isinstance(shown, dict) and shown.get("has_chat_template") is False:
+        fe.note(f"note: {model} has no chat template, so a chat with it gets each message's text as it is (Ollama's "
+                f"default template): no roles, no earlier answers. It is a base model: `run {model} TEXT` "
+                "continues a text")
+
+
 def _conversation(args, fe: Frontend) -> RunResult:
     """``run MODEL`` with no prompt at a terminal: a conversation, a line at a time, as
     ``ollama run`` holds one. Ctrl-C stops an answer; ``/bye`` or Ctrl-D ends; ``/clear``
     forgets what was said. Returns the last answer."""
     client = fe.client()
     _call(fe, client.load, args.model, options=_options(args) or None, keep_alive=args.keep_alive, model=args.model)
+    _say_if_no_chat_template(fe, client, args.model)
     fe.note(f"{args.model}: type a message (/bye or Ctrl-D to end, /clear to forget what was said, "
             "Ctrl-C stops an answer)")
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
@@ -787,6 +804,7 @@ def cmd_chat(args, fe: Frontend, body: str | None = None) -> RunResult:
     messages = ([{"role": "system", "content": args.system}] if args.system and not convo else []) + convo + [
         {"role": "user", "content": prompt}]
     client = fe.client()
+    _say_if_no_chat_template(fe, client, args.model)
     result = _pulled_if_missing(args, fe, lambda: _generate(
         args, fe, lambda: client.chat(args.model, messages, stream=True, options=_options(args) or None,
                                       keep_alive=args.keep_alive, format=args.format,

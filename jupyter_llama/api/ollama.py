@@ -1192,6 +1192,10 @@ def _modelfile(show: dict) -> str:
                            messages=preset.messages, license=preset.license, header=header)
 
 
+# Ollama's template for a model that has none: the prompt as it is.
+BARE_PROMPT_TEMPLATE = "{{ .Prompt }}"
+
+
 def capabilities_of(show: dict, arch: str) -> list[str]:
     """What the model can do, read from the model itself, in Ollama's words: ``completion``,
     ``embedding`` (it pools), ``tools`` and ``thinking`` (its chat template handles them),
@@ -1257,8 +1261,9 @@ def show_body(show: dict, verbose: bool = False, arrays: dict | None = None, ten
         "license": "\n".join(preset.license) or str((show.get("model_info") or {}).get("general.license", "") or ""),
         "modelfile": _modelfile(show),
         "parameters": parameters_text(preset.parameters),
-        # the preset's (Ollama Go) template as written; else the GGUF's own chat template
-        "template": preset.template or show.get("template") or "",
+        # the preset's (Ollama Go) template as written; else the GGUF's own chat template; else
+        # Ollama's default, the bare prompt, which chat then runs (see engine.launch)
+        "template": preset.template or show.get("template") or BARE_PROMPT_TEMPLATE,
         "system": preset.system,
         "messages": [dict(m) for m in preset.messages],
         "details": show.get("details") or model_details(info),
@@ -1266,6 +1271,7 @@ def show_body(show: dict, verbose: bool = False, arrays: dict | None = None, ten
         "modified_at": show.get("modified_at") or "",
         "capabilities": capabilities,
         # ours
+        "has_chat_template": bool(preset.template or show.get("template")),
         "name": show.get("name"),
         "digest": show.get("digest"),
         "size": show.get("size"),

@@ -11,6 +11,14 @@ from pathlib import Path
 
 from ..load_options import LoadOptions, memory_args
 
+# The chat template a model without one of its own is run with: Ollama's default template,
+# ``{{ .Prompt }}`` (the bare prompt), as llama-server's Jinja. Ollama renders a conversation
+# through it turn by turn, and only the users' texts come out: no system text, no earlier
+# answers, no role markers. Without it llama-server falls back to ChatML, whose control words
+# a base model has never seen and goes on writing.
+BARE_PROMPT_CHAT_TEMPLATE = ("{%- for message in messages -%}{%- if message['role'] == 'user' -%}"
+                             "{{ message['content'] }}{%- endif -%}{%- endfor -%}")
+
 # Verbosity 4 makes libllama print its INFO lines: the memory figures we read back.
 LOG_ARGS = ("--log-verbosity", "4", "--no-log-prefix", "--no-log-timestamps")
 

@@ -37,6 +37,7 @@ from ..errors import (BadRequest, DoesNotFit, LoadCancelled, LoadFailed, ModelNo
                       ServerBusy)
 from ..load_options import LoadOptions
 from ..engine.runner import EngineError, LoadError, LoadStopped, Runner
+from ..engine.launch import BARE_PROMPT_CHAT_TEMPLATE
 from ..memory import devices as devmod
 from ..memory import peers as peermod
 from ..memory import rpc
@@ -741,8 +742,10 @@ class Scheduler:
     async def _start_runner(self, lo: Loaded) -> None:
         if lo.cancelled is not None:  # stopped between two tries (an OOM retry): no new child
             raise lo.cancelled
+        # a model with no chat template of its own chats through Ollama's default one (launch.py)
+        bare = {} if lo.ref.has_chat_template else {"extra_args": ["--chat-template", BARE_PROMPT_CHAT_TEMPLATE]}
         r = self.runner_factory(lo.ref.path, lo.options, binary=self.settings.binary, name=lo.ref.name,
-                                load_timeout=self.settings.load_timeout)
+                                load_timeout=self.settings.load_timeout, **bare)
         lo.runner = r
         self.events.emit(EventKind.LOAD, lo.name, f"starting llama-server for {lo.name}"
                          f" (context {lo.options.total_ctx or 'automatic'}, "

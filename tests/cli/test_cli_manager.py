@@ -194,3 +194,20 @@ def test_a_shells_conversation_lasts_from_one_command_to_the_next(manager, tmp_p
     assert "nothing to stop. `ps` shows the loaded models, `list` the ones there are" in r.stderr, r.stderr
     assert "synth" not in r.stderr and "pulling" not in r.stderr, r.stderr
     assert cli(env, "rm", "chatty").returncode == 0
+
+
+def test_a_chat_with_a_model_that_has_no_chat_template_is_told_what_it_gets(manager, gemma_model):
+    """Gemma 3 270M is a base model with no chat template: `chat` says, before its answer, that
+    each message goes as it is, and that `run` continues a text; `run` says nothing of it."""
+    env = manager["env"]
+    assert cli(env, "create", "nb-gemma-chat", "--from", str(gemma_model)).returncode == 0
+    try:
+        r = cli(env, "chat", "nb-gemma-chat", "The capital of Germany is", "--num-predict", "4")
+        assert r.returncode == 0, r.stderr
+        assert "note: nb-gemma-chat has no chat template" in r.stderr and "`run nb-gemma-chat TEXT`" in r.stderr
+        assert "<|im_" not in r.stdout
+        r = cli(env, "run", "nb-gemma-chat", "The capital of Germany is", "--num-predict", "4")
+        assert r.returncode == 0 and "no chat template" not in r.stderr
+    finally:
+        cli(env, "stop", "nb-gemma-chat")
+        cli(env, "rm", "nb-gemma-chat")
