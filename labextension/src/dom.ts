@@ -1,4 +1,5 @@
 /** A tiny DOM builder for the panel (no framework: the views are small). */
+import { codeSpans } from './model';
 
 export type Child = Node | string | null | undefined | false;
 
@@ -30,4 +31,10 @@ export function h(tag: string, attrs: IAttrs | null, ...children: (Child | Child
     el.appendChild(typeof c === 'string' ? document.createTextNode(c) : c);
   }
   return el;
+}
+
+/** Help text as nodes, its ``code`` spans (between backticks) in ``<code>``: a person reads
+ * ``jupyter-llama create`` as a command, never the backticks themselves. */
+export function withCode(text: string): Node[] {
+  return codeSpans(text).map(p => (p.code ? h('code', null, p.text) : document.createTextNode(p.text)));
 }

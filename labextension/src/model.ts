@@ -500,8 +500,11 @@ export interface IDeviceMemory {
   predictedSource: string | null;
   /** Every prediction on this device. */
   predictions: { [source: string]: number };
-  /** Bar fill 0..100 for the actual bytes (or the prediction while actual is unknown). */
+  /** Bar fill 0..100 for the actual bytes (or the prediction while actual is unknown), on
+   * ``scale``: every loaded model's bars share it, so a bar's length means bytes. */
   fillPct: number;
+  /** The bytes a full bar stands for (the same for every bar; see ``memoryScale``). */
+  scale: number;
   markers: IMarker[];
   /** (predicted - actual) / actual in percent; null without both. */
   errorPct: number | null;
@@ -615,6 +618,51 @@ export function deviceRows(devices: IDevices | null | undefined): IDeviceRow[] {
 
 const PREDICTION_ORDER = [DETAILED, COARSE, LLAMA_CPP];
 
+/** Round steps for a scale's end, in its unit (KiB, MiB or GiB). */
+const NICE_STEPS = [1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10];
+
+/** The smallest round figure of bytes above ``bytes`` (``13.2 MiB`` -> ``15 MiB``, ``4 GiB``
+ * -> ``5 GiB``), so a scale's end reads as a plain number and the longest bar never looks
+ * like a full one; at least 1 KiB. */
+export function niceBytes(bytes: number): number {
+  const b = Math.max(KiB, Number(bytes) || 0);
+  const unit = b >= GiB ? GiB : b >= MiB ? MiB : KiB;
+  const v = b / unit;
+  const decade = 10 ** Math.floor(Math.log10(v));
+  const step = NICE_STEPS.find(k => k * decade > v * (1 + 1e-9)) ?? 10;
+  return step * decade * unit;
+}
+
+/** A round figure of bytes without trailing zeros: ``15 MiB``, ``1.5 GiB``, ``512 KiB``. */
+export function roundBytesText(bytes: number): string {
+  const unit = bytes >= GiB ? GiB : bytes >= MiB ? MiB : KiB;
+  const name = unit === GiB ? 'GiB' : unit === MiB ? 'MiB' : 'KiB';
+  return `${Number((bytes / unit).toFixed(2))} ${name}`;
+}
+
+/**
+ * The one scale every loaded model's memory bars share: the largest figure a bar shows
+ * (a model's actual bytes on one device, or its main prediction while the actual figure is
+ * not known, or where it is larger), rounded up to a round number. On one scale a bar's
+ * length is bytes: a small model's bar is short beside a large one's, and no bar reads as
+ * "nearly full" of itself. A prediction far past it (the coarse one's batch surcharge) is
+ * marked at the end as off the scale rather than stretching every bar. Null when no
+ * model is loaded.
+ */
+export function memoryScale(rows: ILoadedRow[]): number | null {
+  const first = rows.find(r => r.devices.length)?.devices[0];
+  return first ? first.scale : null;
+}
+
+/** The words that say what the bars' scale is, for the line above them. */
+export function memoryScaleText(rows: ILoadedRow[]): string | null {
+  const scale = memoryScale(rows);
+  if (scale === null) {
+    return null;
+  }
+  return `Memory bars share one scale, 0 to ${roundBytesText(scale)}: a bar's length is bytes.`;
+}
+
 function clampPct(v: number): number {
   return Math.min(100, Math.max(0, v));
 }
@@ -628,6 +676,7 @@ export function loadedRows(
 ): ILoadedRow[] {
   const room = deviceRoom(devices);
   const rows: ILoadedRow[] = [];
+  let largest = 0;
   for (const m of ps?.models ?? []) {
     const mem = m.memory ?? {};
     const actualReport = mem[ACTUAL];
@@ -651,22 +700,14 @@ export function loadedRows(
       const mainSource =
         PREDICTION_ORDER.find(src => p[src] !== undefined) ?? null;
       const main = mainSource !== null ? p[mainSource] : null;
-      // The bar spans the actual figure and the main prediction (with some room);
-      // other predictions far off that scale are marked at the edge.
-      const scale = Math.max(a ?? 0, main ?? 0, 1) * 1.15;
-      const markers: IMarker[] = [];
-      for (const src of PREDICTION_ORDER) {
-        if (p[src] === undefined) {
-          continue;
-        }
-        const pct = (100 * p[src]) / scale;
-        markers.push({
-          source: src,
-          bytes: p[src],
-          pct: clampPct(pct),
-          offScale: pct > 100
-        });
-      }
+      // what the scale must hold: the actual figure and the main prediction
+      largest = Math.max(largest, a ?? 0, main ?? 0);
+      const markers: IMarker[] = PREDICTION_ORDER.filter(src => p[src] !== undefined).map(src => ({
+        source: src,
+        bytes: p[src],
+        pct: 0, // placed below, once the shared scale is known
+        offScale: false
+      }));
       const r = room.get(dev);
       const capacity = r ? r.capacity : null;
       const capacityKind = r ? r.capacityKind : null;
@@ -699,7 +740,8 @@ export function loadedRows(
         predicted: main,
         predictedSource: mainSource,
         predictions: p,
-        fillPct: clampPct((100 * held) / scale),
+        fillPct: 0, // placed below, once the shared scale is known
+        scale: 0,
         markers,
         errorPct,
         sharePct,
@@ -735,6 +777,17 @@ export function loadedRows(
       devices: perDevice,
       hasActual: !!actualReport
     });
+  }
+  // One scale for every bar (see memoryScale): a bar's length is bytes, across models and devices.
+  const scale = niceBytes(largest);
+  for (const d of rows.flatMap(r => r.devices)) {
+    d.scale = scale;
+    d.fillPct = clampPct((100 * (d.actual !== null ? d.actual : (d.predicted ?? 0))) / scale);
+    for (const mk of d.markers) {
+      const pct = (100 * mk.bytes) / scale;
+      mk.pct = clampPct(pct);
+      mk.offScale = pct > 100;
+    }
   }
   return rows;
 }
@@ -829,8 +882,95 @@ export interface IPullProgress {
   error: string | null;
 }
 
-/** One pull status line -> what the progress bar shows. */
-export function pullProgress(st: IPullStatus): IPullProgress {
+/** How fast a download goes and when it ends, as ``TransferRate.add`` measures it. */
+export interface ITransferRate {
+  /** Bytes per second over the latest few seconds; null until there is enough to tell. */
+  bytesPerSecond: number | null;
+  /** Seconds until the file is complete at that speed; null when unknown. */
+  secondsLeft: number | null;
+}
+
+/**
+ * The speed and time left of a pull, from its ``completed`` bytes over time: the bytes gained
+ * over the latest ``windowSeconds`` divided by the time they took. A new file (another
+ * ``digest`` or status text) or a count that goes back (a download started again) starts the
+ * measure afresh. Nothing is said before ``minSeconds`` of samples, so a first burst does not
+ * read as the speed.
+ */
+export class TransferRate {
+  constructor(
+    readonly windowSeconds = 8,
+    readonly minSeconds = 1
+  ) {}
+
+  /** Record ``completed`` of ``total`` bytes of file ``key`` at ``now`` (seconds). */
+  add(now: number, key: string, completed: number, total: number): ITransferRate {
+    if (key !== this._key || (this._samples.length && completed < this._samples[this._samples.length - 1][1])) {
+      this._key = key;
+      this._samples = [];
+    }
+    this._samples.push([now, completed]);
+    while (this._samples.length > 2 && now - this._samples[1][0] >= this.windowSeconds) {
+      this._samples.shift();
+    }
+    const [t0, c0] = this._samples[0];
+    const span = now - t0;
+    if (span < this.minSeconds) {
+      return { bytesPerSecond: null, secondsLeft: null };
+    }
+    const speed = Math.max(0, completed - c0) / span;
+    const left = total > completed && speed > 0 ? (total - completed) / speed : null;
+    return { bytesPerSecond: speed, secondsLeft: left };
+  }
+
+  private _key: string | null = null;
+  private _samples: [number, number][] = [];
+}
+
+/** ``12.3 MiB/s · about 1m 05s left`` (what is known of it), or ''. */
+export function rateText(rate: ITransferRate | null | undefined): string {
+  if (!rate || rate.bytesPerSecond === null) {
+    return '';
+  }
+  const parts = [`${formatBytes(rate.bytesPerSecond)}/s`];
+  if (rate.secondsLeft !== null) {
+    parts.push(`about ${durationText(rate.secondsLeft)} left`);
+  } else if (rate.bytesPerSecond === 0) {
+    parts.push('stalled');
+  }
+  return parts.join(' · ');
+}
+
+/**
+ * A failed pull's message for a line that already names ``source``: the source is not said
+ * again, nor a second HTTP status after the remote server's, and a file the remote server
+ * does not have is said in one sentence (``nothing is at this address (HTTP 404 not
+ * found).``; a file other than the source, as one a Hugging Face repository lists, is named).
+ */
+export function pullErrorText(source: string, message: string): string {
+  let msg = String(message ?? '').trim();
+  const src = String(source ?? '').trim();
+  // errorMessage's "(HTTP n)", this server's status, after a message that gives the remote
+  // server's own: the remote one is what the person needs
+  const tail = /\s*\(HTTP \d{3}\)$/.exec(msg);
+  if (tail && /\bHTTP \d{3}\b/.test(msg.slice(0, tail.index))) {
+    msg = msg.slice(0, tail.index);
+  }
+  const notFound = /^(\S+): not found \(HTTP (404|410)\b[^)]*\)\.?$/.exec(msg);
+  if (notFound) {
+    const [, where, status] = notFound;
+    return where === src
+      ? `nothing is at this address (HTTP ${status} not found).`
+      : `the server has no file ${where} (HTTP ${status} not found).`;
+  }
+  if (src && msg.startsWith(`${src}: `)) {
+    msg = msg.slice(src.length + 2);
+  }
+  return msg;
+}
+
+/** One pull status line -> what the progress bar shows; ``rate``: its speed, when known. */
+export function pullProgress(st: IPullStatus, rate?: ITransferRate | null): IPullProgress {
   if (st.error) {
     return { fraction: null, text: st.error, done: true, error: st.error };
   }
@@ -847,9 +987,12 @@ export function pullProgress(st: IPullStatus): IPullProgress {
   if (total > 0) {
     const done = Math.min(total, Math.max(0, Number(st.completed) || 0));
     const frac = done / total;
+    const speed = rateText(rate);
     return {
       fraction: frac,
-      text: `${status}: ${formatBytes(done)} / ${formatBytes(total)} (${Math.floor(frac * 100)}%)`,
+      text:
+        `${status}: ${formatBytes(done)} / ${formatBytes(total)} (${Math.floor(frac * 100)}%)` +
+        (speed ? ` · ${speed}` : ''),
       done: false,
       error: null
     };
@@ -876,6 +1019,19 @@ export class NdjsonSplitter {
     this._buffer = '';
     return rest ? [JSON.parse(rest)] : [];
   }
+}
+
+// ---------------------------------------------------------------- help text
+
+/** Help text with ``code`` spans between backticks, as parts: ``[{text, code}]`` (an odd
+ * backtick is kept as it is). */
+export function codeSpans(text: string): { text: string; code: boolean }[] {
+  const parts = String(text ?? '').split('`');
+  if (parts.length % 2 === 0) {
+    // an unmatched backtick: the last one is literal
+    parts.splice(parts.length - 2, 2, `${parts[parts.length - 2]}\`${parts[parts.length - 1]}`);
+  }
+  return parts.map((t, i) => ({ text: t, code: i % 2 === 1 })).filter(p => p.text !== '');
 }
 
 // ---------------------------------------------------------------- polling policy

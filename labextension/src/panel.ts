@@ -6,7 +6,7 @@
 import { Widget } from '@lumino/widgets';
 import { Message } from '@lumino/messaging';
 
-import { h } from './dom';
+import { h, withCode } from './dom';
 import { llamaIcon } from './icon';
 import {
   COARSE,
@@ -22,8 +22,11 @@ import {
   eventRows,
   formatBytesShort as fmtShort,
   loadedRows,
+  memoryScale,
+  memoryScaleText,
   modelRows,
-  plural
+  plural,
+  roundBytesText
 } from './model';
 import { LlamaState } from './state';
 
@@ -305,6 +308,19 @@ export class LlamaPanel extends Widget {
         ...r.devices.map(d => this._renderDeviceMemory(d))
       );
     });
+    const scale = memoryScale(rows);
+    const scaleLine = scale !== null
+      ? h(
+          'div',
+          {
+            class: 'jp-Llama-scale jp-Llama-small jp-Llama-muted',
+            'data-scale': scale,
+            title: "Every model's bars are drawn on this scale, so bars compare as bytes; " +
+              "each bar's words give its share of the device's budget or total."
+          },
+          memoryScaleText(rows)
+        )
+      : null;
     const present = new Set(rows.flatMap(r => r.devices.flatMap(d => d.markers.map(m => m.source))));
     const legend = h(
       'div',
@@ -318,7 +334,7 @@ export class LlamaPanel extends Widget {
         .filter(src => present.has(src))
         .flatMap(src => [h('span', { class: `jp-Llama-swatch jp-Llama-marker-${src}` }), SOURCE_SHORT[src]])
     );
-    return [...cards, legend];
+    return [...(scaleLine ? [scaleLine] : []), ...cards, legend];
   }
 
   private _renderDeviceMemory(d: IDeviceMemory): HTMLElement {
@@ -338,7 +354,12 @@ export class LlamaPanel extends Widget {
       h(
         'div',
         { class: 'jp-Llama-memory-main' },
-        this._bar(d.fillPct, fillCls, 'bar: actual memory; markers: predictions', markers),
+        this._bar(
+          d.fillPct,
+          fillCls,
+          `bar: actual memory, on the scale every bar shares (0 to ${roundBytesText(d.scale)}); markers: predictions`,
+          markers
+        ),
         h('div', { class: 'jp-Llama-small' }, d.text)
       )
     );
@@ -347,7 +368,11 @@ export class LlamaPanel extends Widget {
   private _renderModels(rows: IModelRow[]): Node[] {
     if (!rows.length) {
       return [
-        h('div', { class: 'jp-Llama-muted jp-Llama-empty' }, 'No registered models. Pull one below, or `jupyter-llama create`.')
+        h(
+          'div',
+          { class: 'jp-Llama-muted jp-Llama-empty' },
+          ...withCode('No registered models. Pull one below, or make one with `jupyter-llama create`.')
+        )
       ];
     }
     return rows.map(m => {

@@ -16,7 +16,9 @@ import {
   IPs,
   IPullProgress,
   ITags,
+  TransferRate,
   pollFrequency,
+  pullErrorText,
   pullProgress
 } from './model';
 
@@ -104,11 +106,16 @@ export class LlamaState {
     }
     this.pull = { source, running: true, fraction: null, text: 'starting…', done: false, error: null };
     this._changed.emit();
+    const rate = new TransferRate(); // speed and time left, from the bytes completed over time
     try {
       const last = await this.api.pull(
         source,
         st => {
-          this.pull = { ...pullProgress(st), source, running: true };
+          const total = Number(st.total) || 0;
+          const speed = total > 0
+            ? rate.add(performance.now() / 1000, st.digest || st.status || '', Number(st.completed) || 0, total)
+            : null;
+          this.pull = { ...pullProgress(st, speed), source, running: true };
           this._changed.emit();
         },
         destination?.trim() || undefined
@@ -117,7 +124,8 @@ export class LlamaState {
       Notification.success(`Pulled ${source}`, { autoClose: 5000 });
       this._tagsStale = true;
     } catch (e) {
-      const msg = (e as Error).message ?? String(e);
+      // the panel's line and the notification name the source already: said once
+      const msg = pullErrorText(source, (e as Error).message ?? String(e));
       this.pull = { source, running: false, fraction: null, text: msg, done: true, error: msg };
       Notification.error(`Pull of ${source} failed: ${msg}`, { autoClose: 10000 });
     }

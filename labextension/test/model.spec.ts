@@ -163,10 +163,11 @@ describe('loaded models', () => {
     expect(cpu.predicted).toBe(3829024);
     expect(cpu.predictedSource).toBe('detailed');
     expect(cpu.errorPct).toBeCloseTo((100 * (3829024 - 3837789)) / 3837789, 6);
-    // scale = max(actual, detailed) * 1.15
-    expect(cpu.fillPct).toBeCloseTo(100 / 1.15, 4);
+    // one scale for every bar: the largest figure shown (3.7 MiB), rounded up (4 MiB)
+    expect(cpu.scale).toBe(4 * MiB);
+    expect(cpu.fillPct).toBeCloseTo((100 * 3837789) / (4 * MiB), 4);
     const det = cpu.markers.find(m => m.source === 'detailed')!;
-    expect(det.pct).toBeCloseTo((100 * 3829024) / (3837789 * 1.15), 4);
+    expect(det.pct).toBeCloseTo((100 * 3829024) / (4 * MiB), 4);
     expect(det.offScale).toBe(false);
     // the coarse prediction (2 GiB of "other") is far off this scale: drawn at the edge
     const coarse = cpu.markers.find(m => m.source === 'coarse')!;
@@ -204,7 +205,8 @@ describe('loaded models', () => {
     expect(gpu.capacityKind).toBe('budget');
     expect(gpu.sharePct).toBe(50);
     expect(gpu.text).toBe('actual: not yet known · predicted 4.00 GiB (detailed) · 50.0% of the budget');
-    expect(gpu.fillPct).toBeCloseTo(100 / 1.15, 4);
+    expect(gpu.scale).toBe(5 * GiB); // above the largest figure (4 GiB): no bar looks full
+    expect(gpu.fillPct).toBeCloseTo(80, 4);
     const [g, c] = deviceRows(dev);
     expect(g.device).toBe('cuda:0');
     expect(g.capacity).toBe(8 * GiB);
