@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import re
 import time
 from typing import Any, Iterable, Mapping
 
 
 from ..client import LlamaError
 from ..memory.report import COARSE, DETAILED, LLAMA_CPP, format_bytes
+from ..models.names import same_model
 
 
 ACTUAL = "actual"
@@ -107,7 +109,41 @@ def model_rows(tags: Mapping | None, ps: Mapping | None = None) -> list[dict]:
     return rows
 
 
+def _used_at(m: Mapping) -> float | None:
+    """When a ``/api/ps`` entry was last used, as far as the answer tells: its ``last_used``
+    where the server gives one, else its expiry (a request's end plus the keep-alive, so the
+    later expiry is the later use while keep-alives are alike). None for a model kept
+    loaded for good, whose expiry says nothing of its use."""
+    used = parse_time(m.get("last_used"))
+    if used is not None:
+        return used
+    if m.get("pinned"):
+        return None
+    exp = parse_time(m.get("expires_at"))
+    if exp is None or exp - time.time() > FOREVER_S:
+        return None
+    return exp
+
+
+def initial_model(tags: Mapping | None, ps: Mapping | None = None) -> str | None:
+    """The model a picker opens on: the loaded one, or of several the most recently used (one
+    answering a request now first); with none loaded, the first registered model."""
+    names = [r["name"] for r in model_rows(tags, ps)]
+    loaded = [m for m in (ps or {}).get("models") or [] if m.get("state") not in ("unloading", "gone")]
+
+    def recency(m: Mapping) -> tuple:
+        used = _used_at(m)
+        return (int(m.get("refcount") or 0) > 0, used is not None, used or 0.0)
+
+    for m in sorted(loaded, key=recency, reverse=True):
+        hit = next((n for n in names if same_model(n, m.get("name") or m.get("model") or "")), None)
+        if hit is not None:
+            return hit
+    return names[0] if names else None
+
+
 GPU_AUTO, GPU_NONE, GPU_N = "auto", "cpu", "n"
+CTX_AUTO, CTX_SET = "auto", "set"
 
 
 def load_options(num_ctx: int | None = None, gpu_mode: str = GPU_AUTO, gpu_layers: int | None = None,
@@ -244,6 +280,7 @@ def panel_rows(ps: Mapping | None, devices: Mapping | None, now: float) -> list[
     requests in flight, keep-alive countdown."""
     room = _device_room(devices or {})
     rows = []
+    largest = 0
     for m in (ps or {}).get("models") or []:
         mem = m.get("memory") or {}
         actual = _report_by_device(mem.get(ACTUAL))
@@ -254,17 +291,11 @@ def panel_rows(ps: Mapping | None, devices: Mapping | None, now: float) -> list[
             a = actual.get(dev) if mem.get(ACTUAL) else None
             p = {src: v.get(dev, 0) for src, v in preds.items()}
             main_pred = p.get(DETAILED, p.get(COARSE, p.get(LLAMA_CPP)))
-            # The sidebar's rule (labextension/src/model.ts): the bar spans the actual figure and
-            # the main prediction, with some room; a prediction far beyond (the coarse one's
-            # batch surcharge on a small model) is marked at the end as off the scale.
-            scale = max(a or 0, main_pred or 0, 1) * 1.15
+            largest = max(largest, a or 0, main_pred or 0)  # what the shared scale must hold
             r = room.get(dev)
             cap = (r["budget"] if r and r["budget"] is not None else (r["total"] if r else None))
             per_dev.append({
-                "device": dev, "actual": a, "predicted": p, "scale": scale,
-                "actual_pct": 100.0 * (a or 0) / scale,
-                "predicted_pct": {src: min(100.0, 100.0 * v / scale) for src, v in p.items()},
-                "off_scale": {src: v > scale for src, v in p.items()},
+                "device": dev, "actual": a, "predicted": p, "main_predicted": main_pred,
                 "error_pct": (100.0 * (main_pred - a) / a) if a and main_pred is not None else None,
                 "share_pct": (100.0 * (a if a is not None else (main_pred or 0)) / cap) if cap else None,
                 "capacity": cap, "capacity_kind": ("budget" if r and r["budget"] is not None else "total"),
@@ -294,7 +325,130 @@ def panel_rows(ps: Mapping | None, devices: Mapping | None, now: float) -> list[
             "devices": per_dev,
             "has_actual": bool(mem.get(ACTUAL)),
         })
+    # One scale for every bar (see memory_scale): a bar's length is bytes, across models and devices.
+    scale = nice_bytes(largest)
+    for d in (d for row in rows for d in row["devices"]):
+        held = d["actual"] if d["actual"] is not None else (d["main_predicted"] or 0)
+        d["scale"] = scale
+        d["actual_pct"] = min(100.0, 100.0 * held / scale)
+        d["predicted_pct"] = {src: min(100.0, 100.0 * v / scale) for src, v in d["predicted"].items()}
+        d["off_scale"] = {src: v > scale for src, v in d["predicted"].items()}
     return rows
+
+
+_NICE_STEPS = (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10)
+_KiB, _MiB, _GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def nice_bytes(n: float) -> int:
+    """The smallest round figure of bytes above ``n`` (13.2 MiB -> 15 MiB, 4 GiB -> 5 GiB), so
+    a scale's end reads as a plain number and the longest bar never looks like a full one;
+    at least 1 KiB. (labextension/src/model.ts ``niceBytes`` is the same rule.)"""
+    b = max(float(_KiB), float(n or 0))
+    unit = _GiB if b >= _GiB else _MiB if b >= _MiB else _KiB
+    v = b / unit
+    decade = 10.0 ** math.floor(math.log10(v))
+    step = next((k for k in _NICE_STEPS if k * decade > v * (1 + 1e-9)), 10)
+    return int(round(step * decade * unit))
+
+
+def round_bytes_text(n: float) -> str:
+    """A round figure of bytes without trailing zeros: ``15 MiB``, ``1.5 GiB``, ``512 KiB``."""
+    unit, name = (_GiB, "GiB") if n >= _GiB else (_MiB, "MiB") if n >= _MiB else (_KiB, "KiB")
+    return f"{round(n / unit, 2):g} {name}"
+
+
+def memory_scale(rows: Iterable[Mapping]) -> int | None:
+    """The one scale every loaded model's memory bars share: the largest figure a bar shows
+    (a model's actual bytes on one device, or its main prediction where that is larger or the
+    actual figure is not known yet), rounded up. On one scale a bar's length is bytes: a small
+    model's bar is short beside a large one's, and no bar reads as "nearly full" of itself.
+    A prediction far past it (the coarse one's batch surcharge) is marked at the end as off
+    the scale rather than stretching every bar. None when no model is loaded."""
+    for row in rows:
+        for d in row.get("devices") or ():
+            return d["scale"]
+    return None
+
+
+def memory_scale_text(rows: Iterable[Mapping]) -> str | None:
+    """The words that say what the bars' scale is, for the line above them."""
+    scale = memory_scale(rows)
+    if scale is None:
+        return None
+    return f"Memory bars share one scale, 0 to {round_bytes_text(scale)}: a bar's length is bytes."
+
+
+# ---------------------------------------------------------------------------- pull progress
+
+
+class TransferRate:
+    """The speed and time left of a pull, from its ``completed`` bytes over time: the bytes
+    gained over the latest ``window`` seconds divided by the time they took. A new file
+    (another ``digest`` or status text) or a count that goes back (a download started again)
+    starts the measure afresh. Nothing is said before ``min_span`` seconds of samples, so a
+    first burst does not read as the speed. (labextension/src/model.ts ``TransferRate``.)"""
+
+    def __init__(self, window: float = 8.0, min_span: float = 1.0):
+        self.window = float(window)
+        self.min_span = float(min_span)
+        self._key: str | None = None
+        self._samples: list[tuple[float, int]] = []
+
+    def add(self, now: float, key: str, completed: int, total: int) -> tuple[float | None, float | None]:
+        """Record ``completed`` of ``total`` bytes of file ``key`` at ``now`` (seconds);
+        returns (bytes per second, seconds left), each None while unknown."""
+        if key != self._key or (self._samples and completed < self._samples[-1][1]):
+            self._key, self._samples = key, []
+        self._samples.append((now, completed))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window:
+            self._samples.pop(0)
+        t0, c0 = self._samples[0]
+        span = now - t0
+        if span < self.min_span:
+            return None, None
+        speed = max(0, completed - c0) / span
+        left = (total - completed) / speed if total > completed and speed > 0 else None
+        return speed, left
+
+
+def rate_text(speed: float | None, left: float | None) -> str:
+    """``12.3 MiB/s · about 1m 05s left`` (what is known of it), or ''."""
+    if speed is None:
+        return ""
+    parts = [f"{format_bytes(speed)}/s"]
+    if left is not None:
+        parts.append(f"about {duration_text(left)} left")
+    elif speed == 0:
+        parts.append("stalled")
+    return " · ".join(parts)
+
+
+_STATUS_TAIL = re.compile(r"\s*\(HTTP \d{3}\)$")
+_HTTP_STATUS = re.compile(r"\bHTTP \d{3}\b")
+_NOT_FOUND = re.compile(r"^(\S+): not found \(HTTP (404|410)\b[^)]*\)\.?$")
+
+
+def pull_error_text(source: str, message: str) -> str:
+    """A failed pull's message for a line that already names ``source``: the source is not
+    said again, nor a second HTTP status after the remote server's, and a file the remote
+    server does not have is said in one sentence (``nothing is at this address (HTTP 404 not
+    found).``; a file other than the source, as one a Hugging Face repository lists, is
+    named). (labextension/src/model.ts ``pullErrorText``.)"""
+    msg = str(message or "").strip()
+    src = str(source or "").strip()
+    tail = _STATUS_TAIL.search(msg)
+    if tail and _HTTP_STATUS.search(msg[:tail.start()]):
+        msg = msg[:tail.start()]
+    nf = _NOT_FOUND.match(msg)
+    if nf:
+        where, status = nf.groups()
+        if where == src:
+            return f"nothing is at this address (HTTP {status} not found)."
+        return f"the server has no file {where} (HTTP {status} not found)."
+    if src and msg.startswith(f"{src}: "):
+        msg = msg[len(src) + 2:]
+    return msg
 
 
 def device_rows(devices: Mapping | None) -> list[dict]:

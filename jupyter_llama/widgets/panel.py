@@ -13,7 +13,8 @@ from ..client import AsyncLlamaClient, LlamaClient, LlamaError
 from ..memory.report import format_bytes
 from ..models.names import same_model
 from .base import _Actions, _async_client, _descendants, _on_frontend_close, _running_loop
-from .model import device_rows, error_text, event_rows, panel_rows
+from .model import TransferRate, device_rows, error_text, event_rows, memory_scale_text, panel_rows
+from .model import pull_error_text, rate_text
 from .render import _status, render_devices, render_events, render_panel_row
 
 
@@ -104,7 +105,7 @@ class RunningPanel(W.VBox, _Actions):
         rows = panel_rows(ps, devices, now)
         devs = device_rows(devices)
         self.last_rows, self.last_devices = rows, devs
-        self.devices_html.value = render_devices(devs, len(rows))
+        self.devices_html.value = render_devices(devs, len(rows), memory_scale_text(rows))
         names = [r["name"] for r in rows]
         for name in [n for n in self._rows if n not in names]:
             self._rows.pop(name).close()
@@ -265,25 +266,33 @@ class RunningPanel(W.VBox, _Actions):
 
 
 class PullProgress(W.VBox):
-    """A progress bar and a label for a pull; :meth:`run` drives it from ``client.pull``."""
+    """A progress bar and a label for a pull; :meth:`run` drives it from ``client.pull``.
+    While a file downloads the label says its speed and the time left, measured from the
+    bytes completed over time (:class:`~.model.TransferRate`)."""
 
     def __init__(self, **kwargs):
         self.bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, description="pull",
                                    layout=W.Layout(width="60%"))
         self.label = W.HTML()
         self.statuses: list[dict] = []
+        self.source: str | None = None  # what is pulled, once run() knows it
+        self._rate = TransferRate()
         super().__init__(children=[W.HBox([self.bar, self.label])], **kwargs)
 
-    def update(self, st: Mapping) -> None:
-        """Show one Ollama pull status dict."""
+    def update(self, st: Mapping, now: float | None = None) -> None:
+        """Show one Ollama pull status dict (``now``: its time in seconds, monotonic; the
+        time it arrives when not given)."""
         self.statuses.append(dict(st))
         status = str(st.get("status") or "")
         total, completed = st.get("total"), st.get("completed")
         if total:
             frac = min(1.0, max(0.0, float(completed or 0) / float(total)))
             self.bar.value = frac
+            speed, left = self._rate.add(time.monotonic() if now is None else now,
+                                         str(st.get("digest") or status), int(completed or 0), int(total))
+            rate = rate_text(speed, left)
             self.label.value = _status(f"{status}: {format_bytes(completed or 0)} / {format_bytes(total)} "
-                                       f"({frac:.0%})")
+                                       f"({frac:.0%})" + (f" · {rate}" if rate else ""))
         else:
             self.label.value = _status(status)
         if status == "success":
@@ -297,12 +306,15 @@ class PullProgress(W.VBox):
         super().close()
 
     def fail(self, message: str) -> None:
+        """Show a failure: the source once, then what went wrong (:func:`~.model.pull_error_text`)."""
         self.bar.bar_style = "danger"
-        self.label.value = _status(message, error=True)
+        text = pull_error_text(self.source or "", message)
+        self.label.value = _status(f"{self.source}: {text}" if self.source else text, error=True)
 
     def run(self, client: LlamaClient, source: str, name: str | None = None, *, raise_errors: bool = False) -> dict:
         """Pull and show progress; returns the final status (``{"status": "error", "error": ...}`` on failure
         unless ``raise_errors``)."""
+        self.source = source
         last: dict = {}
         try:
             stream = client.pull(source, name, stream=True)

@@ -9,8 +9,9 @@ import ipywidgets as W
 
 from ..client import LlamaClient, LlamaError
 from .base import _Actions, _descendants, _on_frontend_close, _safe
-from .model import GPU_AUTO, GPU_N, GPU_NONE, error_text, fit_summary, load_options, model_rows
-from .render import _e, _status, render_fit
+from .model import CTX_AUTO, CTX_SET, GPU_AUTO, GPU_N, GPU_NONE, error_text, fit_summary, initial_model
+from .model import load_options, model_rows
+from .render import _e, _help, _status, render_fit
 
 
 class ModelPicker(W.VBox, _Actions):
@@ -32,17 +33,28 @@ class ModelPicker(W.VBox, _Actions):
         self.last_response: dict | None = None
         self._run_task: asyncio.Task | None = None
 
+        wide_label = {"description_width": "initial"}
         self.model_select = W.Dropdown(description="model", options=[], layout=W.Layout(width="auto", flex="1"))
         self.refresh_button = W.Button(icon="refresh", tooltip="reload the model list", layout=W.Layout(width="36px"))
-        self.ctx_input = W.BoundedIntText(value=0, min=0, max=1 << 22, step=512, description="context",
-                                          continuous_update=False, tooltip="num_ctx; 0 = the default",
-                                          layout=W.Layout(width="190px"))
+        # Context: "automatic" (num_ctx unset: the manager's choice, which the estimate then
+        # names) or a size in tokens; the size field shows only when one is set, so no bare 0
+        # ever stands for "automatic". Setting ctx_input to a size (as code may) chooses it.
+        self.ctx_select = W.Dropdown(description="context",
+                                     options=[("automatic", CTX_AUTO), ("set a size", CTX_SET)], value=CTX_AUTO,
+                                     tooltip="num_ctx: automatic lets the manager choose (the estimate below "
+                                             "says what it chose)", layout=W.Layout(width="200px"))
+        self.ctx_input = W.BoundedIntText(value=0, min=0, max=1 << 22, step=512, description="tokens",
+                                          continuous_update=False, tooltip="num_ctx: the context size in tokens",
+                                          style=wide_label, layout=W.Layout(width="150px", display="none"))
+        self.ctx_note = W.HTML()  # what "automatic" came to, once an estimate says
         self.gpu_select = W.Dropdown(description="GPU layers",
-                                     options=[("automatic", GPU_AUTO), ("0 (CPU only)", GPU_NONE), ("N", GPU_N)],
+                                     options=[("automatic", GPU_AUTO), ("0 (CPU only)", GPU_NONE),
+                                              ("set a number", GPU_N)],
                                      value=GPU_AUTO, layout=W.Layout(width="230px"))
-        self.gpu_layers_input = W.BoundedIntText(value=0, min=0, max=100000, description="N",
-                                                 continuous_update=False, disabled=True,
-                                                 layout=W.Layout(width="140px"))
+        self.gpu_layers_input = W.BoundedIntText(value=0, min=0, max=100000, description="layers on the GPU",
+                                                 continuous_update=False,
+                                                 tooltip="num_gpu: how many of the model's layers go on the GPU",
+                                                 style=wide_label, layout=W.Layout(width="190px", display="none"))
         self.keep_alive_input = W.Text(value="", description="keep alive", placeholder="default (e.g. 5m, -1, 0)",
                                        continuous_update=False, layout=W.Layout(width="240px"))
         self.load_button = W.Button(description="Load", icon="upload", button_style="primary")
@@ -63,14 +75,15 @@ class ModelPicker(W.VBox, _Actions):
         self.run_button.on_click(lambda _b: self.run())
         self.stop_button.on_click(lambda _b: self.stop())
         self.model_select.observe(self._on_change, names="value")
-        self.ctx_input.observe(self._on_change, names="value")
+        self.ctx_select.observe(self._on_ctx_mode, names="value")
+        self.ctx_input.observe(self._on_ctx_size, names="value")
         self.gpu_select.observe(self._on_gpu_mode, names="value")
-        self.gpu_layers_input.observe(self._on_change, names="value")
+        self.gpu_layers_input.observe(self._on_gpu_layers, names="value")
 
         children = [
             W.HBox([self.model_select, self.refresh_button]),
-            W.HBox([self.ctx_input, self.gpu_select, self.gpu_layers_input, self.keep_alive_input],
-                   layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.ctx_select, self.ctx_input, self.ctx_note, self.gpu_select, self.gpu_layers_input,
+                    self.keep_alive_input], layout=W.Layout(flex_flow="row wrap", align_items="center")),
             W.HBox([self.load_button, self.unload_button, self.status_html], layout=W.Layout(align_items="center")),
             self.estimate_html,
             self.prompt_input,
@@ -90,7 +103,8 @@ class ModelPicker(W.VBox, _Actions):
     @property
     def options(self) -> dict:
         """The load options the fields describe (Ollama ``options``)."""
-        return load_options(self.ctx_input.value, self.gpu_select.value, self.gpu_layers_input.value)
+        num_ctx = self.ctx_input.value if self.ctx_select.value == CTX_SET else None
+        return load_options(num_ctx, self.gpu_select.value, self.gpu_layers_input.value)
 
     @property
     def keep_alive(self) -> str | None:
@@ -129,13 +143,13 @@ class ModelPicker(W.VBox, _Actions):
             self.model_select.options = [(r["label"], r["name"]) for r in rows]
             if before in names:
                 self.model_select.value = before
-            elif names:
-                self.model_select.value = names[0]
+            elif names:  # opening (or the chosen model went away): the one in use, if any
+                self.model_select.value = initial_model(tags, ps)
         finally:
             self._quiet = False
         if not rows:
-            self.estimate_html.value = _status("No models in the registry yet: pull one "
-                                               "(%llama pull <url or hf.co/owner/repo>).")
+            self.estimate_html.value = _help("No models in the registry yet: pull one with "
+                                             "`%llama pull <url or hf.co/owner/repo>`.")
         elif reestimate or self.model_select.value != before or self.last_summary is None:
             self.update_estimate()
 
@@ -147,9 +161,47 @@ class ModelPicker(W.VBox, _Actions):
         if not self._quiet:
             self.update_estimate()
 
+    def _on_ctx_mode(self, change) -> None:
+        setting = change["new"] == CTX_SET
+        self.ctx_input.layout.display = None if setting else "none"
+        if setting and not self.ctx_input.value:
+            # start from what "automatic" came to for this model, else a common size
+            known = (self.last_summary or {}).get("n_ctx")
+            self._quiet = True
+            try:
+                self.ctx_input.value = int(known or 4096)
+            finally:
+                self._quiet = False
+        self._show_ctx_note()
+        if not self._quiet:
+            self.update_estimate()
+
+    def _on_ctx_size(self, change) -> None:
+        if self._quiet:
+            return
+        mode = CTX_SET if change["new"] else CTX_AUTO  # 0 means "no size": automatic
+        if self.ctx_select.value != mode:
+            self.ctx_select.value = mode  # (its observer estimates)
+        else:
+            self.update_estimate()
+
+    def _show_ctx_note(self) -> None:
+        n_ctx = (self.last_summary or {}).get("n_ctx")
+        auto = self.ctx_select.value == CTX_AUTO
+        self.ctx_note.value = _status(f"(comes to {n_ctx} tokens)") if auto and n_ctx else ""
+
     def _on_gpu_mode(self, change) -> None:
-        self.gpu_layers_input.disabled = change["new"] != GPU_N
-        self.update_estimate()
+        self.gpu_layers_input.layout.display = None if change["new"] == GPU_N else "none"
+        if not self._quiet:
+            self.update_estimate()
+
+    def _on_gpu_layers(self, change) -> None:
+        if self._quiet:
+            return
+        if self.gpu_select.value != GPU_N:
+            self.gpu_select.value = GPU_N  # a number given is a number chosen (its observer estimates)
+        else:
+            self.update_estimate()
 
     @_safe
     def update_estimate(self):
@@ -160,6 +212,7 @@ class ModelPicker(W.VBox, _Actions):
         self._estimate_seq += 1
         seq, opts = self._estimate_seq, self.options
         self.estimate_html.value = _status(f"estimating {name} …")
+        self.ctx_note.value = ""  # (the new estimate says what automatic comes to)
 
         async def act(ac):
             self._apply_estimate(seq, await ac.estimate(name, opts), await ac.devices())
@@ -173,6 +226,7 @@ class ModelPicker(W.VBox, _Actions):
         summary = fit_summary(estimate, devices)
         self.last_summary = summary
         self.estimate_html.value = render_fit(summary)
+        self._show_ctx_note()
 
     # ------------------------------------------------------------------ load / unload
 

@@ -7,6 +7,7 @@ from typing import Any, Iterable, Mapping
 
 
 from ..memory.report import COARSE, DETAILED, format_bytes, format_pct
+from .model import round_bytes_text
 
 
 # colours (colour-blind safe pairs from the Tableau palette)
@@ -92,6 +93,8 @@ def render_panel_row(row: Mapping) -> str:
         facts.append(f"pid {_e(row['pid'])}")
     bars = []
     for d in row.get("devices") or []:
+        scale_title = (f"actual (bar) and predictions (markers), on the scale every bar shares: "
+                       f"0 to {round_bytes_text(d['scale'])}")
         a = d["actual"]
         preds = d["predicted"]
         markers = []
@@ -111,13 +114,15 @@ def render_panel_row(row: Mapping) -> str:
         bars.append(
             f"<div style='display:flex;gap:8px;align-items:center;font-size:12px'>"
             f"<div style='width:60px'>{_e(d['device'])}</div><div style='flex:1'>"
-            f"{_bar(d['actual_pct'], markers, title='actual (bar) and predictions (markers)')}</div>"
+            f"{_bar(d['actual_pct'], markers, title=scale_title)}</div>"
             f"<div style='flex:2'>{' · '.join(_e(w) for w in words)}</div></div>")
     return (f"<div style='margin:2px 0'><b>{_e(row.get('name'))}</b>{state} "
             f"<span style='color:{C_MUTED};font-size:12px'>{' · '.join(facts)}</span>{''.join(bars)}</div>")
 
 
-def render_devices(rows: Iterable[Mapping], n_models: int = 0) -> str:
+def render_devices(rows: Iterable[Mapping], n_models: int = 0, scale_text: str | None = None) -> str:
+    """The devices with their use against the budget (or total), and the legend; ``scale_text``
+    (:func:`~.model.memory_scale_text`) says the scale the loaded models' bars share."""
     out = []
     for r in rows:
         budget = f"budget {_fmt(r['budget'])}" if r["budget"] is not None else "no budget"
@@ -135,7 +140,9 @@ def render_devices(rows: Iterable[Mapping], n_models: int = 0) -> str:
     legend = (f"<div style='font-size:11px;color:{C_MUTED}'>{n_models} model{'s' if n_models != 1 else ''} loaded · "
               f"bars: <span style='color:{C_ACTUAL}'>■</span> actual, markers: "
               f"<span style='color:{C_DETAILED}'>▮</span> detailed, <span style='color:{C_COARSE}'>▮</span> coarse "
-              f"prediction</div>")
+              f"prediction · device bars: share of each device's budget (or total)</div>")
+    if scale_text:
+        legend += f"<div class='jl-scale' style='font-size:11px;color:{C_MUTED}'>{_e(scale_text)}</div>"
     return "<div>" + "".join(out) + legend + "</div>"
 
 
@@ -156,3 +163,20 @@ def _status(text: str, error: bool = False) -> str:
         return ""
     colour = C_BAD if error else C_MUTED
     return f"<span style='color:{colour};font-size:12px'>{_e(text)}</span>"
+
+
+_CODE = "font-family:var(--jp-code-font-family,monospace);background:rgba(127,127,127,.15);padding:0 3px;border-radius:3px"
+
+
+def _with_code(text: str) -> str:
+    """Help text as HTML, its ``code`` spans (between backticks) set as code: a person reads
+    ``%llama pull`` as a command, never the backticks themselves (an odd backtick stays)."""
+    parts = str(text or "").split("`")
+    if len(parts) % 2 == 0:  # an unmatched backtick: the last one is literal
+        parts[-2:] = [parts[-2] + "`" + parts[-1]]
+    return "".join(f"<code style='{_CODE}'>{_e(p)}</code>" if i % 2 else _e(p) for i, p in enumerate(parts) if p)
+
+
+def _help(text: str) -> str:
+    """A muted line of help text with its code spans rendered."""
+    return f"<span style='color:{C_MUTED};font-size:12px'>{_with_code(text)}</span>" if text else ""

@@ -190,19 +190,20 @@ def _ps_entry(now, name="tiny:latest", **kw):
 
 
 def test_a_prediction_far_off_the_scale_is_an_arrow_and_the_actual_bar_stays_readable():
-    """The coarse estimate's 2 GiB batch surcharge on a 3.4 MiB model: the bar keeps the
-    actual figure's scale (as the sidebar does), the coarse marker is an arrow at its end."""
+    """The coarse estimate's 2 GiB batch surcharge on a 3.4 MiB model: the bars keep the
+    scale of the figures they show (as the sidebar does), the coarse marker is an arrow at
+    its end."""
     from jupyter_llama.widgets.render import C_COARSE
 
     now = 1_000_000.0
     entry = _ps_entry(now)
     entry["memory"]["coarse"] = _report("coarse", cpu=2048 * MiB)
     (d,) = panel_rows({"models": [entry]}, _devices(), now)[0]["devices"]
-    assert d["actual_pct"] == pytest.approx(100 / 1.15)  # 5 MiB actual over 1.15 x 5 MiB
+    assert d["scale"] == 6 * MiB and d["actual_pct"] == pytest.approx(500 / 6)  # 5 MiB on a 0-6 MiB scale
     assert d["off_scale"] == {"detailed": False, "coarse": True} and d["predicted_pct"]["coarse"] == 100.0
     html = render_panel_row(panel_rows({"models": [entry]}, _devices(), now)[0])
     assert "coarse prediction 2.00 GiB (off the scale)" in html and f"border-left:6px solid {C_COARSE}" in html
-    assert "width:86.96%" in html
+    assert "width:83.33%" in html
 
 
 def test_panel_rows_from_ps_and_devices():
@@ -217,12 +218,12 @@ def test_panel_rows_from_ps_and_devices():
     (d,) = r["devices"]
     assert d["device"] == "cpu" and d["actual"] == 5 * MiB and d["predicted"] == {"detailed": 4 * MiB, "coarse": MiB}
     assert d["error_pct"] == pytest.approx(-20.0)
-    assert d["actual_pct"] == pytest.approx(100 / 1.15) and d["predicted_pct"]["detailed"] < d["actual_pct"]
+    assert d["actual_pct"] == pytest.approx(500 / 6) and d["predicted_pct"]["detailed"] < d["actual_pct"]
     assert d["capacity"] == 32 * MiB and d["capacity_kind"] == "budget" and d["share_pct"] == pytest.approx(15.625)
     assert rows[1]["layers"] == "20/33" and rows[1]["refcount"] == 1 and rows[1]["keep_alive"].startswith("busy")
     html = render_panel_row(r)
     assert "context 1024" in html and "unloads in 42s" in html and "0 requests in flight" in html
-    assert "width:86.96%" in html  # the actual bar
+    assert "width:83.33%" in html  # the actual bar: 5 MiB on the 0-6 MiB scale both models share
     assert "detailed prediction 4.0 MiB" in html and "prediction error -20%" in html
     assert "1 request in flight" in render_panel_row(rows[1])
     # a model still loading: predictions only
