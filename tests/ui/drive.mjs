@@ -3,7 +3,8 @@
 // Environment: LAB_URL (ends with /), LAB_TOKEN, ARTIFACTS (a folder), CHROMIUM, PROFILE
 // (a fresh user-data dir), MODEL (the registered model's name as ps shows it), PRESET_MODEL
 // (a second registered model, made from MODEL with the system message "You are Mario" and
-// num_predict 3).
+// num_predict 3), WIDE_MODEL (a larger registered model), SLOW_URL (a GGUF a local server
+// sends over seconds), MISSING_URL (an address on that server with nothing there).
 //
 // Protocol with the Python test: every line this prints is a log line, except
 // "CALL <json>": the test performs the call (the REST API from outside the browser, with
@@ -18,6 +19,9 @@ const token = process.env.LAB_TOKEN;
 const artifacts = process.env.ARTIFACTS;
 const model = process.env.MODEL || 'tiny:latest';
 const presetModel = process.env.PRESET_MODEL || 'mario:latest';
+const wideModel = process.env.WIDE_MODEL || 'wide:latest';
+const slowUrl = process.env.SLOW_URL;
+const missingUrl = process.env.MISSING_URL;
 const liveWorker = process.env.LIVE_WORKER; // rpc:127.0.0.1:PORT of a running ggml-rpc-server
 const deadWorker = process.env.DEAD_WORKER; // rpc:127.0.0.1:PORT where nothing listens
 
@@ -51,6 +55,14 @@ const panel = '#jupyter-llama-panel';
 const card = `${panel} .jp-Llama-card[data-loaded-model="${model}"]`;
 const row = `${panel} .jp-Llama-model[data-model="${model}"]`;
 const presetRow = `${panel} .jp-Llama-model[data-model="${presetModel}"]`;
+const wideCard = `${panel} .jp-Llama-card[data-loaded-model="${wideModel}"]`;
+
+const UNITS = { B: 1, KiB: 1024, MiB: 1024 ** 2, GiB: 1024 ** 3 };
+
+/** How often ``needle`` occurs in ``text``. */
+function occurrences(text, needle) {
+  return text.split(needle).length - 1;
+}
 
 async function main() {
   const context = await chromium.launchPersistentContext(process.env.PROFILE, {
@@ -229,14 +241,95 @@ async function main() {
     await page.locator(card).waitFor({ state: 'detached', timeout: 20000 });
     await status.filter({ hasText: 'Llama: 0 models' }).waitFor({ timeout: 20000 });
 
-    log('an API error becomes a notification (a pull from nowhere)');
-    await page.locator(`${panel} input[aria-label="model to pull"]`).fill('http://127.0.0.1:9/missing.gguf');
+    log('issue 56: two models of different sizes loaded: their bars share one scale, which the panel states');
+    await call({ op: 'load' });
+    await call({ op: 'load_wide' });
+    await page.locator(`${card}[data-state="ready"] .jp-Llama-fill-actual`).first().waitFor({ timeout: 20000 });
+    await page.locator(`${wideCard}[data-state="ready"] .jp-Llama-fill-actual`).first().waitFor({ timeout: 20000 });
+    const scaleLine = page.locator(`${panel} .jp-Llama-scale`);
+    const scaleText = await scaleLine.innerText();
+    if (!/^Memory bars share one scale, 0 to [\d.]+ (KiB|MiB|GiB): a bar's length is bytes\.$/.test(scaleText)) {
+      throw new Error(`the panel does not say the bars' scale: "${scaleText}"`);
+    }
+    const scale = Number(await scaleLine.getAttribute('data-scale'));
+    // every bar of both cards: its fill's share of the track is its actual bytes over the scale
+    const bars = await page.locator(`${panel} .jp-Llama-card .jp-Llama-memory`).evaluateAll(els =>
+      els.map(el => ({
+        model: el.closest('.jp-Llama-card').dataset.loadedModel,
+        device: el.dataset.device,
+        track: el.querySelector('.jp-Llama-bar').getBoundingClientRect().width,
+        fill: el.querySelector('.jp-Llama-bar-fill').getBoundingClientRect().width,
+        text: el.querySelector('.jp-Llama-small').textContent
+      }))
+    );
+    const lengths = [];
+    for (const b of bars) {
+      const m = /actual ([\d.]+) (B|KiB|MiB|GiB)/.exec(b.text);
+      if (!m) {
+        throw new Error(`a bar without its actual bytes: ${JSON.stringify(b)}`);
+      }
+      const bytes = Number(m[1]) * UNITS[m[2]];
+      const expected = bytes / scale;
+      const shown = b.fill / b.track;
+      // (the words round to a tenth of a unit; the bar is drawn to the pixel)
+      if (Math.abs(shown - expected) > 0.03 + 2 / b.track) {
+        throw new Error(`${b.model} on ${b.device}: the bar is ${(100 * shown).toFixed(1)}% long, ` +
+          `its ${m[1]} ${m[2]} are ${(100 * expected).toFixed(1)}% of the scale (${scaleText})`);
+      }
+      lengths.push(`${b.model} ${b.device} ${m[1]} ${m[2]}: ${(100 * shown).toFixed(1)}%`);
+    }
+    const tinyLongest = Math.max(...bars.filter(b => b.model === model).map(b => b.fill));
+    const wideLongest = Math.max(...bars.filter(b => b.model === wideModel).map(b => b.fill));
+    if (!(wideLongest > tinyLongest)) {
+      throw new Error(`the larger model's bar is not the longer: ${lengths.join('; ')}`);
+    }
+    await page.waitForTimeout(400);
+    await page.locator(`${panel} [data-section="loaded"]`).screenshot({ path: path.join(artifacts, 'lab-panel-scale.png') });
+    log(`"${scaleText}" ${lengths.join('; ')}; screenshot lab-panel-scale.png`);
+    await call({ op: 'unload' });
+    await call({ op: 'unload_wide' });
+    await page.locator(`${panel} .jp-Llama-card`).first().waitFor({ state: 'detached', timeout: 20000 });
+
+    log('issue 56: a pull of a file the server does not have: one sentence that names the address once');
+    const pullInput = page.locator(`${panel} input[aria-label="model to pull"]`);
+    const pullText = page.locator(`${panel} .jp-Llama-pull-text`);
+    const pullToast = page.locator('.Toastify__toast', { hasText: 'Pull of' }).first();
+    await pullInput.fill(missingUrl);
     await page.locator(`${panel} button`, { hasText: 'Pull' }).click();
-    await page.locator('.Toastify__toast', { hasText: 'Pull of' }).first().waitFor({ timeout: 30000 });
+    await pullToast.waitFor({ timeout: 30000 });
     await page.locator(`${panel} .jp-Llama-pull-progress.jp-mod-error`).waitFor();
+    const failText = await pullText.innerText();
+    const toastText = await pullToast.innerText();
+    if (occurrences(failText, missingUrl) !== 1 || !failText.includes('nothing is at this address (HTTP 404 not found).')) {
+      throw new Error(`the failed pull's line: "${failText}"`);
+    }
+    if (occurrences(toastText, missingUrl) !== 1 || !toastText.includes('nothing is at this address')) {
+      throw new Error(`the failed pull's notification: "${toastText}"`);
+    }
+    await page.waitForTimeout(300);
+    await page.screenshot({ path: path.join(artifacts, 'lab-panel-404.png') });
+    log(`"${failText}"; screenshot lab-panel-404.png`);
     // dismiss it (its close button), so it does not cover the next screenshot
-    await page.locator('.Toastify__toast', { hasText: 'Pull of' }).first().locator('.jp-Notification-Toast-Close').click();
+    await pullToast.locator('.jp-Notification-Toast-Close').click();
     await page.locator('.Toastify__toast', { hasText: 'Pull of' }).waitFor({ state: 'detached' });
+    await page.locator(`${panel} button[aria-label="clear the pull status"]`).click();
+    await page.locator(`${panel} .jp-Llama-pull-progress`).waitFor({ state: 'hidden' });
+
+    log('issue 56: a pull from a slow server shows its speed and the time left');
+    await pullInput.fill(slowUrl);
+    await page.locator(`${panel} input[aria-label="name for the pulled model"]`).fill('slow');
+    await page.locator(`${panel} button`, { hasText: 'Pull' }).click();
+    await page.waitForFunction(
+      sel => /\d B\/s · about \d+[smhd]|[KMG]iB\/s · about \d+[smhd]/.test(document.querySelector(sel)?.textContent ?? ''),
+      `${panel} .jp-Llama-pull-text`,
+      { timeout: 30000 }
+    );
+    const progressText = await pullText.innerText();
+    await page.locator(`${panel} .jp-Llama-pull-progress`).locator('..').screenshot({ path: path.join(artifacts, 'lab-panel-pull.png') });
+    log(`"${progressText}"; screenshot lab-panel-pull.png`);
+    await pullText.filter({ hasText: 'success' }).waitFor({ timeout: 60000 });
+    const pulledToast = page.locator('.Toastify__toast', { hasText: 'Pulled' }).first();
+    await pulledToast.locator('.jp-Notification-Toast-Close').click();
     await page.locator(`${panel} button[aria-label="clear the pull status"]`).click();
     await page.locator(`${panel} .jp-Llama-pull-progress`).waitFor({ state: 'hidden' });
 
@@ -272,6 +365,41 @@ async function main() {
     await page.screenshot({ path: path.join(artifacts, 'notebook-panel.png') });
     log('screenshot notebook-panel.png');
 
+    log('issue 56: %llama picker opens on the loaded model, says "automatic" for the context, labels its fields');
+    const pickerCell = page.locator('.jp-Notebook .jp-Cell').nth(1);
+    await pickerCell.locator('.jp-InputArea-editor').click();
+    await page.keyboard.press('Shift+Enter');
+    const pickerOut = pickerCell.locator('.jp-OutputArea-output');
+    await pickerOut.locator('.widget-dropdown select').first().waitFor({ timeout: 60000 });
+    await pickerOut.filter({ hasText: 'comes to' }).first().waitFor({ timeout: 60000 }); // the estimate is in
+    const controls = await pickerOut.locator('.widget-inline-hbox').evaluateAll(els =>
+      els
+        .filter(el => el.offsetParent !== null) // shown
+        .map(el => ({
+          label: el.querySelector(':scope > .widget-label')?.textContent ?? null,
+          value: el.querySelector('select')?.selectedOptions[0]?.textContent ?? el.querySelector('input')?.value ?? null
+        }))
+    );
+    const byLabel = Object.fromEntries(controls.filter(c => c.label).map(c => [c.label, c.value]));
+    if (!String(byLabel['model'] ?? '').startsWith(model)) {
+      throw new Error(`the picker opened on ${byLabel['model']}, not the loaded ${model}: ${JSON.stringify(controls)}`);
+    }
+    if (byLabel['context'] !== 'automatic') {
+      throw new Error(`the context reads "${byLabel['context']}", not "automatic": ${JSON.stringify(controls)}`);
+    }
+    for (const c of controls) {
+      if ((c.value !== null && c.value !== '' && c.label !== null && c.label.trim().length < 2) || c.label === 'N') {
+        throw new Error(`an unlabelled field in the picker: ${JSON.stringify(c)}`);
+      }
+      if (c.value === '0' && c.label !== 'max tokens') {
+        throw new Error(`a bare 0 in the picker: ${JSON.stringify(c)}`);
+      }
+    }
+    await page.waitForTimeout(400);
+    await pickerCell.scrollIntoViewIfNeeded();
+    await page.screenshot({ path: path.join(artifacts, 'notebook-picker.png') });
+    log(`picker controls ${JSON.stringify(byLabel)}; screenshot notebook-picker.png`);
+
     log('another client unloads it: the notebook widget updates');
     await call({ op: 'unload' });
     await out.filter({ hasText: 'no models loaded' }).first().waitFor({ timeout: 30000 });
@@ -286,6 +414,19 @@ async function main() {
     if (!perModel[presetModel] || Object.values(perModel).some(n => n > 1)) {
       throw new Error(`the panel should ask api/show once per model and digest: ${JSON.stringify(perModel)}`);
     }
+
+    log('issue 56: with no model registered, the help text shows its command as code');
+    await call({ op: 'delete_all' });
+    const empty = page.locator(`${panel} [data-section="models"] .jp-Llama-empty`);
+    await empty.waitFor({ timeout: 30000 });
+    const emptyText = await empty.innerText();
+    const code = await empty.locator('code').allInnerTexts();
+    if (emptyText.includes('`') || !code.includes('jupyter-llama create')) {
+      throw new Error(`the empty panel's help: "${emptyText}" (code: ${JSON.stringify(code)})`);
+    }
+    await page.waitForTimeout(300);
+    await page.locator(panel).screenshot({ path: path.join(artifacts, 'lab-panel-empty.png') });
+    log(`"${emptyText}"; screenshot lab-panel-empty.png`);
 
     checkErrors();
     log('done');

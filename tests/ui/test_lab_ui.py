@@ -14,7 +14,15 @@ preset (``api/create``: a system message and a parameter); ``drive.mjs`` opens i
 * an API error (a pull from nowhere) becomes a notification;
 * issue 8: in a notebook, ``%load_ext jupyter_llama`` and ``%llama panel`` render the
   ipywidgets panel (jupyterlab_widgets' front end), which follows a load and an unload
-  made from outside (screenshot ``tests/artifacts/notebook-panel.png``).
+  made from outside (screenshot ``tests/artifacts/notebook-panel.png``);
+* issue 56 (what a newcomer reads): with two models of different sizes loaded, their memory
+  bars share one scale that the panel states, so the smaller model's bar is the shorter
+  (``lab-panel-scale.png``); a pull from a slow server shows its speed and the time left
+  (``lab-panel-pull.png``); a pull of a file the server does not have says so in one
+  sentence that names the address once (``lab-panel-404.png``); ``%llama picker`` opens on
+  the loaded model, says "automatic" for the context and labels every field
+  (``notebook-picker.png``); with no model registered the panel's help shows its command as
+  code, not between backticks (``lab-panel-empty.png``).
 
 Needs: the built labextension (``make labext``), Node.js, ``tests/ui/node_modules``
 (``npm ci`` here, done on demand) and Chromium (``apt-get install chromium``; the path can
@@ -23,6 +31,8 @@ be set with ``JUPYTER_LLAMA_CHROMIUM``).
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import os
 import shutil
@@ -39,7 +49,7 @@ import pytest
 
 from jupyter_llama.engine.runner import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(480)]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -47,9 +57,11 @@ ARTIFACTS = ROOT / "tests" / "artifacts"
 BUILT = ROOT / "jupyter_llama" / "labextension" / "package.json"
 MODEL = "tiny:latest"
 PRESET_MODEL = "mario:latest"
+WIDE_MODEL = "wide:latest"  # a larger model beside tiny: bars of two lengths on one scale
 PRESET = {"system": "You are Mario", "parameters": {"num_predict": 3}}
 OPTIONS = {"num_ctx": 1024, "num_parallel": 1, "num_thread": 1}
-DRIVER_TIMEOUT = 240
+DRIVER_TIMEOUT = 360
+SLOW_SECONDS = 5.0  # how long the slow server takes to send the pulled file
 
 
 def _need(ok: bool, why: str) -> None:
@@ -105,6 +117,41 @@ def driver_deps() -> dict:
     return {"node": node, "chromium": chromium}
 
 
+class _SlowFiles(http.server.SimpleHTTPRequestHandler):
+    """Serves its folder at a pace that makes the file take ``SLOW_SECONDS``, so a pull's
+    progress arrives over seconds, as from a real registry."""
+
+    def log_message(self, *args):
+        pass
+
+    def copyfile(self, source, outputfile):
+        size = os.fstat(source.fileno()).st_size
+        chunk = 16 * 1024
+        pause = SLOW_SECONDS / max(1, size // chunk)
+        while block := source.read(chunk):
+            outputfile.write(block)
+            time.sleep(pause)
+
+
+@pytest.fixture()
+def slow_server(tmp_path):
+    """A local HTTP server with one GGUF (``slow.gguf``), sent slowly; yields its base URL.
+    The file is some MiB: a pull reports progress per MiB it reads."""
+    from jupyter_llama.models.synth import SynthShape, write_synthetic
+
+    www = tmp_path / "www"
+    www.mkdir()
+    write_synthetic(www / "slow.gguf", SynthShape(layers=2, embd=384, seed=11))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_SlowFiles, directory=str(www)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 @pytest.fixture()
 def workers(engine):
     """One live RPC worker and the id of one that is down (nothing listens on its port)."""
@@ -124,11 +171,14 @@ def lab(engine, workers, tmp_path):
 
     models = tmp_path / "models"
     ModelStore(models).synth("tiny", layers=2, embd=64)
+    ModelStore(models).synth("wide", layers=4, embd=256)
     root = tmp_path / "root"
     root.mkdir()
     nb = {
         "cells": [{"cell_type": "code", "execution_count": None, "id": "panel", "metadata": {}, "outputs": [],
-                   "source": ["%load_ext jupyter_llama\n", "%llama panel"]}],
+                   "source": ["%load_ext jupyter_llama\n", "%llama panel"]},
+                  {"cell_type": "code", "execution_count": None, "id": "picker", "metadata": {}, "outputs": [],
+                   "source": ["%llama picker"]}],
         "metadata": {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python",
                                     "name": "python3"}},
         "nbformat": 4, "nbformat_minor": 5,
@@ -178,10 +228,14 @@ def lab(engine, workers, tmp_path):
         log.close()
 
 
-def test_lab_panel_and_notebook_widget(lab, workers, driver_deps, tmp_path):
+SCREENSHOTS = ("lab-panel.png", "lab-panel-preset.png", "notebook-panel.png", "lab-panel-scale.png",
+               "lab-panel-pull.png", "lab-panel-404.png", "notebook-picker.png", "lab-panel-empty.png")
+
+
+def test_lab_panel_and_notebook_widget(lab, workers, slow_server, driver_deps, tmp_path):
     url, token, client, proc = lab
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    for name in ("lab-panel.png", "lab-panel-preset.png", "notebook-panel.png", "lab-failure.png"):
+    for name in (*SCREENSHOTS, "lab-failure.png"):
         (ARTIFACTS / name).unlink(missing_ok=True)
     pids: set[int] = set()
 
@@ -197,6 +251,14 @@ def test_lab_panel_and_notebook_widget(lab, workers, driver_deps, tmp_path):
             r = client.post("api/generate", json={"model": "tiny", "options": OPTIONS})
         elif op == "unload":
             r = client.post("api/generate", json={"model": "tiny", "keep_alive": 0})
+        elif op == "load_wide":
+            r = client.post("api/generate", json={"model": "wide", "options": OPTIONS})
+        elif op == "unload_wide":
+            r = client.post("api/generate", json={"model": "wide", "keep_alive": 0})
+        elif op == "delete_all":  # an empty registry, as a newcomer's first look
+            for m in client.get("api/tags").json()["models"]:
+                client.request("DELETE", "api/delete", json={"model": m["name"]}).raise_for_status()
+            r = client.get("api/tags")
         else:
             raise ValueError(op)
         r.raise_for_status()
@@ -205,7 +267,8 @@ def test_lab_panel_and_notebook_widget(lab, workers, driver_deps, tmp_path):
                 pids.add(int(m["pid"]))
 
     env = dict(os.environ, LAB_URL=url, LAB_TOKEN=token, ARTIFACTS=str(ARTIFACTS), MODEL=MODEL,
-               PRESET_MODEL=PRESET_MODEL,
+               PRESET_MODEL=PRESET_MODEL, WIDE_MODEL=WIDE_MODEL,
+               SLOW_URL=slow_server + "slow.gguf", MISSING_URL=slow_server + "nothing-here.gguf",
                LIVE_WORKER=workers[0], DEAD_WORKER=workers[1],
                CHROMIUM=driver_deps["chromium"], PROFILE=str(tmp_path / "chromium-profile"))
     drv = subprocess.Popen([driver_deps["node"], str(HERE / "drive.mjs")], cwd=HERE, env=env, text=True,
@@ -264,6 +327,5 @@ def test_lab_panel_and_notebook_widget(lab, workers, driver_deps, tmp_path):
             warnings.warn(f"`%llama panel` renders its widget more than once ({t.split(': ')[-1]}): "
                           "it is displayed and also returned as the cell's value", stacklevel=1)
     assert any("done" in t for t in transcript)
-    assert (ARTIFACTS / "lab-panel.png").stat().st_size > 10_000
-    assert (ARTIFACTS / "lab-panel-preset.png").stat().st_size > 5_000
-    assert (ARTIFACTS / "notebook-panel.png").stat().st_size > 10_000
+    for name in SCREENSHOTS:
+        assert (ARTIFACTS / name).stat().st_size > 5_000, name
