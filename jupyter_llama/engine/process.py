@@ -1,12 +1,11 @@
 """A child process watched from the event loop, whichever loop that is.
 
 ``asyncio.create_subprocess_exec`` spawns through the loop: on asyncio's own loop that is
-``subprocess.Popen`` (vfork, without a ``preexec_fn``: about 1 ms from a Jupyter server's
-heap), on uvloop it is
-libuv's spawn, which forks the whole process (3 ms, and more as the heap grows); a model
-swap pays it once per child. So children are started with ``subprocess.Popen`` here, on
-any loop, and only watched through the loop: their output as a read pipe, their exit
-through a pidfd (Linux 5.3+; a thread waiting on the pid elsewhere).
+``subprocess.Popen`` (vfork, without a ``preexec_fn``, whose cost does not grow with the
+server's heap), on uvloop it is libuv's spawn, which forks the whole process (a cost that
+grows with the heap); a model swap pays it once per child. So children are started with
+``subprocess.Popen`` here, on any loop, and only watched through the loop: their output as a
+read pipe, their exit through a pidfd (Linux 5.3+; a thread waiting on the pid elsewhere).
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ CRASH_MESSAGE = ("model runner has unexpectedly stopped, this may be due to reso
 # While it starts: the log's "model loaded" line is what ends the wait (then HEALTH_POLL_READY_S
 # until /health says ok). Before that line, /health is asked as a fallback for a build whose
 # log says it otherwise, HEALTH_POLL_S after the start and twice as long after each miss, up to
-# HEALTH_POLL_MAX_S: each ask costs the event loop ~0.5 ms of CPU, which a child loading onto
-# busy cores (RPC workers on the same two) feels; at a fixed 20 ms a 0.1 s swap asked 6 times.
+# HEALTH_POLL_MAX_S: each ask costs the event loop CPU, which a child loading onto busy cores
+# (RPC workers on the same ones) feels, so a fast swap should be asked only a few times.
 HEALTH_POLL_S = 0.02
 HEALTH_POLL_MAX_S = 0.25
 HEALTH_POLL_READY_S = 0.002  # polls after that line, until /health says ok

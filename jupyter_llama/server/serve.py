@@ -160,10 +160,10 @@ def make_server(argv: Sequence[str] | None = None, *, args: argparse.Namespace |
 def log_only_what_shows(app) -> None:
     """jupyter_server's access log (``log_request``) formats every request's line, then hands
     it to a logger at debug level for an answer under 300 (and 304): in ``serve``, at its
-    usual level, a line never shown, 0.19 ms of CPU a request on two slow cores. Here such an
-    answer only records its Prometheus metric (when the server records them), as that
-    function would; every other answer, and every one at ``--log-level DEBUG``, goes through
-    it as before."""
+    usual level, a line never shown, whose formatting is a good part of a short request's
+    CPU. Here such an answer only records its Prometheus metric (when the server records
+    them), as that function would; every other answer, and every one at ``--log-level
+    DEBUG``, goes through it as before."""
     from functools import partial
 
     from jupyter_server.log import log_request
@@ -290,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _exit_when_idle(app, args.exit_when_idle)
     # What is built by now (jupyter_server, Tornado, the extension: ~200,000 objects) lives as
     # long as the process. Frozen out of the garbage collector, it is not walked again by every
-    # full collection, which took 81 ms here, once in ~270 requests: a stall of one stream.
+    # full collection, each of which would stall the streams then running (bench/PERFORMANCE.md).
     gc.collect()
     gc.freeze()
     try:
