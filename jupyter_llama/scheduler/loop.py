@@ -166,7 +166,7 @@ class Scheduler:
         options = within_training(asked, ref.info)  # (what a load of it would have)
         again = (name, options, keep_alive)  # (a lease whose child is found dead asks again, once: Lease)
         lo = self.loaded.get(ref.key)
-        if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.matches(options) \
+        if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.differences(options) \
                 and lo.runner is not None and lo.runner.serving:
             return self._lease(lo, ka, 0.0, ref, again)  # fast path: no queue, no lock
         if self._pending >= self.settings.max_queue:
@@ -185,7 +185,7 @@ class Scheduler:
                     loading = True
                     await asyncio.shield(lo.ready)  # one load, however many wait for it
                     continue
-                if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.matches(options):
+                if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.differences(options):
                     if await self._healthy(lo) and lo.state == ModelState.READY and not lo.unload_when_idle:
                         # (a health check is no load: 0 unless it waited for one)
                         return self._lease(lo, ka, time.monotonic() - t0 if loading else 0.0, ref, again)
@@ -202,7 +202,7 @@ class Scheduler:
                         continue
                     lo = self.loaded.get(ref.key)
                     if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle \
-                            and not lo.matches(options) and await self._healthy(lo):
+                            and not lo.differences(options) and await self._healthy(lo):
                         continue  # someone loaded it while we waited for the lock
                     if lo is not None:
                         await self._retire_for_reload(lo, options)
@@ -351,7 +351,7 @@ class Scheduler:
         ref = await self.resolver(name)
         opts = self.effective_options(options or LoadOptions(), ref)
         lo = next((x for x in self.loaded.values() if x.ref.key == ref.key and x.state != ModelState.GONE), None)
-        same = lo is not None and lo.state in (ModelState.READY, ModelState.UNLOADING) and not lo.matches(opts)
+        same = lo is not None and lo.state in (ModelState.READY, ModelState.UNLOADING) and not lo.differences(opts)
         inv = await self.inventory()
         used = self.usage()
         if lo is not None:  # would it fit if it were loaded afresh: its own runner not counted
@@ -496,7 +496,7 @@ class Scheduler:
         return options
 
     async def _retire_for_reload(self, lo: Loaded, options: LoadOptions) -> None:
-        changed = lo.matches(options)
+        changed = lo.differences(options)
         if lo.runner is None or not lo.runner.alive:
             reason, rule = "its runner is no longer running", "crash"
         elif lo.unload_when_idle and not changed:

@@ -204,8 +204,9 @@ class Loaded:
         return LoadedSnapshot(self.name, self.ref.key, self.ref.path, self.keep_alive, self.refcount, self.state,
                               self.charge.by_device())
 
-    def matches(self, requested: LoadOptions) -> list[str]:
-        """Options that differ from what the request asks; automatic (None) values match anything."""
+    def differences(self, requested: LoadOptions) -> list[str]:
+        """The load options in which this model differs from what the request asks (empty
+        when it serves the request as it is); automatic (None) values match anything."""
         diffs = []
         for f in dataclasses.fields(LoadOptions):
             if f.name in PLACEMENT_FIELDS:  # set by the scheduler, not the caller
