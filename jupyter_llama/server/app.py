@@ -83,7 +83,7 @@ class CachedResolver:
             out.append((p, st.st_size, st.st_mtime_ns, st.st_ino))
         return tuple(out)
 
-    def _look(self, name: str):
+    def _resolve_with_stamps(self, name: str):
         """((the resolution, the preset), the stamps to keep them by, or None not to keep them)."""
         try:  # the manifest's stamp before the read: a change while it is read is not kept
             manifest = str(self.store.entry(name).manifest_path)
@@ -125,7 +125,7 @@ class CachedResolver:
                 return value
             self._cache.pop(name, None)
         generation = self._generation
-        value, stamps = await asyncio.to_thread(self._look, name)
+        value, stamps = await asyncio.to_thread(self._resolve_with_stamps, name)
         self._keep(name, value, stamps, generation)
         return value
 
@@ -146,7 +146,7 @@ class CachedResolver:
 
         async def again() -> None:
             try:
-                value, stamps = await asyncio.to_thread(self._look, name)
+                value, stamps = await asyncio.to_thread(self._resolve_with_stamps, name)
             except Exception:  # noqa: BLE001 - it no longer resolves: the next request looks it up and says why
                 if generation == self._generation:
                     self._cache.pop(name, None)
