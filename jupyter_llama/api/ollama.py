@@ -1162,6 +1162,7 @@ def ps_model(info: dict, gguf, now: float | None = None, projector: str | None =
     d["also_as"] = info.get("also_as") or []  # other names of the same file it has answered to
     d["refcount"] = info.get("refcount", 0)
     d["pinned"] = bool(info.get("pinned"))
+    d["last_used"] = rfc3339(info["last_used"]) if info.get("last_used") else None  # its last request began or ended
     d["options"] = info.get("options")
     d["layers_offloaded"] = info.get("layers_offloaded")
     d["layers_total"] = info.get("layers_total")

@@ -254,6 +254,7 @@ class Loaded:
             "state": self.shown_state,
             "options": self.options.to_dict(), "keep_alive": None if self.pinned else self.keep_alive,
             "pinned": self.pinned, "refcount": self.refcount, "expires_at": self.expires_at,
+            "last_used": time.time() - (time.monotonic() - self.last_used),  # epoch seconds
             "pid": self.runner.pid if self.runner else None,
             "load_duration": self.load_duration,
             "context_length": (actual.n_ctx if actual and actual.n_ctx else self.options.total_ctx),

@@ -136,6 +136,7 @@ async def test_empty_prompt_loads_and_keep_alive_0_unloads(http, ext):
     expires = dt.datetime.fromisoformat(m["expires_at"])
     left = (expires - dt.datetime.now(dt.timezone.utc)).total_seconds()
     assert 20 < left <= 31  # the server's keep_alive is 30s
+    assert dt.datetime.fromisoformat(m["last_used"]) <= dt.datetime.now(dt.timezone.utc)  # ours: its last request
     r = (await http.post("api/generate", json={"model": "tiny", "keep_alive": 0})).json()
     assert r["done_reason"] == "unload"
     assert (await http.get("api/ps")).json()["models"] == []
