@@ -166,13 +166,23 @@ def placement(info, options: LoadOptions, inv: devmod.Inventory, used: Mapping[s
             if room is not None:  # leave free everything beyond what is left of the budget here
                 keep = max(keep, d.free - max(0, room))
             keeps.append(keep)
-        weights, targets = fit_targets(info, options, accel, keeps)
-        layers = estimate_layer_counts(info, options, [d.id for d in accel], weights)
-        kept = [i for i, d in enumerate(accel) if d.kind != "rpc" or layers[i] > 0]
+        # A worker expected to get no layer is left out, and llama.cpp then fits over the
+        # others alone (with fewer devices, pipeline parallelism may stay off): fit again
+        # without it until every worker left gets a layer.
+        kept = list(range(len(accel)))
+        weights: list[float] = []
+        targets: list[int] = []
+        while kept:
+            weights, targets = fit_targets(info, options, [accel[i] for i in kept], [keeps[i] for i in kept])
+            layers = estimate_layer_counts(info, options, [accel[i].id for i in kept], weights)
+            empty = {i for i, n in zip(kept, layers) if accel[i].kind == "rpc" and n == 0}
+            if not empty:
+                break
+            kept = [i for i in kept if i not in empty]
         rooms = {accel[i].id: max(0, accel[i].free - keeps[i]) for i in kept}
+        split = list(weights)
+        margins = tuple(int(t // MiB) for t in targets)
         accel = [accel[i] for i in kept]
-        split = [weights[i] for i in kept]
-        margins = tuple(int(targets[i] // MiB) for i in kept)
     elif accel:
         split = [float(max(d.free, 1)) for d in accel]
     workers = tuple(dict.fromkeys(rpc.split_id(d.id)[0] for d in accel if d.kind == "rpc"))

@@ -487,3 +487,20 @@ def test_the_issue_case_is_planned_within_the_budgets_and_refused_when_the_host_
     said = policy.refusal(plan, preds[DETAILED], True)
     assert f"layers stay on the host, as the devices' room holds {plan.layers[0]}" in said, said
     assert "Raise a device's budget (JUPYTER_LLAMA_MEMORY_LIMIT)" in said and "num_gpu" not in said
+
+
+def test_a_worker_left_without_layers_is_left_out_and_the_fit_is_made_without_it(wide):
+    """With worker A's budget too small for a layer, llama.cpp would put every layer on worker
+    B: listed beside A, that turns pipeline parallelism on (over B's budget); A is left out of
+    --rpc, so B is the only device, pipeline parallelism stays off, and every layer fits there
+    as it is."""
+    options = LoadOptions(num_ctx=2048)
+    inv = inventory(budgets={RPC_A: 5, RPC_B: 120}, workers={A: 4096, B: 4096})
+    alone = estimate_detailed(wide, options, [RPC_B]).total(device=RPC_B)
+    beside = estimate_detailed(wide, options, [RPC_A, RPC_B], split=[0.0, 9.0]).total(device=RPC_B)
+    assert alone <= 120 * MiB < beside
+    where = policy.placement(wide, options, inv, {})
+    assert where.devices == (RPC_B,) and where.options.rpc == (B,)
+    assert where.options.fit_target_mib == (4096 - 120,)
+    rep = estimate_detailed(wide, where.options, list(where.devices), split=where.split)
+    assert rep.layers_offloaded == rep.layers_total == 9 and rep.total(device=RPC_B) == alone
