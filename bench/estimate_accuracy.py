@@ -8,7 +8,10 @@ from its log. For every configuration it compares three predictions against that
 
 * ``coarse``: Ollama's conservative scheduling estimate (REFERENCE section 3);
 * ``detailed``: our per-device, per-component model (REFERENCE section 4);
-* ``llama.cpp``: llama.cpp's own projection from ``llama-fit-params --fit-print on``.
+* ``llama.cpp``: llama.cpp's own projection from ``llama-fit-params``, for the placement its
+  ``--fit`` chooses (:mod:`jupyter_llama.memory.fitparams`); not shown where what it counts
+  differently from llama-server (the logits of a whole micro-batch, the output buffer) and
+  its whole-MiB rounding could move a device's figure by more than 10% of it.
 
 It writes ``bench/out/estimate_accuracy.csv`` and ``bench/out/estimate_accuracy.png`` and
 prints, per estimator, the error of the total and of each component (mean, median and max
@@ -17,7 +20,7 @@ absolute error %, share within 5% and 10%), then the goals with pass/fail:
 * coarse never below the actual total (and its mean over-estimate);
 * detailed within 10% of the actual total in >= 95% of configurations and within 5% at the
   median;
-* llama.cpp's projection, measured by the same yardstick (reported, not required).
+* llama.cpp's projection within 10% of the actual total wherever it is shown.
 
 Then (unless ``--no-workers``) the sweep on two ``ggml-rpc-server`` workers from
 ``bench/rpc_devices.py``: budgets that force partial offload, detailed within 10% per device
@@ -62,6 +65,12 @@ SHAPES = {
     "wide-q4_0": SynthShape(layers=8, embd=768, heads=12, kv_heads=4, vocab=32000, ctx=65536, type="q4_0", seed=4),
     "ffn-f16": SynthShape(layers=2, embd=1024, heads=16, kv_heads=4, ff=4096, vocab=32000, ctx=65536, type="f16",
                           seed=5),
+    # Large layers and a small vocabulary: loads that llama.cpp's projection can describe (its
+    # micro-batch of logits is small beside the compute buffer, and whole MiB beside the figures)
+    "deep-f16": SynthShape(layers=4, embd=1536, heads=12, kv_heads=4, ff=4096, vocab=2000, ctx=65536, type="f16",
+                           seed=6),
+    "deep-q4_0": SynthShape(layers=8, embd=1536, heads=12, kv_heads=4, ff=4096, vocab=2000, ctx=65536, type="q4_0",
+                            seed=7),
 }
 
 
@@ -103,9 +112,14 @@ CONFIGS: list[tuple[str, LoadOptions]] = [
     # head size 8: a q8_0 K cache works only without flash attention (llama.cpp checks the block size)
     ("stories260K", O(num_ctx=2048, num_parallel=1, cache_type_k="q8_0", flash_attn="off")),
     ("stories260K", O(num_ctx=1024, num_parallel=4, num_gpu=0)),
+    ("deep-f16", O(num_ctx=4096, num_parallel=1)),
+    ("deep-f16", O(num_ctx=2048)),
+    ("deep-f16", O(num_ctx=4096, num_parallel=1, flash_attn="off")),
+    ("deep-q4_0", O(num_ctx=8192, num_parallel=2, **Q8)),
+    ("deep-q4_0", O(num_ctx=2048, num_parallel=1, use_mmap=False)),
 ]
 
-QUICK = {0, 5, 10, 11, 15, 17, 21, 25}
+QUICK = {0, 5, 10, 11, 15, 17, 21, 25, 28, 31}
 
 
 @dataclass
@@ -117,6 +131,7 @@ class Result:
     reports: dict[str, MemoryReport]
     load_s: float
     error: str | None = None
+    not_shown: str | None = None  # why llama.cpp's projection is not shown for this load
 
 
 def describe(o: LoadOptions) -> str:
@@ -145,18 +160,22 @@ def err_pct(pred: int, actual: int) -> float | None:
 async def run_one(i: int, name: str, path: Path, options: LoadOptions, engine) -> Result:
     info = read_gguf_info(path)
     reports = {COARSE: estimate_coarse(info, options, []), DETAILED: estimate_detailed(info, options, [])}
+    not_shown = None
     if engine.fit_params:
-        fit = await run_fit_params_async(engine.fit_params, path, options)
+        fit = await run_fit_params_async(engine.fit_params, path, options, info=info)
         if fit.report is not None:
             reports[LLAMA_CPP] = fit.report
+        else:
+            not_shown = fit.error
     runner = Runner(path, options, binary=engine.path, name=f"{name}-{i}")
     t0 = time.perf_counter()
     try:
         await runner.start()
         reports[ACTUAL] = runner.memory()
-        return Result(i, name, options, info.file_size, reports, time.perf_counter() - t0)
+        return Result(i, name, options, info.file_size, reports, time.perf_counter() - t0, not_shown=not_shown)
     except LoadError as e:
-        return Result(i, name, options, info.file_size, reports, time.perf_counter() - t0, error=str(e))
+        return Result(i, name, options, info.file_size, reports, time.perf_counter() - t0, error=str(e),
+                      not_shown=not_shown)
     finally:
         await runner.stop()
 
@@ -224,17 +243,28 @@ def summarize(results: list[Result]) -> tuple[str, bool]:
                  f"{share10:.0%}")
     lines.append(f"  [{'PASS' if g3 else 'FAIL'}] detailed median |error| of the total <= 5%: {med:.2f}%")
     lc = [abs(e) for e in stats[(LLAMA_CPP, "total")]]
+    g4 = True
+    withheld = [r for r in ok if LLAMA_CPP not in r.reports and r.not_shown]
     if lc:
-        lshare = sum(x <= 10 for x in lc) / len(lc)
-        lmed = statistics.median(lc)
-        lines.append(f"  [{'pass' if lshare >= 0.95 else 'fail'}] (reported) llama.cpp within 10% in >= 95%: "
-                     f"{lshare:.0%}")
-        lines.append(f"  [{'pass' if lmed <= 5 else 'fail'}] (reported) llama.cpp median |error| <= 5%: {lmed:.2f}%")
-        lines.append("         llama-fit-params rounds each figure down to whole MiB, leaves out the output buffer, "
-                     "and reserves logits for n_batch rows (llama-server: one per slot)")
+        within = sum(x <= 10 for x in lc)
+        g4 = within == len(lc)
+        lines.append(f"  [{'PASS' if g4 else 'FAIL'}] llama.cpp within 10% of the actual total wherever it is shown: "
+                     f"{within}/{len(lc)} (median |error| {statistics.median(lc):.2f}%); not shown for {len(withheld)}")
+    elif withheld:
+        lines.append(f"  [----] llama.cpp's projection: not shown for any of the {len(withheld)} loads")
     else:
         lines.append("  [----] llama.cpp's projection: unavailable (no llama-fit-params)")
-    passed = g1 and g2 and g3
+    if withheld:
+        causes: dict[str, int] = {}
+        for r in withheld:
+            cause = ("the logits of a whole micro-batch" if "logits" in r.not_shown else
+                     "the output buffer it leaves out" if "output buffer" in r.not_shown else
+                     "the repacked weights in llama-server's mapping of the file" if "maps the model" in r.not_shown else
+                     "its whole-MiB rounding" if "whole MiB" in r.not_shown else r.not_shown.splitlines()[0])
+            causes[cause] = causes.get(cause, 0) + 1
+        lines.append("         not shown where it counts more than 10% of a device's figure otherwise: "
+                     + "; ".join(f"{cause} ({n})" for cause, n in sorted(causes.items(), key=lambda kv: -kv[1])))
+    passed = g1 and g2 and g3 and g4
     return "\n".join(lines), passed
 
 
@@ -333,7 +363,7 @@ async def main_async(args) -> int:
 
             def mib(src):
                 rep = r.reports.get(src)
-                return f"{rep.total() / MiB:9.2f}" if rep else f"{'-':>9}"
+                return f"{rep.total() / MiB:9.2f}" if rep else f"{'n/s' if src == LLAMA_CPP and r.not_shown else '-':>9}"
 
             print(row.format(i, name, describe(options), mib(ACTUAL), mib(COARSE), mib(DETAILED), mib(LLAMA_CPP),
                              f"{r.load_s:7.2f}"))
@@ -344,7 +374,8 @@ async def main_async(args) -> int:
     failed = [r for r in results if r.error]
     print()
     print(f"{len(results) - len(failed)} configurations measured ({len(failed)} failed to load) "
-          f"in {time.perf_counter() - t_start:.0f} s; errors are (predicted - actual) / actual")
+          f"in {time.perf_counter() - t_start:.0f} s; errors are (predicted - actual) / actual; "
+          "n/s: llama.cpp's projection not shown (see the goals)")
     print()
     print(text)
     print()
