@@ -49,8 +49,10 @@ from ..models.ref import ModelRef
 from ..procs import exit_words
 from . import policy
 from .policy import FitPlan, budget_room
+from .fairness import Holding, QuotaTable, Who, fair_eviction_order, over_share
 from .settings import SchedulerSettings
 from .state import EventKind, EventLog, Lease, Loaded, LoadedSnapshot, ModelState
+from .users import UserBook
 
 Resolver = Callable[[str], Awaitable[ModelRef]]
 
@@ -137,6 +139,10 @@ class Scheduler:
         self.failed: dict[str, Loaded] = {}
         self.peers = (peermod.PeerBoard(settings.peers_dir, settings.manager_url) if settings.peers_dir
                       else None)
+        # A shared manager's books (share()): quotas, fair queues, per-person counters. None in
+        # a single-user manager, where none of it runs.
+        self.users: UserBook | None = None
+        self.evictions: collections.Counter[str] = collections.Counter()  # per model name, for /metrics
         self._board: concurrent.futures.ThreadPoolExecutor | None = None  # writes self.peers' file (_board_write)
 
     # -------------------------------------------------------------- public API
@@ -155,8 +161,38 @@ class Scheduler:
         devices alike), at least 3 (:func:`.policy.max_loaded`)."""
         return policy.max_loaded(self.settings, n_gpus)
 
-    async def acquire(self, name: str, options: LoadOptions | None = None, keep_alive=None) -> Lease:
-        """Get a ready runner for ``name`` under ``options``, loading (and evicting) as needed."""
+    def share(self, quotas: QuotaTable | None = None) -> UserBook:
+        """Make this a manager shared by many people (a JupyterHub service): requests that say
+        who asked (``acquire(..., user=)``) are held to ``quotas`` and served round-robin
+        across people when a model's slots are all taken (see :mod:`.users`)."""
+        self.users = UserBook(quotas or QuotaTable(), self.events)
+        return self.users
+
+    async def acquire(self, name: str, options: LoadOptions | None = None, keep_alive=None,
+                      user: Who | None = None) -> Lease:
+        """Get a ready runner for ``name`` under ``options``, loading (and evicting) as needed.
+
+        ``user``: who asked, on a shared manager (:meth:`share`): the request counts against
+        their quotas (a 429 or a 507 naming the quota when over) and, when every slot of the
+        model's runner is taken, waits for its turn, round-robin across people."""
+        book = self.users
+        if user is None or book is None:
+            return await self._acquire(name, options, keep_alive)
+        book.admit(user, name)
+        try:
+            lease = await self._acquire(name, options, keep_alive, user)
+        except BaseException:
+            book.leave(user)
+            raise
+        try:
+            await book.take_turn(lease)
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    async def _acquire(self, name: str, options: LoadOptions | None = None, keep_alive=None,
+                       user: Who | None = None) -> Lease:
         if self._closed:
             raise SchedulerError("the scheduler is shutting down")
         ka = None if keep_alive is None else parse_duration(keep_alive)
@@ -164,11 +200,12 @@ class Scheduler:
         names_seen = self._name_changes
         ref = await self.resolver(name)
         options = within_training(asked, ref.info)  # (what a load of it would have)
-        again = (name, options, keep_alive)  # (a lease whose child is found dead asks again, once: Lease)
+        # (a lease whose child is found dead asks again, once: Lease)
+        again = (name, options, keep_alive) if user is None else (name, options, keep_alive, user)
         lo = self.loaded.get(ref.key)
         if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.differences(options) \
                 and lo.runner is not None and lo.runner.serving:
-            return self._lease(lo, ka, 0.0, ref, again)  # fast path: no queue, no lock
+            return self._lease(lo, ka, 0.0, ref, again, user)  # fast path: no queue, no lock
         if self._pending >= self.settings.max_queue:
             self.events.emit(EventKind.BUSY, ref.name, f"queue full ({self._pending} waiting, limit "
                              f"{self.settings.max_queue}): request refused", pending=self._pending,
@@ -188,7 +225,7 @@ class Scheduler:
                 if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.differences(options):
                     if await self._healthy(lo) and lo.state == ModelState.READY and not lo.unload_when_idle:
                         # (a health check is no load: 0 unless it waited for one)
-                        return self._lease(lo, ka, time.monotonic() - t0 if loading else 0.0, ref, again)
+                        return self._lease(lo, ka, time.monotonic() - t0 if loading else 0.0, ref, again, user)
                 async with self._lock:
                     if self._closed:
                         raise SchedulerError("the scheduler is shutting down")
@@ -206,8 +243,8 @@ class Scheduler:
                         continue  # someone loaded it while we waited for the lock
                     if lo is not None:
                         await self._retire_for_reload(lo, options)
-                    lo = await self._load(ref, options, ka)
-                return self._lease(lo, ka, time.monotonic() - t0, ref, again)
+                    lo = await self._load(ref, options, ka, user)
+                return self._lease(lo, ka, time.monotonic() - t0, ref, again, user)
         finally:
             self._pending -= 1
 
@@ -393,7 +430,7 @@ class Scheduler:
     # -------------------------------------------------------------- internals: leasing
 
     def _lease(self, lo: Loaded, keep_alive: float | None, waited: float, ref: ModelRef | None = None,
-               again: tuple | None = None) -> Lease:
+               again: tuple | None = None, user: Who | None = None) -> Lease:
         if ref is not None and ref.name != lo.ref.name:  # the same file under another name: ps says so
             lo.also_as.add(ref.name)
         if keep_alive is not None:
@@ -406,9 +443,16 @@ class Scheduler:
         lo.idle.clear()
         lo.last_used = time.monotonic()
         self._in_flight += 1
-        return Lease(self, lo, waited, again)
+        if user is not None:
+            lo.users[user.name] += 1
+            lo.used_by.add(user.name)
+        return Lease(self, lo, waited, again, user)
 
-    def _release(self, lo: Loaded) -> None:
+    def _release(self, lo: Loaded, user: Who | None = None) -> None:
+        if user is not None:
+            lo.users[user.name] -= 1
+            if lo.users[user.name] <= 0:
+                del lo.users[user.name]
         lo.refcount -= 1
         self._in_flight -= 1
         lo.last_used = time.monotonic()
@@ -625,7 +669,8 @@ class Scheduler:
     def _need(self, preds: dict[str, MemoryReport], fit_source: str) -> MemoryReport:
         return policy.need(preds, fit_source, self.settings.safety_margin)
 
-    async def _load(self, ref: ModelRef, options: LoadOptions, keep_alive: float | None) -> Loaded:
+    async def _load(self, ref: ModelRef, options: LoadOptions, keep_alive: float | None,
+                    user: Who | None = None) -> Loaded:
         """Called with the lock held: make room, start the runner, retry on OOM as Ollama does.
 
         A load the scheduler stops meanwhile (:meth:`_stop_runner`: its name changed, a
@@ -634,9 +679,10 @@ class Scheduler:
         if not os.path.isfile(ref.path):  # deleted while this request waited: as if it never was
             raise ModelNotFound(ref.name, "it was deleted while this request waited")
         options = self.effective_options(options, ref)
-        options, preds, fit_source = await self._make_room(ref, options)
+        options, preds, fit_source = await self._make_room(ref, options, user)
         ka = self.settings.keep_alive if keep_alive is None else keep_alive
-        lo = Loaded(ref=ref, options=options, keep_alive=ka, predictions=preds, fit_source=fit_source)
+        lo = Loaded(ref=ref, options=options, keep_alive=ka, predictions=preds, fit_source=fit_source,
+                    loaded_by=user.name if user is not None and self.users is not None else None)
         self.loaded[ref.key] = lo
         retried: set[str] = set()
         try:
@@ -800,11 +846,15 @@ class Scheduler:
         order = policy.eviction_order(self.snapshot(), ref.key, self.settings.evict_pinned)
         return [self.loaded[s.key] for s in order]
 
-    async def _make_room(self, ref: ModelRef, options: LoadOptions) -> tuple[LoadOptions, dict[str, MemoryReport], str]:
+    async def _make_room(self, ref: ModelRef, options: LoadOptions,
+                         user: Who | None = None) -> tuple[LoadOptions, dict[str, MemoryReport], str]:
         """Evict until the load fits (or refuse); returns the placed options, the predictions
         and the estimator that decided. The placement is planned again after each eviction:
-        an evicted model may free an RPC worker the new one can use."""
+        an evicted model may free an RPC worker the new one can use. On a shared manager, a
+        load that would take ``user`` past their memory or loaded-model quota is refused
+        first (a 507), before anything is evicted for it."""
         again: tuple[devmod.Inventory, list[peermod.Peer]] | None = None
+        quota_checked = user is None or self.users is None
         while True:
             if again is None:
                 inv, peers = await asyncio.gather(self.inventory(planning=True), asyncio.to_thread(self.peer_holdings))
@@ -815,6 +865,9 @@ class Scheduler:
             placed, preds = await asyncio.to_thread(self.plan, ref, options, inv, used, peermod.usage(peers))
             plan = self.fit(ref, placed, preds, inv, used, peers)
             fit_source = plan.fit_source
+            if not quota_checked:
+                quota_checked = True
+                self._check_quota(user, ref, self._need(preds, fit_source).by_device())
             numbers = {d: {k: n[k] for k in ("need", "estimate", "available", "in_use", "budget")}
                        for d, n in plan.devices.items()}
             if plan.fits:
@@ -876,11 +929,46 @@ class Scheduler:
             self.events.emit(EventKind.FIT, ref.name, msg, fits=False, pinned=[s.name for s in pinned])
             raise PinnedInTheWay(msg)
 
+    def _check_quota(self, user: Who, ref: ModelRef, need: dict[str, int]) -> None:
+        """A 507 naming the quota when loading ``ref`` (``need``: bytes per device) takes
+        ``user`` past their memory or loaded-model quota: what the models their requests
+        loaded hold counts (a reload of ``ref`` itself does not count its old runner)."""
+        held: dict[str, int] = collections.defaultdict(int)
+        count = 0
+        for lo in self.loaded.values():
+            if lo.state == ModelState.GONE or lo.loaded_by != user.name or lo.ref.key == ref.key:
+                continue
+            count += 1
+            for d, n in lo.charge.by_device().items():
+                held[d] += n
+        self.users.check_load(user, ref.name, need, dict(held), count)
+
+    def _fair_choice(self, snaps: list[LoadedSnapshot], key: str) -> tuple[LoadedSnapshot, str] | None:
+        """On a shared manager: the eviction order with sharing's rule on top
+        (:func:`.fairness.fair_eviction_order`: idle before busy, then the models of people
+        over their share first)."""
+        order = policy.eviction_order(snaps, key, self.settings.evict_pinned)
+        if not order:
+            return None
+        holdings = {k: Holding(k, lo.loaded_by, bool(lo.users)) for k, lo in self.loaded.items()}
+        held: dict[str, int] = collections.defaultdict(int)
+        for lo in self.loaded.values():
+            if lo.loaded_by is not None and lo.state != ModelState.GONE:
+                held[lo.loaded_by] += lo.charge.total()
+        over = over_share(held)
+        first = fair_eviction_order(order, holdings, over)[0]
+        rule = policy.victim_rule(first)
+        owner = holdings.get(first.key)
+        if owner is not None and owner.owner in over:
+            rule += "; loaded by a user who holds more than an equal share of what is loaded"
+        return first, rule
+
     def _choose_victim(self, ref: ModelRef, reason: str) -> tuple[Loaded, str]:
         """The first of :meth:`_eviction_order`, with the rule that chose it in words
         (:func:`.policy.choose_victim`); raises, naming the pinned models, when none may go."""
         snaps = self.snapshot()
-        chosen = policy.choose_victim(snaps, ref.key, self.settings.evict_pinned)
+        chosen = (self._fair_choice(snaps, ref.key) if self.users is not None else
+                  policy.choose_victim(snaps, ref.key, self.settings.evict_pinned))
         if chosen is not None:
             return self.loaded[chosen[0].key], chosen[1]
         pinned = policy.pinned_in_the_way(snaps, ref.key)
@@ -941,6 +1029,8 @@ class Scheduler:
         lo.expires_at = None
         behind = any(x is lo for x in self._retiring)  # stopped behind the load that evicted it
         self._retiring = [x for x in self._retiring if x is not lo]  # by identity
+        if rule in ("evict", "oom"):
+            self.evictions[lo.name] += 1
         self.events.emit(EventKind.UNLOAD, lo.name, f"unloaded {lo.name}: {reason}", rule=rule,
                          freed=lo.charge.to_dict(), workers=workers, behind=behind)
         lo.gone.set()

@@ -55,6 +55,11 @@ class EventKind(enum.StrEnum):
     BUSY = "busy"
     RECOVER = "recover"
     RETRY = "retry"  # a request that found its child dead was sent again, to a fresh one
+    # a shared manager's (see scheduler.users): a request waits for a slot, gets its turn, or
+    # is refused by its user's quota
+    QUEUE = "queue"
+    TURN = "turn"
+    REFUSE = "refuse"
 
 
 # ----------------------------------------------------------------------------- events
@@ -178,6 +183,12 @@ class Loaded:
     # file, it was deleted, the manager shuts down): what the requests waiting for that load
     # are answered with, instead of the child's exit worded as a crash.
     cancelled: SchedulerError | None = None
+    # A shared manager's (see scheduler.users): whose request loaded it (its memory counts
+    # against that person's quota), who holds it now (requests in flight per person), and
+    # who has used it since it loaded. Empty in a single-user manager.
+    loaded_by: str | None = None
+    users: collections.Counter = field(default_factory=collections.Counter)
+    used_by: set[str] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -264,7 +275,8 @@ class Loaded:
             "by_device": charge.by_device(), "workers": list(self.options.rpc or ()),
             "memory": {k: v.to_dict() for k, v in self.predictions.items()} | (
                 {ACTUAL: actual.to_dict()} if actual else {}),
-        }
+        } | ({"loaded_by": self.loaded_by, "users": dict(self.users), "used_by": sorted(self.used_by)}
+             if self.loaded_by is not None or self.used_by else {})
 
 
 class Lease:
@@ -276,8 +288,11 @@ class Lease:
     this lease holds that runner from then on. ``loaded`` is the model it holds now."""
 
     def __init__(self, scheduler: "Scheduler", loaded: Loaded, load_duration: float,
-                 again: tuple | None = None):
+                 again: tuple | None = None, who=None):
         self._scheduler = scheduler
+        self.who = who  # the person whose request holds it (a shared manager's), else None
+        self._gate = None  # the slot it holds on a shared manager's fair queue (scheduler.users)
+        self._finished = False  # its request has counted out of the shared manager's books
         self.loaded = loaded
         self._runner: Runner = loaded.runner  # type: ignore[assignment]
         self.runner = LeasedRunner(self)
@@ -290,7 +305,11 @@ class Lease:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._scheduler._release(self.loaded)
+            self._scheduler._release(self.loaded, self.who)
+        if not self._finished:  # (its request counts out once, whichever runner it ended on)
+            self._finished = True
+            if self.who is not None and self._scheduler.users is not None:
+                self._scheduler.users.finish(self)
 
     async def _fresh_runner(self, dead: "Runner", error: Exception) -> "Runner | None":
         """A fresh runner for a request that failed on ``dead``'s dead child, or None when it
@@ -311,12 +330,14 @@ class Lease:
                 f"sent ({error}); sending it once more, to a fresh runner",
                 pid=dead.pid, exit_code=dead.returncode)
             self._released = True  # (the dead one's hold goes: its release lets the scheduler retire it)
-            self._scheduler._release(old)
-            fresh = await self._scheduler.acquire(*self._again)
+            self._scheduler._release(old, self.who)
+            # (the request keeps its turn on a shared manager's queue: same model, same slot)
+            fresh = await self._scheduler._acquire(*self._again)
             if fresh.loaded.ref.key != old.ref.key:  # the name moved meanwhile: not the same model
-                fresh.release()
+                fresh._released = fresh._finished = True  # (its hold only: the turn and count are this lease's)
+                self._scheduler._release(fresh.loaded, fresh.who)
                 return None
-            fresh._released = True  # (its hold is this lease's now)
+            fresh._released = fresh._finished = True  # (its hold is this lease's now)
             self.loaded, self._runner, self._released = fresh.loaded, fresh._runner, False
             return self._runner
 
