@@ -11,7 +11,7 @@ from its log. For every configuration it compares three predictions against that
 * ``llama.cpp``: llama.cpp's own projection from ``llama-fit-params``, for the placement its
   ``--fit`` chooses (:mod:`jupyter_llama.memory.fitparams`); not shown where what it counts
   differently from llama-server (the logits of a whole micro-batch, the output buffer) and
-  its whole-MiB rounding could move a device's figure by more than 10% of it.
+  its whole-MiB rounding could move a device's figure by more than 5% of it.
 
 It writes ``bench/out/estimate_accuracy.csv`` and ``bench/out/estimate_accuracy.png`` and
 prints, per estimator, the error of the total and of each component (mean, median and max
@@ -262,7 +262,7 @@ def summarize(results: list[Result]) -> tuple[str, bool]:
                      "the repacked weights in llama-server's mapping of the file" if "maps the model" in r.not_shown else
                      "its whole-MiB rounding" if "whole MiB" in r.not_shown else r.not_shown.splitlines()[0])
             causes[cause] = causes.get(cause, 0) + 1
-        lines.append("         not shown where it counts more than 10% of a device's figure otherwise: "
+        lines.append("         not shown where these could move a device's figure by more than 5%: "
                      + "; ".join(f"{cause} ({n})" for cause, n in sorted(causes.items(), key=lambda kv: -kv[1])))
     passed = g1 and g2 and g3 and g4
     return "\n".join(lines), passed

@@ -67,7 +67,7 @@ DEFAULT_TIMEOUT = 60.0
 
 # The most that what the tool counts differently from llama-server, and its rounding, may
 # move a device's figure, as a share of it, for the projection to be shown as this load's.
-SHOWN_WITHIN = 0.10
+SHOWN_WITHIN = 0.05
 
 # "<device> <model MiB> <context MiB> <compute MiB>", device "Host" for host memory
 _LINE_RE = re.compile(r"^\s*(?P<dev>[A-Za-z][\w.\-]*)\s+(?P<model>\d+)\s+(?P<context>\d+)\s+(?P<compute>\d+)\s*$")
@@ -238,9 +238,10 @@ def withheld(report: MemoryReport, info, options: LoadOptions, extra: list[dict]
     micro-batch in the compute buffer of the device with the output layer
     (:func:`logits_excess`), the output buffer it leaves out of the host, weights the CPU
     repacks (``extra``, its breakdown's ``CPU_REPACK``) where the model is memory-mapped
-    (llama-server's mapped buffer spans the file, their original place included; the tool
-    counts them once), and up to 1 MiB a figure rounded down (three a device, and one more
-    for each buffer of no device)."""
+    (llama-server's mapped buffer spans the file from the first to the last tensor it keeps
+    on the host, so it can hold some or all of their original place; the tool counts them
+    once), and up to 1 MiB a figure rounded down (three a device, and one more for each
+    buffer of no device). Where they go opposite ways, the worse end counts."""
     from .estimate import output_bytes, plan_context
 
     gpus, placed, split = placement_of(report, options, fitted)
@@ -252,17 +253,18 @@ def withheld(report: MemoryReport, info, options: LoadOptions, extra: list[dict]
         figure = report.total(device=dev)
         rounding = (3 + (len(extra) if dev == HOST else 0)) * MiB
         more = logits if dev == out_dev else 0
-        less = missing + mapped if dev == HOST else 0
-        if abs(more - less) + rounding <= SHOWN_WITHIN * figure:
+        less = missing if dev == HOST else 0
+        twice = mapped if dev == HOST else 0  # (at most: the mapping spans what llama-server keeps on the host)
+        if max(abs(more - less), abs(more - less - twice)) + rounding <= SHOWN_WITHIN * figure:
             continue
         if more and more >= rounding:
             return (f"llama-fit-params reserves its graph for {rows} more output rows than llama-server (which "
                     f"reserves one per slot): {format_bytes(more)} of its {format_bytes(figure)} on {dev} is the "
                     "logits and the last layer's work for them")
-        if mapped and mapped >= rounding:
-            return (f"llama-server maps the model file, so its host weights hold the {format_bytes(mapped)} the CPU "
-                    f"repacks twice (mapped and repacked); the tool counts them once, in its {format_bytes(figure)} "
-                    f"on {dev}")
+        if twice and twice >= rounding:
+            return (f"llama-server maps the model file, so its host weights can hold the {format_bytes(twice)} the "
+                    f"CPU repacks twice (mapped and repacked); the tool counts them once, in its "
+                    f"{format_bytes(figure)} on {dev}")
         if less and less >= rounding:
             return (f"it leaves out the output buffer, {format_bytes(less)} of llama-server's memory on {dev}, where "
                     f"its figure is {format_bytes(figure)}")
@@ -273,8 +275,8 @@ def withheld(report: MemoryReport, info, options: LoadOptions, extra: list[dict]
                                "rows (their logits, and the last layer's work for them) that llama-server does not "
                                "reserve")
     if mapped >= MiB:
-        report.warnings.append(f"llama-server's mapping of the model file also holds the {format_bytes(mapped)} of "
-                               "weights the CPU repacks, which this counts once")
+        report.warnings.append(f"llama-server's mapping of the model file can also hold (some of) the "
+                               f"{format_bytes(mapped)} of weights the CPU repacks, which this counts once")
     return None
 
 

@@ -182,12 +182,16 @@ REPACK = [{"kind": "buffer_type", "name": "CPU_REPACK", "model": 100, "context":
     # weights the CPU repacks, with the file mapped: llama-server holds them twice
     ("deep", LoadOptions(num_ctx=2048, num_parallel=1), {"cpu": (101, 24, 40)}, REPACK, [], "maps the model file"),
     ("deep", LoadOptions(num_ctx=2048, num_parallel=1, use_mmap=False), {"cpu": (101, 24, 40)}, REPACK, [], None),
+    # logits over and repacked weights under do not cancel: how much of them the mapping holds
+    # is not known, so the worse end counts
+    ("vocab", LoadOptions(num_ctx=1024, num_parallel=1), {"cpu": (110, 6, 74)}, REPACK, [],
+     "more output rows than llama-server"),
     # a worker holding only the last layer and the output: its part of the graph peaks at the
     # rows the tool reserves and llama-server does not
     ("deep", LoadOptions(num_ctx=2048, num_parallel=1, rpc=("10.0.0.1:1", "10.0.0.2:1")),
-     {"cpu": (20, 8, 30), "rpc:10.0.0.1:1": (30, 8, 20), "rpc:10.0.0.2:1": (30, 8, 12)}, [],
+     {"cpu": (60, 8, 30), "rpc:10.0.0.1:1": (60, 8, 20), "rpc:10.0.0.2:1": (30, 8, 12)}, [],
      ["-c", "2048", "-ngl", "2", "-ts", "1,1"], "of its 50.0 MiB on rpc:10.0.0.2:1"),
-], ids=["logits", "shown", "rounding", "mapped", "not-mapped", "output-device"])
+], ids=["logits", "shown", "rounding", "mapped", "not-mapped", "no-cancelling", "output-device"])
 def test_the_projection_is_shown_only_where_it_describes_the_load(models, model, options, figures, extra, fitted,
                                                                   said):
     rep = _projection(**figures)
