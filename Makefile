@@ -12,7 +12,7 @@ comma  := ,
 PYSUM  := $(shell cksum < pyproject.toml | cut -d' ' -f1)
 STAMP  := $(VENV)/.installed-$(PYSUM)-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: lab test venv engine system-deps demo clean bench labext ui-deps ai-kernel
+.PHONY: lab test venv engine system-deps demo clean bench labext ui-deps ai-kernel hub-deps
 
 # The JupyterLab extension (TypeScript in labextension/, built into jupyter_llama/labextension/).
 LABEXT_DIR  := labextension
@@ -110,8 +110,18 @@ $(AI_STAMP): $(AI_REQS)
 
 ai-kernel: $(AI_STAMP)
 
+# JupyterHub's proxy, configurable-http-proxy, for tests/hub and bench/hub_fairness.py: from
+# the committed package-lock.json into tests/hub/node_modules (the tests skip without it).
+HUB_DIR := tests/hub
+$(HUB_DIR)/node_modules/.package-lock.json: $(HUB_DIR)/package-lock.json $(HUB_DIR)/package.json
+	@command -v npm >/dev/null 2>&1 || { echo "npm is missing: install Node.js (20 or newer) and npm"; exit 1; }
+	cd $(HUB_DIR) && npm ci --no-audit --no-fund
+	@touch $@
+
+hub-deps: $(HUB_DIR)/node_modules/.package-lock.json
+
 # pytest's exit code 5 means "no tests collected": that must fail, not pass.
-test: engine labext ui-deps ai-kernel
+test: engine labext ui-deps ai-kernel hub-deps
 	@JUPYTER_LLAMA_REQUIRE_ENGINE=1 JUPYTER_LLAMA_REQUIRE_UI=1 $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 

@@ -211,6 +211,10 @@ class UserBook:
         if seconds > 0:
             self.last_rate[model] = tokens / seconds
 
+    def requests_last_minute(self, user: str) -> int:
+        now = self.clock()
+        return sum(1 for t in self.recent.get(user, ()) if now - t < 60.0)
+
     def queue_depth(self) -> dict[str, int]:
         """Requests waiting per model (by name)."""
         out: collections.Counter[str] = collections.Counter()

@@ -371,6 +371,7 @@ class LlamaExtension(ExtensionApp):
         self.resolver = CachedResolver(self.store)
         self._scheduler_lock = None
         self.scheduler = None
+        self.hub = self._hub_settings()
         self._find_engine_and_build()
         # once the server listens (its URL is known) and its loop runs: export the URL for kernels
         IOLoop.current().add_callback(self.ensure_started)
@@ -390,6 +391,19 @@ class LlamaExtension(ExtensionApp):
         self.engine_error = None
         settings = self.scheduler_settings(self.engine.path)
         self.scheduler = self.scheduler_class(settings, resolver=self.resolver)
+        if self.hub is not None:  # one manager for a Hub's users: their quotas, their turns
+            self.scheduler.share(self.hub.quota_table)
+
+    # A JupyterHub service's settings (jupyter_llama.hub.settings.LlamaHub), when this server
+    # runs as one (`jupyter-llama serve` with the Hub's identity provider); else None.
+    hub = None
+
+    def _hub_settings(self):
+        if not getattr(getattr(self.serverapp, "identity_provider", None), "hub_service", False):
+            return None
+        from ..hub.settings import LlamaHub
+
+        return LlamaHub(parent=self)
 
     def initialize_handlers(self) -> None:
         from .handlers import default_handlers
@@ -402,7 +416,8 @@ class LlamaExtension(ExtensionApp):
             return
         self._started = True
         self.export_url()
-        self._write_local_key()
+        if self.hub is None:  # (a Hub's users are not this machine's user: no file path is theirs to name)
+            self._write_local_key()
         if self.scheduler is not None:
             self.scheduler.announce(self.url)  # known once the server listens
         self._activity_pc = PeriodicCallback(self._tick_activity, max(0.05, self.activity_interval) * 1000)

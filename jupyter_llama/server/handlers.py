@@ -176,6 +176,32 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
     def ext(self) -> "LlamaExtension":
         return self.extensionapp  # type: ignore[return-value]
 
+    @property
+    def who(self):
+        """The person behind this request on a manager shared through a JupyterHub (a
+        :class:`~jupyter_llama.scheduler.fairness.Who`: name, groups, admin); None on a
+        single user's manager, where every request is that user's."""
+        hub = self.ext.hub
+        if hub is None:
+            return None
+        cached = getattr(self, "_who", None)
+        if cached is None:
+            user = self.current_user
+            if user is None:
+                raise web.HTTPError(403)
+            cached = self._who = hub.who(user.username, getattr(user, "groups", ()), getattr(user, "hub_admin", False))
+        return cached
+
+    def check_xsrf_cookie(self) -> None:
+        """jupyter_server's XSRF check, made once the user is known (in ``prepare``), never
+        before: Tornado asks for it before ``prepare`` too, when jupyter_server's own check
+        waits, but a JupyterHub service's check (which JupyterHub's HubOAuth puts in
+        jupyter_server's place) would refuse a token-authenticated POST there, before the
+        token was read."""
+        if not hasattr(self, "_jupyter_current_user"):
+            return None
+        return super().check_xsrf_cookie()
+
     async def prepare(self):
         # Anthropic's clients send their key as x-api-key: it is the Jupyter token, as a Bearer would be.
         key = self.request.headers.get("x-api-key")
@@ -248,7 +274,10 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             self.set_header("Allow", ", ".join(allowed))
             message = (f"{self.request.method} is not a method of {self.request.path}: "
                        f"use {' or '.join(allowed)}" if allowed else message)
-        if status_code == 403 and not self._authenticated() and not self.check_host():
+        refused = getattr(self, "_llama_refused", None)  # (the Hub knows the user, who may not use this service)
+        if status_code == 403 and refused:
+            message = refused
+        elif status_code == 403 and not self._authenticated() and not self.check_host():
             host = "".join(ch for ch in self.request.host[:200] if ch.isprintable())
             message = (f'forbidden: the Host header named "{host}", a host this Jupyter server does not allow (it '
                        "answers only to local names, against DNS rebinding). To reach it by that name (behind a "
@@ -262,6 +291,11 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             message = ("not authenticated: send the Jupyter server's token as 'Authorization: Bearer TOKEN' "
                        "(or 'token TOKEN'); kernels started by the server have it in JUPYTER_LLAMA_TOKEN, "
                        "OLLAMA_API_KEY, OPENAI_API_KEY and ANTHROPIC_API_KEY (sent as x-api-key)")
+            if self.ext.hub is not None:
+                message = ("not authenticated: this is a JupyterHub service; send your JupyterHub API token as "
+                           "'Authorization: Bearer TOKEN' (your server's kernels have it in JUPYTER_LLAMA_TOKEN, "
+                           "OLLAMA_API_KEY and OPENAI_API_KEY; the Hub's token page makes one), or open "
+                           f"{self.base_url}login in a browser")
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(self.error_payload(status_code, message)))
 
@@ -401,7 +435,7 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             oa.check_capabilities(name, ref, [n for n in needs if n != "vision"])
         self._acquiring = True
         try:
-            lease = await sched.acquire(name, options, keep_alive)
+            lease = await sched.acquire(name, options, keep_alive, user=self.who)
         finally:
             self._acquiring = False
         if self._gone:
@@ -1212,6 +1246,34 @@ class UnknownRouteHandler(LlamaHandler):
         await self.prepare_route(path)
 
 
+class MeHandler(LlamaHandler):
+    """``GET api/me`` (ours): who this request is, as this manager sees them. On a manager
+    shared through a JupyterHub: their groups, whether they administer it, the namespace of
+    their own models, their quota, their requests now and in the last minute, and the models
+    their requests loaded. On a single user's manager: ``shared`` false."""
+
+    counts_as_activity = False
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def get(self):
+        who = self.who
+        if who is None:
+            self.finish_json({"name": self.current_user.username, "shared": False})
+            return
+        sched = self.ext.scheduler
+        book = sched.users if sched is not None else None
+        body = {"name": who.name, "groups": list(who.groups), "admin": who.admin, "shared": True,
+                "namespace": self.ext.hub.namespace(who), "user_models": self.ext.hub.user_models,
+                "quota": self.ext.hub.who_quota(who).to_dict(),
+                "in_flight": book.in_flight.get(who.name, 0) if book else 0,
+                "waiting": book.waiting_by_user().get(who.name, 0) if book else 0,
+                "requests_last_minute": book.requests_last_minute(who.name) if book else 0,
+                "models": sorted(lo.name for lo in sched.live() if lo.loaded_by == who.name) if sched else []}
+        self.finish(dumps(body))
+
+
 class DevicesHandler(LlamaHandler):
     counts_as_activity = False
 
@@ -1365,6 +1427,7 @@ def default_handlers() -> list[tuple]:
         (p + r"/api/create", CreateHandler),
         (p + r"/api/blobs/(?P<digest>[^/]+)", BlobHandler),
         (p + r"/api/version", VersionHandler),
+        (p + r"/api/me", MeHandler),
         (p + r"/api/devices", DevicesHandler),
         (p + r"/api/estimate", EstimateHandler),
         (p + r"/api/log", LogHandler),

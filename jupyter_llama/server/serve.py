@@ -9,6 +9,13 @@ jupyter_server's own services but the login (:func:`manager_server_app`): its to
 this API and nothing else. Ollama clients point at ``http://<ip>:<port>/llama`` with the header
 ``Authorization: token <token>``; OpenAI clients at ``http://<ip>:<port>/llama/v1`` with
 the token as API key. Ctrl-C and SIGTERM stop every model runner before the server exits.
+
+Run by a JupyterHub (a managed service), or beside one with the Hub's service variables set
+(an external service), it is one manager for every user of the Hub (:mod:`jupyter_llama.hub`,
+docs/hub.md): where it listens and its URL prefix come from the Hub's ``JUPYTERHUB_SERVICE_URL``
+and ``JUPYTERHUB_SERVICE_PREFIX``, every request is authenticated with the Hub (users send
+their own Hub tokens; the server has no token of its own), and ``--config FILE`` holds the
+admin's ``c.LlamaHub`` settings (quotas, admins). ``--hub``/``--no-hub`` override the guess.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jupyter-llama serve",
                                 description="Serve the jupyter-llama API (Ollama- and OpenAI-compatible) "
                                             "from a Jupyter server with only this extension.")
-    p.add_argument("--ip", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--ip", default=None,
+                   help="address to listen on (default 127.0.0.1; as a Hub service, the host of JUPYTERHUB_SERVICE_URL)")
     p.add_argument("--port", type=_port, default=None,
                    help="port (default: jupyter_server's, 8888, or the next free; 0: any free one)")
     p.add_argument("--token", default=None,
@@ -47,7 +55,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-when-idle", type=_seconds, default=None, metavar="SECONDS",
                    help="exit once no model is loaded and no request has come for this long (the background "
                         "manager's way of going away by itself)")
+    hub = p.add_mutually_exclusive_group()
+    hub.add_argument("--hub", dest="hub", action="store_true", default=None,
+                     help="run as a JupyterHub service (the default when the Hub's service variables are set: "
+                          "JUPYTERHUB_API_TOKEN, JUPYTERHUB_API_URL, JUPYTERHUB_SERVICE_PREFIX; docs/hub.md)")
+    hub.add_argument("--no-hub", dest="hub", action="store_false",
+                     help="do not run as a JupyterHub service, whatever the environment says")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a Jupyter config file (Python or JSON) for this server: c.LlamaExtension and, as a Hub "
+                        "service, c.LlamaHub (quotas, admins)")
     return p
+
+
+def hub_mode(args: argparse.Namespace) -> bool:
+    """Whether ``serve`` runs as a JupyterHub service: ``--hub``/``--no-hub``, else the environment's say."""
+    from ..hub import service_environment
+
+    return service_environment() if args.hub is None else bool(args.hub)
+
+
+def hub_argv() -> list[str]:
+    """The ServerApp command line of a JupyterHub service: where to listen and the URL prefix
+    from the Hub's variables (as the Hub's own single-user servers read them), the Hub's
+    authentication, and the proxy's headers trusted (requests come through it)."""
+    from urllib.parse import urlsplit
+
+    argv = ["--ServerApp.identity_provider_class=jupyter_llama.hub.identity.HubIdentityProvider",
+            f"--ServerApp.base_url={os.environ.get('JUPYTERHUB_SERVICE_PREFIX') or '/'}",
+            "--ServerApp.allow_remote_access=True", "--ServerApp.trust_xheaders=True", "--ServerApp.port_retries=0"]
+    url = urlsplit(os.environ.get("JUPYTERHUB_SERVICE_URL") or "")
+    if url.hostname:
+        argv.append(f"--ServerApp.ip={url.hostname}")
+    if url.port:
+        argv.append(f"--ServerApp.port={url.port}")
+    return argv
 
 
 def _port(text: str) -> int:
@@ -74,14 +115,22 @@ def _seconds(text: str) -> float:
 
 def server_argv(args: argparse.Namespace) -> list[str]:
     """The ServerApp command line for parsed ``serve`` arguments (config files still apply below it)."""
-    argv = [f"--ServerApp.ip={args.ip}", "--ServerApp.open_browser=False", "--ServerApp.answer_yes=True",
-            "--ServerApp.identity_provider_class=jupyter_llama.server.identity.ApiTokenIdentityProvider",
+    hub = hub_mode(args)
+    argv = ["--ServerApp.open_browser=False", "--ServerApp.answer_yes=True"]
+    argv += hub_argv() if hub else [
+        f"--ServerApp.ip={args.ip or '127.0.0.1'}",
+        "--ServerApp.identity_provider_class=jupyter_llama.server.identity.ApiTokenIdentityProvider"]
+    argv += [
             # the extension is all this server serves: one that cannot start (a setting it cannot
             # read) stops it, with its sentence, rather than leaving a server that answers 404
             "--ServerApp.reraise_server_extension_failures=True"]
+    if hub and args.ip:  # (given: it wins over the Hub's)
+        argv.append(f"--ServerApp.ip={args.ip}")
+    if args.config:
+        argv.append(f"--config={args.config}")
     if args.port is not None:
         argv.append(f"--ServerApp.port={args.port}")
-    if args.token is not None:
+    if args.token is not None and not hub:
         argv.append(f"--IdentityProvider.token={args.token}")
     if args.base_url:
         argv.append(f"--ServerApp.base_url={args.base_url}")
@@ -249,6 +298,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jupyter-llama serve: {e}", file=sys.stderr)
         return 2
+    hub = hub_mode(args)
+    if hub:
+        from ..hub import SERVICE_VARIABLES, hub_missing, service_environment
+
+        problem = hub_missing()
+        if problem is None and not service_environment({**os.environ, "JUPYTERHUB_USER": ""}):
+            problem = ("--hub needs the Hub's service variables: " + ", ".join(SERVICE_VARIABLES) +
+                       " (the Hub sets them for a service it runs; docs/hub.md says what an external one needs)")
+        if problem is None and args.token is not None:
+            problem = "--token has no use as a Hub service: every user sends their own Hub token"
+        if problem is not None:
+            print(f"jupyter-llama serve: {problem}", file=sys.stderr)
+            return 2
     loop_name = use_fast_loop()
     try:
         app = make_server(args=args)
@@ -262,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   errno.EACCES: "a port below 1024 needs privileges: give another --port"}.get(
             e.errno, "give --ip an address of this machine (127.0.0.1, the default, for this machine alone; "
                      "0.0.0.0 for every interface)")
-        print(f"jupyter-llama serve: cannot listen on {args.ip}{f' port {args.port}' if args.port else ''}: "
+        print(f"jupyter-llama serve: cannot listen on {args.ip or 'the address asked for'}"
+              f"{f' port {args.port}' if args.port else ''}: "
               f"{getattr(e, 'strerror', None) or e}; {advice}", file=sys.stderr)
         return 1
     if hasattr(os, "geteuid") and os.geteuid() == 0 and not app.allow_root:
@@ -277,6 +340,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     url = app.connection_url.rstrip("/") + "/llama"
     token = app.identity_provider.token
     app.log.info("jupyter-llama %s serving %s (event loop: %s)", __version__, url, loop_name)
+    if hub:
+        app.log.info("  as the JupyterHub service %s: users send their own Hub API tokens (kernels of servers the "
+                     "Hub starts have one in JUPYTER_LLAMA_TOKEN with jupyter_llama.hub.spawner's settings)",
+                     os.environ.get("JUPYTERHUB_SERVICE_NAME") or os.environ.get("JUPYTERHUB_SERVICE_PREFIX"))
+        return _run(app, args)
     # A token made for this run is shown, so that a person can use it; one given to us
     # (--token, JUPYTER_TOKEN) is the user's secret and stays out of the log.
     shown = token if getattr(app.identity_provider, "token_generated", False) else "<your token>"
@@ -286,6 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                  url, key, key)
     app.log.info("  OpenAI clients: OPENAI_BASE_URL=%s/v1 OPENAI_API_KEY=%s", url, key)
     app.log.info("  Anthropic clients: ANTHROPIC_BASE_URL=%s ANTHROPIC_API_KEY=%s", url, key)
+    return _run(app, args)
+
+
+def _run(app, args: argparse.Namespace) -> int:
+    """Start the server and serve until it stops; every child stopped however it ends."""
     if args.exit_when_idle is not None:
         _exit_when_idle(app, args.exit_when_idle)
     # What is built by now (jupyter_server, Tornado, the extension: ~200,000 objects) lives as
