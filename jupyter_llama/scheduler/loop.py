@@ -433,8 +433,11 @@ class Scheduler:
                again: tuple | None = None, user: Who | None = None) -> Lease:
         if ref is not None and ref.name != lo.ref.name:  # the same file under another name: ps says so
             lo.also_as.add(ref.name)
-        if keep_alive is not None:
-            lo.keep_alive = keep_alive  # a request's own value overrides the runner's
+        if keep_alive is not None and (user is None or self.users is None or user.admin
+                                       or lo.loaded_by in (None, user.name)):
+            # A request's own value overrides the runner's; on a shared manager, only its
+            # loader's (or an admin's): another person's keep_alive 0 does not unload it.
+            lo.keep_alive = keep_alive
         if lo.timer:
             lo.timer.cancel()
             lo.timer = None
@@ -734,7 +737,8 @@ class Scheduler:
         actual = lo.actual
         self.events.emit(EventKind.LOADED, ref.name, _loaded_message(lo, actual), load_seconds=round(lo.load_duration, 3),
                          pid=lo.runner.pid, predicted={k: v.total() for k, v in preds.items()},
-                         actual=actual.to_dict() if actual else None)
+                         actual=actual.to_dict() if actual else None,
+                         **({"user": lo.loaded_by} if lo.loaded_by else {}))
         published = asyncio.ensure_future(self._publish())  # (on the board's thread, while the budgets are checked)
         try:
             try:
@@ -796,7 +800,7 @@ class Scheduler:
         self.events.emit(EventKind.LOAD, lo.name, f"starting llama-server for {lo.name}"
                          f" (context {lo.options.total_ctx or 'automatic'}, "
                          f"num_gpu {'automatic' if lo.options.num_gpu is None else lo.options.num_gpu})",
-                         options=lo.options.to_dict())
+                         options=lo.options.to_dict(), **({"user": lo.loaded_by} if lo.loaded_by else {}))
         t0 = time.monotonic()
         await r.start()
         lo.load_duration = time.monotonic() - t0

@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.utils import url_path_join
 from tornado.ioloop import IOLoop, PeriodicCallback
-from traitlets import Bool, Float, Int, Type, Undefined, Unicode, validate
+from traitlets import Bool, Float, Int, Type, Undefined, Unicode, default, validate
 
 from .. import config
 from .._version import __version__
@@ -354,10 +354,30 @@ class LlamaExtension(ExtensionApp):
         except (ConfigError, ValueError) as e:
             raise ConfigError(f"LlamaExtension settings: {e}") from None
 
+    shared_url = Unicode(
+        help="A shared jupyter-llama manager this server defers to (a JupyterHub service's API URL): its "
+             "llama/ routes relay there with the user's token (JUPYTER_LLAMA_TOKEN, else JUPYTERHUB_API_TOKEN), "
+             "and no model runs here. Default: JUPYTER_LLAMA_URL in a JupyterHub user's server (JUPYTERHUB_USER "
+             "set), which jupyter_llama.hub.spawner sets; else empty (this server is its own manager).",
+    ).tag(config=True)
+
+    @default("shared_url")
+    def _shared_url_from_hub(self) -> str:
+        if getattr(self.serverapp, "is_llama_manager", False):  # `serve` is a manager: it defers to none
+            return ""
+        if os.environ.get("JUPYTERHUB_USER") and os.environ.get(URL_ENV):
+            return os.environ[URL_ENV]
+        return ""
+
     # ------------------------------------------------------------------ server hooks
 
     def initialize_settings(self) -> None:
         from ..models.store import ModelStore
+
+        if self.shared_url:  # a Hub user's server: the shared manager is theirs (jupyter_llama.hub.relay)
+            self.log.info("jupyter-llama %s: no manager here; llama/ relays to the shared one at %s", __version__,
+                          self.shared_url)
+            return
 
         self.store = ModelStore(self.models_dir or None, path_folders=path_folders(self.model_paths))
         for name in ("max_request_size", "max_upload_size"):  # (every request, or upload, would be too large)
@@ -406,6 +426,11 @@ class LlamaExtension(ExtensionApp):
         return LlamaHub(parent=self)
 
     def initialize_handlers(self) -> None:
+        if self.shared_url:
+            from ..hub.relay import relay_handlers
+
+            self.handlers.extend(relay_handlers())
+            return
         from .handlers import default_handlers
 
         self.handlers.extend(default_handlers())

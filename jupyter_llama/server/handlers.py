@@ -74,6 +74,7 @@ from ..models.names import plainly_a_path, same_model
 from ..models.store import LOCAL_KEY_FILE_HEADER, LOCAL_KEY_HEADER, PathNotAllowed, local_caller
 from ..models.pull import PullError, derive_name, pull_stream
 from ..scheduler import BadRequest, ModelNotFound, SchedulerError
+from ..scheduler.fairness import Forbidden
 
 if TYPE_CHECKING:
     from .app import LlamaExtension
@@ -216,13 +217,79 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
 
     # ------------------------------------------------------------------ bodies
 
-    def json_body(self) -> dict:
+    def json_body(self, names: tuple[str, ...] = ("model", "name", "source", "from")) -> dict:
         body = self.request.body or b""
         limit = self.ext.max_request_size
         if len(body) > limit:
             raise PayloadTooLarge(f"request body of {len(body):,} bytes is larger than the limit of {limit:,} bytes "
                                   "(LlamaExtension.max_request_size)")
-        return oa.parse_body(body)
+        parsed = oa.parse_body(body)
+        for key in names:  # (on a shared manager: another person's own model is not there for this one)
+            value = parsed.get(key) if isinstance(parsed, dict) else None
+            if isinstance(value, str):
+                self.check_visible(value.strip())
+        return parsed
+
+    # ------------------------------------------------------------------ a shared manager's people
+
+    def check_visible(self, name: str) -> None:
+        """On a shared manager: a 404 for a model that is another person's own (as if it were
+        not there: its name says nothing to anyone else)."""
+        who = self.who
+        if who is not None and name and not self.ext.hub.may_see(who, name):
+            raise ModelNotFound(name)
+
+    def check_write(self, name: str, what: str) -> None:
+        """On a shared manager: a 403 unless this person may change ``name`` (their own model,
+        or anything for an admin)."""
+        who = self.who
+        if who is None:
+            return
+        refusal = self.ext.hub.write_refusal(who, name, what)
+        if refusal is not None:
+            raise Forbidden(refusal)
+
+    def check_admin(self, what: str) -> None:
+        who = self.who
+        if who is not None and not who.admin:
+            raise Forbidden(f"only this service's admins may {what}")
+
+    def visible(self, name: str) -> bool:
+        who = self.who
+        return who is None or self.ext.hub.may_see(who, name)
+
+    def people(self, lo) -> dict:
+        """Who loaded, holds and has used the loaded model ``lo``, as this person may see it:
+        everyone to an admin; to anyone else, themselves and how many others."""
+        who = self.who
+        if who is None:
+            return {}
+        sched = self.ext.scheduler
+        gate = sched.users.gates.get(lo.ref.key) if sched is not None and sched.users is not None else None
+        waiting = dict(gate.waiting) if gate is not None else {}
+        if who.admin:
+            return {"loaded_by": lo.loaded_by, "users": dict(lo.users), "used_by": sorted(lo.used_by),
+                    "waiting": {u: len(q) for u, q in waiting.items()}}
+        others = (set(lo.used_by) | set(lo.users) | set(waiting)) - {who.name}
+        return {"loaded_by": lo.loaded_by if lo.loaded_by == who.name else None,
+                "users": {who.name: lo.users[who.name]} if lo.users.get(who.name) else {},
+                "used_by": [who.name] if who.name in lo.used_by else [],
+                "waiting": {who.name: len(waiting[who.name])} if waiting.get(who.name) else {},
+                "other_users": len(others)}
+
+    def event_for(self, e) -> dict | None:
+        """An event as this person may see it: None for one about another person's own model;
+        another person's name in it is left out (an admin sees everything)."""
+        d = e.to_dict()
+        who = self.who
+        if who is None or who.admin:
+            return d
+        if e.model and not self.ext.hub.may_see(who, e.model):
+            return None
+        user = d.get("data", {}).get("user")
+        if user is not None and user != who.name:
+            d["data"] = {**d["data"], "user": None}
+        return d
 
     def finish_json(self, obj, status: int = 200):
         self.set_status(status)
@@ -441,7 +508,22 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         if self._gone:
             lease.release()
             raise ClientGone()
+        self._leased_name = lease.loaded.name
         return lease
+
+    def count_tokens(self, final: dict | None) -> None:
+        """A shared manager counts each answer's generated tokens and their time (its /metrics),
+        from the last chunk's ``eval_count`` and ``eval_duration`` (nanoseconds), or an OpenAI
+        answer's ``timings``."""
+        sched = self.ext.scheduler
+        if sched is None or sched.users is None or not isinstance(final, dict):
+            return
+        timings = final.get("timings") if isinstance(final.get("timings"), dict) else None
+        if timings is not None:
+            n, seconds = int(timings.get("predicted_n") or 0), float(timings.get("predicted_ms") or 0) / 1000
+        else:
+            n, seconds = int(final.get("eval_count") or 0), float(final.get("eval_duration") or 0) / 1e9
+        sched.users.record_tokens(getattr(self, "_leased_name", None) or str(final.get("model")), self.who, n, seconds)
 
     async def relay(self, start, translator, stream: bool, complete=None) -> None:
         """Run ``start(on_data)`` (a runner's relay of a child's stream) with each event through
@@ -459,6 +541,7 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             answer = translator.combined()
             if complete is not None and translator.final is not None:
                 await complete(answer)
+            self.count_tokens(answer)
             self.finish_json(answer)
             return
         self.start_stream(NDJSON)
@@ -485,6 +568,7 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         if complete is not None and translator.final is not None:
             await complete(translator.final)
             last.append(ndjson(translator.final))
+        self.count_tokens(translator.final)
         self.end_stream(NDJSON, b"".join(last))
 
 
@@ -577,6 +661,15 @@ class GenerateHandler(LlamaHandler):
 async def _unload(handler: LlamaHandler, name: str) -> None:
     sched = await handler.ext.get_scheduler()
     await sched.resolver(name)  # 404 for a model that does not exist
+    who = handler.who
+    if who is not None and not who.admin:  # (a shared manager: a person stops only what is theirs alone)
+        lo = await sched.find_loaded(name)
+        if lo is not None:
+            others = set(lo.users) - {who.name}
+            if lo.loaded_by not in (None, who.name) or others:
+                raise Forbidden(f"{who.name} may not unload {name}: " + (
+                    "other users are using it now" if others else "another user's request loaded it") +
+                    "; it unloads by itself once idle for its keep_alive")
     await sched.unload(name, reason="unloaded on request (keep_alive 0)")
 
 
@@ -660,7 +753,12 @@ class PsHandler(LlamaHandler):
         if sched is not None:
             now = time.time()
             for lo in sched.live():
-                models.append(oa.ps_model(lo.info(), lo.ref.info, now, projector=lo.ref.projector_family))
+                if not self.visible(lo.name):
+                    continue
+                model = oa.ps_model(lo.info(), lo.ref.info, now, projector=lo.ref.projector_family) | self.people(lo)
+                if isinstance(model.get("also_as"), list):  # (its other names: another person's own is not there)
+                    model["also_as"] = [n for n in model["also_as"] if self.visible(n)]
+                models.append(model)
         self.finish(dumps(oa.ps_body(models)))
 
 
@@ -672,7 +770,7 @@ class TagsHandler(LlamaHandler):
     @api_method
     async def get(self):
         entries = await asyncio.to_thread(self.ext.store.list)
-        self.finish(dumps(oa.tags_body(entries)))
+        self.finish(dumps(oa.tags_body([e for e in entries if self.visible(e.display)])))
 
     async def head(self):  # (as Ollama answers it: some clients probe the server so)
         await self.get()
@@ -698,7 +796,13 @@ class PullHandler(LlamaHandler):
     @authorized
     @api_method
     async def post(self):
-        req = oa.parse_pull(self.json_body())
+        req = oa.parse_pull(self.json_body(names=()))  # (its model is a source, not a name here)
+        if self.who is not None:
+            try:
+                dest = derive_name(req.source, req.name).display
+            except PullError as e:
+                raise BadRequest(str(e)) from None
+            self.check_write(dest, "pull")
         with self.ext.work():
             await self.cancellable(self._pull(req))
 
@@ -741,6 +845,7 @@ class CopyHandler(LlamaHandler):
     @api_method
     async def post(self):
         src, dst = oa.parse_copy(self.json_body())
+        self.check_write(dst, "copy to")
         await asyncio.to_thread(self.ext.store.copy, src, dst)
         await self.ext.name_changed(dst)
         self.finish_json({"status": "success"})
@@ -753,6 +858,7 @@ class PruneHandler(LlamaHandler):
     @authorized
     @api_method
     async def post(self):
+        self.check_admin("prune the store")
         removed = await asyncio.to_thread(self.ext.store.prune_partials)
         self.finish_json({"removed": removed, "freed": sum(r["bytes"] for r in removed)})
 
@@ -763,6 +869,7 @@ class DeleteHandler(LlamaHandler):
     @api_method
     async def delete(self):
         name = oa.parse_delete(self.json_body())
+        self.check_write(name, "delete")
         sched = self.ext.scheduler
 
         async def unload_first(ref) -> None:
@@ -786,6 +893,7 @@ class CreateHandler(LlamaHandler):
     @api_method
     async def post(self):
         req = oa.parse_create(self.json_body())
+        self.check_write(req.model, "create")
         with self.ext.work():
             await self.cancellable(self._create(req))
 
@@ -855,6 +963,9 @@ class BlobHandler(LlamaHandler):
         if not self.authorizer.is_authorized(self, self.current_user, "write", AUTH_RESOURCE):
             raise web.HTTPError(403, "not allowed to upload blobs")
         try:
+            who = self.who
+            if who is not None and not who.admin and not self.ext.hub.user_models:
+                raise Forbidden(f"{who.name} may not upload model files: this service keeps no models of users' own")
             hexd = self._digest()
             limit = self.ext.max_upload_size
             length = self.request.headers.get("Content-Length")
@@ -1008,6 +1119,7 @@ class OpenAIHandler(LlamaHandler):
                     res["model"] = req.model  # the name asked for, as OpenAI and Ollama answer
                 if mend is not None:
                     mend.answer(res)
+                self.count_tokens(res)
                 self.finish_json(res)
                 return
             self.start_stream(SSE)
@@ -1138,7 +1250,7 @@ class OpenAIModelsHandler(OpenAIHandler):
     @api_method
     async def get(self, model: str | None = None):
         entries = await asyncio.to_thread(self.ext.store.list)
-        body = oai.models_body(entries)
+        body = oai.models_body([e for e in entries if self.visible(e.display)])
         if model is None:
             self.finish_json(body)
             return
@@ -1246,6 +1358,25 @@ class UnknownRouteHandler(LlamaHandler):
         await self.prepare_route(path)
 
 
+class MetricsHandler(LlamaHandler):
+    """``GET metrics`` (ours): Prometheus's text format (jupyter_llama.hub.metrics). On a manager
+    shared through a JupyterHub, for its admins only (the numbers are everyone's): a Prometheus
+    scrapes it with an admin's token."""
+
+    counts_as_activity = False
+
+    @web.authenticated
+    @authorized
+    @api_method
+    async def get(self):
+        from ..hub.metrics import CONTENT_TYPE, render, snapshot
+
+        self.check_admin("read the metrics of every user (a Prometheus scrapes them with an admin's token)")
+        sched = self.ext.scheduler
+        snap = snapshot(sched) if sched is not None else {"models": [], "pending": 0, "evictions": {}, "users": None}
+        self.finish(render(snap), set_content_type=CONTENT_TYPE)
+
+
 class MeHandler(LlamaHandler):
     """``GET api/me`` (ours): who this request is, as this manager sees them. On a manager
     shared through a JupyterHub: their groups, whether they administer it, the namespace of
@@ -1292,7 +1423,8 @@ class DevicesHandler(LlamaHandler):
             inv = await sched.inventory()  # under the scheduler's budgets
             usage = sched.usage()
             loaded = [{"name": lo.name, "state": lo.state, "source": lo.charge.source,
-                       "by_device": lo.charge.by_device()} for lo in sched.live()]
+                       "by_device": lo.charge.by_device()} | self.people(lo) for lo in sched.live()
+                      if self.visible(lo.name)]
         body = inv.to_dict()
         if sched is not None:  # what a new model may still use on each device: the scheduler's own figure
             room = sched.available(inv, usage)
@@ -1316,6 +1448,7 @@ class LogHandler(LlamaHandler):
         model = self.get_argument("model", "").strip()
         if not model:
             raise BadRequest("say which model's log to show: ?model=NAME (ps lists the loaded ones)")
+        self.check_visible(model)
         try:
             lines = int(self.get_argument("lines", "200") or 200)
         except ValueError:
@@ -1382,10 +1515,13 @@ class EventsHandler(LlamaHandler):
         except ValueError:
             raise BadRequest("since and limit must be whole numbers") from None
         stream = self.get_argument("stream", "0").lower() in ("1", "true", "yes")
+        if model:
+            self.check_visible(model)
         sched = self.ext.scheduler
         if not stream:
             events = sched.events.recent(model, limit, since) if sched is not None else []
-            self.finish(dumps({"events": [e.to_dict() for e in events]}))
+            shown = [d for d in map(self.event_for, events) if d is not None]
+            self.finish(dumps({"events": shown}))
             return
         sched = await self.ext.get_scheduler()
         await self.cancellable(self._follow(sched, model, since, limit))
@@ -1395,7 +1531,9 @@ class EventsHandler(LlamaHandler):
             self.start_stream(NDJSON)
             last = since
             for e in sched.events.recent(model, limit, since):
-                await self.send(ndjson(_finite(e.to_dict())))
+                d = self.event_for(e)
+                if d is not None:
+                    await self.send(ndjson(_finite(d)))
                 last = e.seq
             await self.send(b"")  # headers out now, even with no history
             while True:
@@ -1403,7 +1541,9 @@ class EventsHandler(LlamaHandler):
                 if e.seq <= last or not e.concerns(model):
                     continue
                 last = e.seq
-                await self.send(ndjson(_finite(e.to_dict())))
+                d = self.event_for(e)
+                if d is not None:
+                    await self.send(ndjson(_finite(d)))
 
 
 # ============================================================================ routes
@@ -1428,6 +1568,7 @@ def default_handlers() -> list[tuple]:
         (p + r"/api/blobs/(?P<digest>[^/]+)", BlobHandler),
         (p + r"/api/version", VersionHandler),
         (p + r"/api/me", MeHandler),
+        (p + r"/metrics", MetricsHandler),
         (p + r"/api/devices", DevicesHandler),
         (p + r"/api/estimate", EstimateHandler),
         (p + r"/api/log", LogHandler),

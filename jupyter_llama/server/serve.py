@@ -156,6 +156,7 @@ def manager_server_app():
 
     class LlamaServeApp(ServerApp):
         default_services = ("auth",)
+        is_llama_manager = True  # (a manager, never a relay to another: LlamaExtension.shared_url)
 
         @default("no_browser_open_file")
         def _no_open_file(self) -> bool:  # (no page to open: no jpserver-*-open.html, which holds the token)

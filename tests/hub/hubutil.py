@@ -159,6 +159,16 @@ c.JupyterHub.services = [
       "environment": {env!r}, "oauth_no_confirm": True}},
     {{"name": "suite", "api_token": {suite_token!r}}},
 ]
+# users' servers: run as this user (no system users), from this environment, pointed at the
+# service by the package's own spawner settings (jupyter_llama.hub.spawner)
+c.JupyterHub.spawner_class = "simple"
+c.SimpleLocalProcessSpawner.home_dir_template = {str(root / 'homes' / '{username}')!r}
+c.Spawner.cmd = [{str(Path(sys.executable).parent / 'jupyterhub-singleuser')!r}]
+c.Spawner.args = {(["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])!r}
+c.Spawner.start_timeout = 120
+c.Spawner.http_timeout = 120
+from jupyter_llama.hub.spawner import configure
+configure(c, url="http://127.0.0.1:{port}/services/{SERVICE}/")
 c.JupyterHub.load_roles = [
     {{"name": "user", "scopes": ["self", "access:services!service={SERVICE}"]}},
     {{"name": "suite", "scopes": ["admin:users", "admin:groups", "tokens", "admin:servers", "access:servers",
