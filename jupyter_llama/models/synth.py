@@ -1,8 +1,28 @@
-"""Deterministic synthetic llama-architecture GGUF models.
+"""Deterministic synthetic GGUF models of the architecture families Ollama users run.
 
 ``write_synthetic(path, SynthShape(...))`` writes a small (or not so small) model with
 random weights that llama.cpp's ``llama-server`` loads and answers with text. Same
 shape and seed, same bytes.
+
+Families (``SynthShape.arch``; :data:`FAMILIES` has a small shape of each):
+
+* ``llama``: the default; attention (grouped-query) and a gated feed-forward.
+* ``qwen3``: llama plus RMS norms on Q and K per head, and a head size (``key_length``)
+  unlike ``embd / heads`` (by default twice it, as in Qwen3).
+* ``gemma3``: sliding-window attention on most layers (``sliding_window``; every sixth layer
+  and the last keep the whole context), a head size unlike ``embd / heads``, norms after
+  attention and after the feed-forward, and the output layer tied to the token embedding
+  (no ``output.weight``).
+* ``qwen3moe``: qwen3's attention, and a mixture of ``experts`` feed-forward experts per
+  layer of which a router picks ``experts_used`` per token (``ffn_*_exps`` tensors,
+  ``expert_ff`` wide).
+* ``lfm2``: a hybrid recurrent model: most layers are short convolutions that keep a small
+  recurrent state per sequence (``shortconv``, a window of 3) instead of a KV cache; every
+  third layer is attention.
+* ``deepseek2``: DeepSeek's multi-head latent attention (MLA): keys and values are cached
+  compressed, one ``kv_lora_rank + rope_dim`` row per token whatever the number of heads,
+  and expanded per head by ``attn_k_b`` / ``attn_v_b``; queries go through a low-rank
+  ``q_lora_rank`` projection.
 
 How it stays usable with random weights
 ---------------------------------------
@@ -19,6 +39,11 @@ How it stays usable with random weights
   negative weight there. Those tokens sit hundreds of logits below the plain pieces
   and are never sampled; the model only ever emits whole ASCII pieces (valid UTF-8).
   Generation ends at ``n_predict``/``max_tokens`` or the context size, not at EOS.
+* With a tied output layer (gemma3) the token embedding is also the output layer, so the
+  channel is carried by the sign of element 0: plain pieces have ``+sqrt(E)``, control and byte
+  tokens ``-sqrt(E)``. A prompt that ends in a plain piece then never samples a control or
+  byte token; so that chat prompts (which end in a newline) do too, such a vocabulary has a
+  plain ``"\n"`` piece, and the newline is never a byte token.
 * ``tokenizer.chat_template`` is a small ChatML template, so ``/v1/chat/completions``
   works; ``<|im_end|>`` is recognised by llama.cpp as an end-of-generation token.
 * ``template="tools"``: a ChatML template that also renders tools, tool calls (Hermes
@@ -44,6 +69,7 @@ fixed exponent; Q8_0/Q4_0 get random quants under a valid f16 scale per block.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import secrets
@@ -54,10 +80,12 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, Keys, LlamaFileType, TokenType
 
 __all__ = ["SynthShape", "write_synthetic", "MIN_VOCAB", "TYPES", "TEMPLATES", "CHAT_TEMPLATE", "TOOLS_TEMPLATE",
-           "special_token_ids"]
+           "ARCHS", "FAMILIES", "special_token_ids"]
 
 TYPES = ("f32", "f16", "q8_0", "q4_0")
 TEMPLATES = ("chatml", "tools")
+ARCHS = ("llama", "qwen3", "gemma3", "qwen3moe", "lfm2", "deepseek2")
+TIED = frozenset({"gemma3"})  # families whose output layer is the token embedding
 
 _GGML_TYPE = {
     "f32": GGMLQuantizationType.F32,
@@ -199,12 +227,16 @@ def _pieces():
         i += 1
 
 
-def _vocabulary(n: int, extra: list[tuple[str, TokenType]] = ()) -> tuple[list[str], list[float], list[int]]:
-    """``n`` tokens; the ``extra`` ones (tool and fill-in-the-middle tokens) take the last ids."""
+def _vocabulary(n: int, extra: list[tuple[str, TokenType]] = (), newline: bool = False,
+                ) -> tuple[list[str], list[float], list[int]]:
+    """``n`` tokens; the ``extra`` ones (tool and fill-in-the-middle tokens) take the last ids;
+    with ``newline``, a plain ``"\n"`` piece comes first among the pieces."""
     tokens = [t for t, _ in _SPECIALS] + [f"<0x{b:02X}>" for b in range(256)]
     types = [int(tt) for _, tt in _SPECIALS] + [int(TokenType.BYTE)] * 256
     scores = [0.0] * len(tokens)
     gen = _pieces()
+    if newline:
+        gen = itertools.chain(["\n"], gen)
     for i in range(n - len(tokens) - len(extra)):
         tokens.append(next(gen))
         types.append(int(TokenType.NORMAL))
@@ -229,6 +261,17 @@ class SynthShape:
     seed: int = 0
     template: str = "chatml"  # chatml | tools (tool calls and reasoning; see the module's docstring)
     fim: bool = False  # fill-in-the-middle tokens (llama-server's /infill)
+    arch: str = "llama"  # one of ARCHS (see the module's docstring)
+    # Family parameters; None is the family's default (the properties below say it). Setting one
+    # that the family does not have is an error.
+    key_length: int | None = None  # head size (embd / heads; qwen3, gemma3, qwen3moe: twice that; deepseek2: 64)
+    sliding_window: int | None = None  # gemma3: positions a sliding-window layer attends to (128)
+    experts: int | None = None  # qwen3moe: experts per layer (8)
+    experts_used: int | None = None  # qwen3moe: experts per token (2)
+    expert_ff: int | None = None  # qwen3moe: feed-forward width of one expert (ff / 2)
+    kv_lora_rank: int | None = None  # deepseek2: width of the compressed KV (64)
+    q_lora_rank: int | None = None  # deepseek2: width of the compressed query (96)
+    rope_dim: int | None = None  # deepseek2: rotary part of each key (32)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -255,8 +298,65 @@ class SynthShape:
         return max(_QBLOCK, int(math.ceil(self.embd * 8 / 3 / _QBLOCK)) * _QBLOCK)
 
     @property
+    def tied(self) -> bool:
+        """The output layer is the token embedding (no ``output.weight``)."""
+        return self.arch in TIED
+
+    @property
     def head_dim(self) -> int:
+        """Head size of Q, K and V (deepseek2: of a decompressed key, ``nope + rope``)."""
+        if self.key_length is not None:
+            return self.key_length
+        if self.arch in ("qwen3", "gemma3", "qwen3moe"):
+            return 2 * (self.embd // self.heads)
+        if self.arch == "deepseek2":
+            return 64
         return self.embd // self.heads
+
+    @property
+    def window(self) -> int:
+        """gemma3's sliding window (0 for the other families)."""
+        if self.arch != "gemma3":
+            return 0
+        return self.sliding_window if self.sliding_window is not None else 128
+
+    def swa_layers(self) -> list[bool]:
+        """gemma3: which layers use the sliding window (all but every sixth and the last)."""
+        n = self.layers
+        return [il % 6 < 5 and il != n - 1 for il in range(n)] if self.window else [False] * n
+
+    @property
+    def n_experts(self) -> int:
+        return (self.experts or 8) if self.arch == "qwen3moe" else 0
+
+    @property
+    def n_experts_used(self) -> int:
+        return (self.experts_used or 2) if self.arch == "qwen3moe" else 0
+
+    @property
+    def n_expert_ff(self) -> int:
+        if self.expert_ff is not None:
+            return self.expert_ff
+        return max(_QBLOCK, int(math.ceil(self.n_ff / 2 / _QBLOCK)) * _QBLOCK)
+
+    @property
+    def n_kv_lora(self) -> int:
+        return self.kv_lora_rank if self.kv_lora_rank is not None else 64
+
+    @property
+    def n_q_lora(self) -> int:
+        return self.q_lora_rank if self.q_lora_rank is not None else 96
+
+    @property
+    def n_rope(self) -> int:
+        """Rotary dimensions per head (all of the head but deepseek2's)."""
+        if self.arch == "deepseek2":
+            return self.rope_dim if self.rope_dim is not None else 32
+        return self.head_dim
+
+    def is_recurrent(self, layer: int) -> bool:
+        """lfm2: a short-convolution layer (every layer but each third)."""
+        return self.arch == "lfm2" and layer % 3 != 2
 
     def validate(self) -> None:
         def positive_int(name: str, v) -> None:
@@ -267,10 +367,18 @@ class SynthShape:
             if v >= 2**32:
                 raise ValueError(f"{name} must be below 2**32 (a GGUF uint32), got {v}")
 
+        if not isinstance(self.arch, str) or self.arch.lower() not in ARCHS:
+            raise ValueError(f"unknown arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
+        self.arch = self.arch.lower()
         for name in ("layers", "embd", "heads", "kv_heads", "vocab", "ctx"):
             positive_int(name, getattr(self, name))
-        if self.ff is not None:
-            positive_int("ff", self.ff)
+        for name in ("ff", *_FAMILY_FIELDS):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        for name, archs in _FAMILY_FIELDS.items():
+            if getattr(self, name) is not None and self.arch not in archs:
+                which = archs[0] if len(archs) == 1 else f"{', '.join(archs[:-1])} and {archs[-1]}"
+                raise ValueError(f"{name} is for the {which} famil{'ies' if len(archs) > 1 else 'y'}, not {self.arch}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.type, str) or self.type.lower() not in TYPES:
@@ -280,8 +388,17 @@ class SynthShape:
             raise ValueError(f"heads ({self.heads}) must divide embd ({self.embd})")
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head dimension embd/heads = {self.head_dim} must be even (rotary embedding)")
+        if self.arch == "deepseek2":
+            if self.n_rope % 2 or self.n_rope >= self.head_dim:
+                raise ValueError(f"rope_dim ({self.n_rope}) must be even and less than key_length ({self.head_dim})")
+        elif self.head_dim % 2:
+            raise ValueError(f"key_length ({self.head_dim}) must be even (rotary embedding)" if self.key_length
+                             else f"head dimension embd/heads = {self.head_dim} must be even (rotary embedding)")
+        if self.arch == "lfm2" and self.layers < 3:
+            raise ValueError(f"lfm2 needs at least 3 layers (every third is attention, and llama.cpp needs one), "
+                             f"got {self.layers}")
+        if self.arch == "qwen3moe" and not 0 < self.n_experts_used <= self.n_experts:
+            raise ValueError(f"experts_used ({self.n_experts_used}) must be at most experts ({self.n_experts})")
         if not isinstance(self.template, str) or self.template.lower() not in TEMPLATES:
             raise ValueError(f"unknown template {self.template!r}; choose one of {', '.join(TEMPLATES)}")
         self.template = self.template.lower()
@@ -289,15 +406,46 @@ class SynthShape:
             raise ValueError(f"fim must be true or false, got {self.fim!r}")
         if self.template == "tools" and self.type not in ("f32", "f16"):
             raise ValueError(f"template 'tools' needs a float type (f32 or f16), got {self.type}")
-        least = MIN_VOCAB + len(self.extra_tokens)
+        if self.template == "tools" and self.arch != "llama":
+            raise ValueError(f"template 'tools' is wired for the llama family only, not {self.arch}")
+        least = MIN_VOCAB + len(self.extra_tokens) + self.tied
         if self.vocab < least:
             raise ValueError(f"vocab must be at least {least} (control, byte and character tokens"
-                             + (", and the tool and fill-in-the-middle tokens" if least > MIN_VOCAB else "")
+                             + (", and the tool and fill-in-the-middle tokens" if self.extra_tokens else "")
                              + f"), got {self.vocab}")
         if self.type in ("q8_0", "q4_0"):
             for name, v in (("embd", self.embd), ("ff", self.n_ff)):
                 if v % _QBLOCK:
                     raise ValueError(f"{name} ({v}) must be a multiple of {_QBLOCK} for type {self.type}")
+            for tname, tshape, kind in _tensor_plan(self):
+                if kind in _QUANTIZED_KINDS and tshape[-1] % _QBLOCK:
+                    raise ValueError(f"{tname} has rows of {tshape[-1]}, which type {self.type} needs to be a "
+                                     f"multiple of {_QBLOCK}: choose other sizes, or a float type")
+
+
+# Family parameters and the families that have them.
+_FAMILY_FIELDS = {
+    "key_length": ("llama", "qwen3", "gemma3", "qwen3moe", "deepseek2"),
+    "sliding_window": ("gemma3",),
+    "experts": ("qwen3moe",),
+    "experts_used": ("qwen3moe",),
+    "expert_ff": ("qwen3moe",),
+    "kv_lora_rank": ("deepseek2",),
+    "q_lora_rank": ("deepseek2",),
+    "rope_dim": ("deepseek2",),
+}
+
+# A small model of each family (a few MB at most), for tests, benches and `synth --arch`.
+FAMILIES: dict[str, SynthShape] = {
+    "llama": SynthShape(layers=4, embd=128, heads=4, kv_heads=2, vocab=512, ctx=8192),
+    "qwen3": SynthShape(arch="qwen3", layers=4, embd=128, heads=4, kv_heads=2, vocab=512, ctx=8192),
+    "gemma3": SynthShape(arch="gemma3", layers=7, embd=128, heads=4, kv_heads=1, vocab=1024, ctx=8192,
+                         sliding_window=256),
+    "qwen3moe": SynthShape(arch="qwen3moe", layers=4, embd=128, heads=4, kv_heads=2, vocab=512, ctx=8192,
+                           experts=8, experts_used=2, expert_ff=128),
+    "lfm2": SynthShape(arch="lfm2", layers=6, embd=128, heads=4, kv_heads=2, vocab=512, ctx=8192),
+    "deepseek2": SynthShape(arch="deepseek2", layers=4, embd=128, heads=4, kv_heads=1, vocab=512, ctx=8192),
+}
 
 
 # ----------------------------------------------------------------------------- weights
@@ -404,27 +552,77 @@ def _norm_weight(n: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- file
 
 
+_QUANTIZED_KINDS = frozenset({"embd", "output", "in", "out"})  # kinds stored in the shape's type
+
+
 def _tensor_plan(s: SynthShape):
-    """(name, ggml numpy shape (rows, cols), kind) in file order."""
+    """(name, numpy shape (..., rows, cols), kind) in file order. Kinds: ``embd``, ``output``,
+    ``in`` (reads the residual or another activation), ``out`` (writes the residual: row 0
+    and the channels' rows are zero), ``norm`` (ones, f32), ``post_norm`` (fours, f32),
+    ``signs`` (a norm of random signs, element 0 positive, f32), ``f32`` (small random f32)."""
     E, V, F = s.embd, s.vocab, s.n_ff
-    q = s.heads * s.head_dim
-    kv = s.kv_heads * s.head_dim
+    hd = s.head_dim
+    q = s.heads * hd
+    kv = s.kv_heads * hd
     plan = [("token_embd.weight", (V, E), "embd")]
+
+    def attention(b: str, qk_norm: bool) -> list:
+        out = [(b + "attn_q.weight", (q, E), "in"), (b + "attn_k.weight", (kv, E), "in"),
+               (b + "attn_v.weight", (kv, E), "in"), (b + "attn_output.weight", (E, q), "out")]
+        if qk_norm:
+            out += [(b + "attn_k_norm.weight", (hd,), "norm"), (b + "attn_q_norm.weight", (hd,), "norm")]
+        return out
+
+    def ffn(b: str) -> list:
+        return [(b + "ffn_gate.weight", (F, E), "in"), (b + "ffn_up.weight", (F, E), "in"),
+                (b + "ffn_down.weight", (E, F), "out")]
+
     for i in range(s.layers):
         b = f"blk.{i}."
-        plan += [
-            (b + "attn_norm.weight", (E,), "norm"),
-            (b + "attn_q.weight", (q, E), "in"),
-            (b + "attn_k.weight", (kv, E), "in"),
-            (b + "attn_v.weight", (kv, E), "in"),
-            (b + "attn_output.weight", (E, q), "out"),
-            (b + "ffn_norm.weight", (E,), "norm"),
-            (b + "ffn_gate.weight", (F, E), "in"),
-            (b + "ffn_up.weight", (F, E), "in"),
-            (b + "ffn_down.weight", (E, F), "out"),
-        ]
-    plan += [("output_norm.weight", (E,), "norm"), ("output.weight", (V, E), "output")]
+        if s.arch == "llama":
+            plan += [(b + "attn_norm.weight", (E,), "norm"), *attention(b, False),
+                     (b + "ffn_norm.weight", (E,), "norm"), *ffn(b)]
+        elif s.arch == "qwen3":
+            plan += [(b + "attn_norm.weight", (E,), "norm"), *attention(b, True),
+                     (b + "ffn_norm.weight", (E,), "norm"), *ffn(b)]
+        elif s.arch == "gemma3":
+            plan += [(b + "attn_norm.weight", (E,), "norm"), *attention(b, True),
+                     (b + "post_attention_norm.weight", (E,), "post_norm"), (b + "ffn_norm.weight", (E,), "norm"),
+                     *ffn(b), (b + "post_ffw_norm.weight", (E,), "post_norm")]
+        elif s.arch == "qwen3moe":
+            X, FX = s.n_experts, s.n_expert_ff
+            plan += [(b + "attn_norm.weight", (E,), "norm"), *attention(b, True),
+                     (b + "ffn_norm.weight", (E,), "norm"), (b + "ffn_gate_inp.weight", (X, E), "in"),
+                     (b + "ffn_gate_exps.weight", (X, FX, E), "in"), (b + "ffn_up_exps.weight", (X, FX, E), "in"),
+                     (b + "ffn_down_exps.weight", (X, E, FX), "out")]
+        elif s.arch == "lfm2":
+            plan += [(b + "attn_norm.weight", (E,), "norm")]
+            if s.is_recurrent(i):
+                plan += [(b + "shortconv.conv.weight", (E, _SHORTCONV_CACHE), "f32"),
+                         (b + "shortconv.in_proj.weight", (3 * E, E), "in"),
+                         (b + "shortconv.out_proj.weight", (E, E), "out")]
+            else:
+                plan += attention(b, True)
+            plan += [(b + "ffn_norm.weight", (E,), "norm"), *ffn(b)]
+        else:  # deepseek2 (MLA)
+            R, C, QL = s.n_rope, s.n_kv_lora, s.n_q_lora
+            nope = hd - R
+            plan += [(b + "attn_norm.weight", (E,), "norm"),
+                     (b + "attn_q_a_norm.weight", (QL,), "norm"), (b + "attn_kv_a_norm.weight", (C,), "norm"),
+                     (b + "attn_q_a.weight", (QL, E), "in"), (b + "attn_q_b.weight", (s.heads * hd, QL), "in"),
+                     (b + "attn_kv_a_mqa.weight", (C + R, E), "in"),
+                     (b + "attn_k_b.weight", (s.heads, C, nope), "in"),
+                     (b + "attn_v_b.weight", (s.heads, nope, C), "in"),
+                     (b + "attn_output.weight", (E, s.heads * nope), "out"),
+                     (b + "ffn_norm.weight", (E,), "norm"), *ffn(b)]
+    plan += [("token_embd_norm.weight" if s.arch == "lfm2" else "output_norm.weight", (E,),
+              "signs" if s.tied else "norm")]
+    if not s.tied:
+        plan += [("output.weight", (V, E), "output")]
     return plan
+
+
+_SHORTCONV_CACHE = 3  # lfm2's convolution window (shortconv.l_cache)
 
 
 def _nbytes(shape, wtype: str) -> int:
@@ -457,14 +655,30 @@ def _channels(s: SynthShape) -> list[tuple[int, int]]:
 def _make_tensor(s: SynthShape, index: int, shape, kind: str) -> np.ndarray:
     if kind == "norm":
         return _norm_weight(shape[0])
-    rows, cols = shape
-    wtype = s.type
+    if kind == "post_norm":
+        # gemma3 scales the token embedding up by sqrt(E) and normalises what each layer adds:
+        # a larger weight here lets the layers, not the current token alone, decide the next one
+        return np.full(shape[0], 4.0, dtype=np.float32)
+    if kind == "signs":
+        # A tied output layer scores each token by its own embedding: with a plain norm the
+        # current token (the largest part of the residual) would always score highest and be
+        # repeated. Random signs take that away; element 0 keeps its sign (the channel).
+        signs = np.where(_raw(_rng(s.seed, index), shape[0]) & 1, 1.0, -1.0).astype(np.float32)
+        signs[0] = 1.0
+        return signs
+    *lead, rows, cols = shape
+    stack = int(np.prod(lead)) if lead else 1  # experts (or heads) stored one after another
+    wtype = "f32" if kind == "f32" else s.type
     rng = _rng(s.seed, index)
     E = s.embd
     if kind == "embd":
-        # element std 1; element 0 carries a constant sqrt(E) that no layer touches
+        # element std 1; element 0 carries a constant sqrt(E) that no layer touches (tied: its sign
+        # is the channel, minus for the control and byte tokens the output layer must never pick)
         m = _matrix(rng, rows, cols, 1.0, wtype)
-        _set_col0(m, np.full(rows, math.sqrt(E), dtype=np.float32), wtype)
+        col0 = np.full(rows, math.sqrt(E), dtype=np.float32)
+        if s.tied:
+            col0[_suppressed(s)] = -math.sqrt(E)
+        _set_col0(m, col0, wtype)
         channels = _channels(s)
         if channels:  # element k: "this token is the k-th channel's trigger"
             m[:, 1:1 + len(channels)] = 0
@@ -475,10 +689,7 @@ def _make_tensor(s: SynthShape, index: int, shape, kind: str) -> np.ndarray:
         # logits of plain pieces ~ N(0, 3^2); control and byte tokens pushed far down
         m = _matrix(rng, rows, cols, 3.0 / math.sqrt(E), wtype)
         col0 = np.zeros(rows, dtype=np.float32)
-        col0[:_FIRST_PIECE] = -64.0
-        for text, ttype in s.extra_tokens:
-            if ttype == TokenType.CONTROL:
-                col0[s.token_id(text)] = -64.0
+        col0[_suppressed(s)] = -64.0
         _set_col0(m, col0, wtype)
         channels = _channels(s)
         if channels:  # after the k-th channel's trigger, its token
@@ -486,11 +697,19 @@ def _make_tensor(s: SynthShape, index: int, shape, kind: str) -> np.ndarray:
             for k, (_src, dst) in enumerate(channels, 1):
                 m[dst, k] = _CHANNEL_LOGIT
         return m
-    m = _matrix(rng, rows, cols, 0.7 / math.sqrt(cols), wtype)
+    m = _matrix(rng, stack * rows, cols, 0.7 / math.sqrt(cols), wtype)
     if kind == "out":
-        for row in range(1 + len(_channels(s))):
-            _set_row_zero(m, row, wtype)  # never write residual element 0 (nor the channels)
+        for first in range(0, stack * rows, rows):
+            for row in range(1 + len(_channels(s))):
+                _set_row_zero(m, first + row, wtype)  # never write residual element 0 (nor the channels)
     return m
+
+
+def _suppressed(s: SynthShape) -> list[int]:
+    """Ids of the tokens the output layer must never pick: control and byte tokens."""
+    ids = list(range(_FIRST_PIECE))
+    ids += [s.token_id(text) for text, ttype in s.extra_tokens if ttype == TokenType.CONTROL]
+    return ids
 
 
 def write_synthetic(path: os.PathLike | str, shape: SynthShape | None = None, **overrides) -> Path:
@@ -522,10 +741,10 @@ def write_synthetic(path: os.PathLike | str, shape: SynthShape | None = None, **
 
 
 def _write(tmp: str, s: SynthShape) -> None:
-    w = GGUFWriter(tmp, "llama")
-    name = f"synthetic-llama-{s.layers}x{s.embd}-{s.type}-seed{s.seed}"
+    w = GGUFWriter(tmp, s.arch)
+    name = f"synthetic-{s.arch}-{s.layers}x{s.embd}-{s.type}-seed{s.seed}"
     w.add_name(name)
-    w.add_description("Synthetic random-weight llama model written by jupyter_llama.models.synth")
+    w.add_description(f"Synthetic random-weight {s.arch} model written by jupyter_llama.models.synth")
     w.add_file_type(int(_FILE_TYPE[s.type]))
     if s.type in ("q8_0", "q4_0"):
         w.add_quantization_version(2)
@@ -534,13 +753,41 @@ def _write(tmp: str, s: SynthShape) -> None:
     w.add_block_count(s.layers)
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
+    if s.arch == "lfm2":  # no KV heads in a recurrent layer: that is how llama.cpp tells them apart
+        w.add_head_count_kv([0 if s.is_recurrent(il) else s.kv_heads for il in range(s.layers)])
+        w.add_shortconv_l_cache(_SHORTCONV_CACHE)
+    elif s.arch == "deepseek2":  # one compressed row per token, shared by every head
+        w.add_head_count_kv(1)
+    else:
+        w.add_head_count_kv(s.kv_heads)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(s.head_dim)
+    w.add_rope_dimension_count(s.n_rope)
+    if s.arch == "deepseek2":
+        # What the cache holds per token (the compressed KV and the rotary key), and the head
+        # sizes once decompressed.
+        w.add_key_length(s.n_kv_lora + s.n_rope)
+        w.add_value_length(s.n_kv_lora)
+        w.add_key_length_mla(s.head_dim)
+        w.add_value_length_mla(s.head_dim - s.n_rope)
+        w.add_q_lora_rank(s.n_q_lora)
+        w.add_kv_lora_rank(s.n_kv_lora)
+        w.add_leading_dense_block_count(s.layers)
+        w.add_expert_feed_forward_length(s.n_ff)
+        w.add_expert_shared_count(0)
+    elif s.head_dim != s.embd // s.heads:
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+    if s.window:
+        w.add_sliding_window(s.window)
+        w.add_sliding_window_pattern(s.swa_layers())
+    if s.n_experts:
+        w.add_expert_count(s.n_experts)
+        w.add_expert_used_count(s.n_experts_used)
+        w.add_expert_feed_forward_length(s.n_expert_ff)
     w.add_vocab_size(s.vocab)
 
-    tokens, scores, types = _vocabulary(s.vocab, s.extra_tokens)
+    tokens, scores, types = _vocabulary(s.vocab, s.extra_tokens, newline=s.tied)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -563,7 +810,7 @@ def _write(tmp: str, s: SynthShape) -> None:
 
     plan = _tensor_plan(s)
     for tname, tshape, kind in plan:
-        if kind == "norm":
+        if kind not in _QUANTIZED_KINDS:
             w.add_tensor_info(tname, tshape, np.dtype(np.float32), _nbytes(tshape, "f32"))
         else:
             w.add_tensor_info(

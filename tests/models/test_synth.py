@@ -1,7 +1,8 @@
-"""Synthetic llama GGUFs: determinism, types, shape checks, and a real llama-server on them."""
+"""Synthetic GGUFs of each family: determinism, types, shape checks, and a real llama-server on them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 from jupyter_llama.models import synth
 from jupyter_llama.engine.runner import free_port
-from jupyter_llama.models.gguf_info import read_gguf_info
+from jupyter_llama.models.gguf_info import read_arrays, read_gguf_info
 from jupyter_llama.models.synth import MIN_VOCAB, SynthShape, special_token_ids, write_synthetic
 
 SMALL = dict(layers=2, embd=64, heads=4, kv_heads=2, vocab=400, ctx=1024)
@@ -117,6 +118,111 @@ def test_tool_and_fill_in_the_middle_tokens_take_the_last_ids(tmp_path):
     assert [shape.token_id(t) for t in (synth.TOOL_TURN, synth.TOOL_CALL, *synth.FIM_TOKENS)] == list(range(395, 400))
     assert [meta[f"tokenizer.ggml.fim_{k}_token_id"] for k in ("pre", "suf", "mid")] == [397, 398, 399]
     assert meta["tokenizer.ggml.add_space_prefix"] is False and "tokenizer.ggml.fim_pre_token_id" not in plain
+
+
+# ----------------------------------------------------------------------------- families
+
+
+def _tensors(info) -> dict[str, tuple[int, ...]]:
+    return {t.name: t.shape for t in info.tensors}
+
+
+@pytest.mark.parametrize("family", sorted(synth.FAMILIES))
+def test_each_family_reads_back_with_its_architecture_and_shapes(tmp_path, family):
+    """Every family's file is one our reader reads back: its architecture, and the tensors and
+    metadata that make it that family, in llama.cpp's shapes (ggml order, row length first)."""
+    shape = synth.FAMILIES[family]
+    info = read_gguf_info(write_synthetic(tmp_path / f"{family}.gguf", shape))
+    t, md, E = _tensors(info), info.metadata, shape.embd
+    assert info.architecture == family and info.block_count == shape.layers and info.embedding_length == E
+    assert info.name == f"synthetic-{family}-{shape.layers}x{E}-f32-seed0"
+    assert t["token_embd.weight"] == (E, shape.vocab)
+    assert info.path.endswith(f"{family}.gguf") and info.file_size < 10 * 2**20  # small: a few MB
+    hd = shape.head_dim
+    if family in ("llama", "qwen3", "gemma3", "qwen3moe"):
+        assert t["blk.0.attn_q.weight"] == (E, shape.heads * hd)
+        assert t["blk.0.attn_k.weight"] == t["blk.0.attn_v.weight"] == (E, shape.kv_heads * hd)
+        assert info.head_dim_k() == hd and (family == "llama") == (hd == E // shape.heads)
+    if family in ("qwen3", "gemma3", "qwen3moe"):  # Q and K normalised per head
+        assert t["blk.0.attn_q_norm.weight"] == t["blk.0.attn_k_norm.weight"] == (hd,)
+        assert info.key_length == info.value_length == hd
+    if family == "gemma3":
+        assert "output.weight" not in t  # tied to the token embedding
+        assert info.sliding_window == shape.window == 256
+        assert info.swa_layers == [True, True, True, True, True, False, False]  # every sixth and the last are global
+        assert t["blk.0.post_attention_norm.weight"] == t["blk.0.post_ffw_norm.weight"] == (E,)
+    else:
+        assert t["output.weight"] == (E, shape.vocab) and not info.sliding_window
+    if family == "qwen3moe":
+        X, FX = shape.n_experts, shape.n_expert_ff
+        assert (info.n_expert, info.n_expert_used) == (8, 2) and md["qwen3moe.expert_feed_forward_length"] == FX
+        assert t["blk.0.ffn_gate_inp.weight"] == (E, X)
+        assert t["blk.0.ffn_gate_exps.weight"] == t["blk.0.ffn_up_exps.weight"] == (E, FX, X)
+        assert t["blk.0.ffn_down_exps.weight"] == (FX, E, X)
+        assert all(info.is_expert_tensor(f"blk.{il}.ffn_{k}_exps.weight") for il in range(4) for k in ("up", "down"))
+        assert not any(n.startswith("blk.0.ffn_up.") for n in t)
+    if family == "lfm2":
+        recurrent = [info.is_recurrent(il) for il in range(shape.layers)]
+        assert recurrent == [True, True, False, True, True, False]  # every third layer is attention
+        assert info.head_count_kv == [0, 0, 2, 0, 0, 2] and info.shortconv_l_cache == 3
+        assert t["blk.0.shortconv.conv.weight"] == (3, E) and t["blk.0.shortconv.in_proj.weight"] == (E, 3 * E)
+        assert "blk.0.attn_q.weight" not in t and t["blk.2.attn_q.weight"] == (E, E)
+        assert "token_embd_norm.weight" in t and "output_norm.weight" not in t  # (LFM2's name for it)
+    if family == "deepseek2":
+        C, R, QL, H = shape.n_kv_lora, shape.n_rope, shape.n_q_lora, shape.heads
+        nope = hd - R
+        assert info.is_mla and info.head_count_kv == 1
+        assert (info.key_length, info.value_length) == (C + R, C)  # what the cache holds per token
+        assert (md["deepseek2.attention.key_length_mla"], md["deepseek2.attention.value_length_mla"]) == (hd, nope)
+        assert t["blk.0.attn_q_a.weight"] == (E, QL) and t["blk.0.attn_q_b.weight"] == (QL, H * hd)
+        assert t["blk.0.attn_kv_a_mqa.weight"] == (E, C + R)
+        assert t["blk.0.attn_k_b.weight"] == (nope, C, H) and t["blk.0.attn_v_b.weight"] == (C, nope, H)
+        assert t["blk.0.attn_output.weight"] == (H * nope, E)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3moe", "lfm2", "deepseek2"])
+def test_families_quantize_and_keep_their_small_tensors_in_f32(tmp_path, family):
+    shape = dataclasses.replace(synth.FAMILIES[family], type="q8_0")
+    info = read_gguf_info(write_synthetic(tmp_path / "q.gguf", shape))
+    for t in info.tensors:
+        small = len(t.shape) == 1 or t.name.endswith("shortconv.conv.weight")
+        assert t.ggml_type == ("F32" if small else "Q8_0"), t.name
+
+
+def test_the_same_family_shape_and_seed_give_the_same_bytes(tmp_path):
+    a = write_synthetic(tmp_path / "a.gguf", synth.FAMILIES["qwen3moe"]).read_bytes()
+    b = write_synthetic(tmp_path / "b.gguf", arch="qwen3moe", experts=8, experts_used=2, expert_ff=128,
+                        layers=4, embd=128, heads=4, kv_heads=2, vocab=512, ctx=8192).read_bytes()
+    assert a == b
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(arch="mamba"), "unknown arch 'mamba'"),
+    (dict(experts=4), "experts is for the qwen3moe family, not llama"),
+    (dict(arch="qwen3", sliding_window=64), "sliding_window is for the gemma3 family, not qwen3"),
+    (dict(arch="qwen3moe", experts=2, experts_used=3), "experts_used (3) must be at most experts (2)"),
+    (dict(arch="lfm2", layers=2), "lfm2 needs at least 3 layers"),
+    (dict(arch="lfm2", key_length=64), "key_length is for the llama, qwen3, gemma3, qwen3moe and deepseek2 families"),
+    (dict(arch="deepseek2", rope_dim=64, key_length=64), "rope_dim (64) must be even and less than key_length"),
+    (dict(arch="deepseek2", kv_lora_rank=48, type="q8_0"), "has rows of 48"),
+    (dict(arch="gemma3", template="tools"), "template 'tools' is wired for the llama family only"),
+    (dict(arch="gemma3", vocab=MIN_VOCAB), f"vocab must be at least {MIN_VOCAB + 1}"),
+])
+def test_family_shape_errors(kw, needle):
+    with pytest.raises(ValueError) as ei:
+        SynthShape(**kw)
+    assert needle in str(ei.value)
+
+
+def test_a_tied_vocabulary_has_a_plain_newline(tmp_path):
+    """With the output tied to the embedding a byte token at the end of a prompt would make the
+    next token a control or byte token; a chat prompt ends in a newline, so it is a plain piece."""
+    info = read_gguf_info(write_synthetic(tmp_path / "g.gguf", synth.FAMILIES["gemma3"]))
+    tokens = read_arrays(info.path)["tokenizer.ggml.tokens"]
+    types = read_arrays(info.path)["tokenizer.ggml.token_type"]
+    assert types[tokens.index("\n")] == 1 and tokens.index("\n") == synth._FIRST_PIECE
+    plain = read_arrays(write_synthetic(tmp_path / "l.gguf", **SMALL))["tokenizer.ggml.tokens"]
+    assert "\n" not in plain
 
 
 def test_hundred_megabyte_model_reads_back(tmp_path):
