@@ -1205,7 +1205,7 @@ def cmd_estimate(args, fe: Frontend):
         from .engine.binary import EngineBroken, EngineNotFound, find_engine
         from .load_options import LoadOptions, LoadOptionsError
         from .memory.devices import inventory
-        from .memory.estimate import estimate_all
+        from .memory.sources import estimate_all
         from .models.gguf_info import GGUFError, read_gguf_info
 
         try:

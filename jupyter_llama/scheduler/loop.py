@@ -384,6 +384,7 @@ class Scheduler:
         loaded model either way, with its options.
         """
         from ..memory import estimate as est
+        from ..memory.sources import with_projection_async
 
         ref = await self.resolver(name)
         opts = self.effective_options(options or LoadOptions(), ref)
@@ -401,7 +402,7 @@ class Scheduler:
             opts, estimates, actual = lo.options, dict(lo.predictions), lo.actual
         else:
             opts, planned = await asyncio.to_thread(self.plan, ref, opts, inv, used, peermod.usage(peers))
-            estimates = await est.with_projection_async(planned, engine, ref.path, opts)
+            estimates = await with_projection_async(planned, engine, ref.path, opts)
             actual = None
         estimates = est.with_cap_note(estimates, (options or LoadOptions()).num_ctx, ref.info)
         return {"ref": ref, "options": opts, "estimates": estimates, "actual": actual, "loaded": lo,

@@ -1474,6 +1474,7 @@ class EstimateHandler(LlamaHandler):
         name = oa.model_name(body)
         opts = split_options(body.get("options")).load_options()
         from ..memory import estimate as est
+        from ..memory.sources import estimate_all_async
 
         sched = self.ext.scheduler
         if sched is not None:
@@ -1483,7 +1484,7 @@ class EstimateHandler(LlamaHandler):
 
             ref = await self.ext.store.resolve(name)
             inv = await asyncio.to_thread(devmod.inventory)
-            estimates = await est.estimate_all_async(ref.info, opts, [d.id for d in inv.accelerators()])
+            estimates = await estimate_all_async(ref.info, opts, [d.id for d in inv.accelerators()])
             res = {"options": opts, "estimates": estimates, "actual": None, "loaded": None, "same_options": False,
                    "fit": None}
         lo, actual = res["loaded"], res["actual"]

@@ -6,6 +6,7 @@ import pytest
 
 from jupyter_llama.load_options import LoadOptions, LoadOptionsError
 from jupyter_llama.memory import estimate as est
+from jupyter_llama.memory.sources import estimate_all
 from jupyter_llama.memory.computegraph import GraphPlan, LayerShape, Tensor, _Allocator, compute_buffer_bytes, simulate
 from jupyter_llama.memory.estimate import (estimate_coarse, estimate_detailed, format_estimates,
                                            kv_cache_bytes, kv_row_bytes, layer_devices, plan_context, weight_bytes)
@@ -389,7 +390,7 @@ def test_a_context_beyond_the_training_one_is_estimated_as_the_load_will_have_it
     assert est.capped_ctx(65536, info) == 4096 and est.capped_ctx(2048, info) == 2048
     assert est.capped_ctx(None, info) is None
     assert est.capped_ctx(65536, make_info(ctx=0)) == 65536  # (a model that does not say: as asked)
-    over, at = (est.estimate_all(info, LoadOptions(num_ctx=n, num_parallel=1)) for n in (65536, 4096))
+    over, at = (estimate_all(info, LoadOptions(num_ctx=n, num_parallel=1)) for n in (65536, 4096))
     assert {k: r.total() for k, r in over.items()} == {k: r.total() for k, r in at.items()}
     assert est.coarse_context(info, LoadOptions(num_ctx=65536, num_parallel=2)) == 8192
     # and each says so (the picker, the CLI and the panel show an estimate's notes)

@@ -11,6 +11,7 @@ import pytest
 from jupyter_llama import config
 from jupyter_llama.load_options import LoadOptions, batch_args, memory_args
 from jupyter_llama.memory import estimate as est
+from jupyter_llama.memory.sources import estimate_all
 from jupyter_llama.models.gguf_info import read_gguf_info
 
 GiB = 1 << 30
@@ -65,7 +66,7 @@ def test_an_automatic_context_is_the_default_capped_at_the_training_context(info
 
 def test_the_estimate_is_for_the_default_context_not_the_training_context(info, no_setting):
     no_setting.setenv(config.CONTEXT_LENGTH_VAR, "2048")
-    reports = est.estimate_all(info, LoadOptions())
+    reports = estimate_all(info, LoadOptions())
     assert reports["detailed"].n_ctx == 2048 and reports["coarse"].n_ctx == 2048
     assert not any("automatic context" in w for w in reports["detailed"].warnings)
 
