@@ -20,19 +20,15 @@ SERVICE_CONFIG = {
 }
 
 
-def pytest_collection_modifyitems(config, items):
-    why = missing()
-    if why is None:
-        return
-    for item in items:
-        if "tests/hub/" in str(item.fspath):
-            item.add_marker(pytest.mark.skip(reason=why))
-
-
 @pytest.fixture(scope="module")
 def hub(engine, make_model, tmp_path_factory):
-    """The Hub, its users and groups, and a shared model ``tiny`` in the service's library."""
+    """The Hub, its users and groups, and a shared model ``tiny`` in the service's library
+    (a skip, saying what is missing, without JupyterHub or configurable-http-proxy)."""
     from jupyter_llama.models.store import ModelStore
+
+    why = missing()
+    if why is not None:
+        pytest.skip(why)
 
     root = tmp_path_factory.mktemp("hub")
     models = root / "models"
