@@ -16,7 +16,16 @@ the same best-fit allocator over it. On llama.cpp b11434's CPU backend it reprod
 we measured (420 random configurations: 1-6 layers, 64-1024 wide, GQA 1-8, n_ff 32-4096,
 vocab 512-32000, f32/f16/q8_0/q4_0 weights, n_ctx 128-8192, n_ubatch 128-1024, -np
 auto/1/2/4, flash attention on/off, K/V cache f32/f16/bf16/q8_0/q4_0), and
-``bench/estimate_accuracy.py`` checks it again on every run.
+``bench/estimate_accuracy.py`` checks it again on every run, for every family of
+:data:`jupyter_llama.models.synth.FAMILIES` (the CPU buffers of random shapes of each matched
+the log to its rounding).
+
+Besides llama's blocks the skeleton has those of the families Ollama users run: a
+mixture-of-experts feed-forward (router logits and soft-max, the argsort of the experts, their
+weights normalised, ``MUL_MAT_ID`` gate, up and down for ``k`` experts per token, the weighted
+sum), LFM2's short convolution (a ``3E`` input projection, the recurrent state put before the
+micro-batch, ``SSM_CONV``) and DeepSeek's multi-head latent attention (queries projected into
+the compressed space, attention over one compressed KV head, per-head expansion after it).
 
 The tensors, per token of the micro-batch (f32 = 4 bytes; ``E`` = n_embd, ``Q`` = n_head *
 head_dim, ``K``/``V`` = n_head_kv * head_dim, ``F`` = n_ff, ``H`` = n_head, ``n_kv`` = KV
@@ -54,8 +63,12 @@ llama-server, which reserves logits for one row per slot.
 
 What this module does not model: GPU backends (the same graph runs there; the split between
 a GPU and its host buffer under partial offload is approximated by the caller), recurrent
-and MoE layers, multimodal projectors, and architectures whose graph differs from llama's
-beyond in-place operations (the estimator falls back to coarse numbers for those).
+layers other than LFM2's (Mamba's scans, RWKV), multimodal projectors, and architectures whose
+graph differs from llama's beyond in-place operations and the blocks above (the estimator
+falls back to coarse numbers for those). Of ``--fit``'s ways of splitting one layer's
+feed-forward between a device and the next, moving all of it and moving the down projection
+were measured; moving all but the up projection is replayed from its scheduling, and can
+come out some 0.2 MiB above the log on the device that runs it.
 """
 
 from __future__ import annotations
@@ -67,9 +80,11 @@ from dataclasses import dataclass, field
 F32 = 4
 
 # Operations ggml-alloc lets overwrite their first suitable input (ggml_op_can_inplace),
-# restricted to those that appear in this skeleton. ROPE is in ggml's list, but measured
-# buffers match only when RoPE's output gets its own memory, so it is left out here.
-_INPLACE_OPS = frozenset({"ADD", "MUL", "RMS_NORM", "SOFT_MAX", "SCALE"})
+# restricted to those that appear in this skeleton. Only an input that is not a view can be
+# overwritten (ggml-alloc never counts a view as its own allocation), which is why llama's RoPE,
+# whose input is a reshaped view of Q, gets memory of its own while Qwen3's, after a Q norm, does
+# not.
+_INPLACE_OPS = frozenset({"ADD", "MUL", "DIV", "RMS_NORM", "SOFT_MAX", "SCALE", "CLAMP", "ROPE", "UNARY"})
 
 # Alignment of compute-buffer allocations: 32 bytes on the CPU backend; GPU backends use
 # larger ones (CUDA 128, Vulkan up to 256), which changes nothing at these sizes.
@@ -187,21 +202,11 @@ def simulate(nodes: list[Tensor], alignment: int = CPU_ALIGNMENT, copies: int = 
         s["allocated"] = True
         if t.op in _INPLACE_OPS:
             for p in t.srcs:
-                owner = p.view_src or p
-                if p.external or owner.external or p.is_output or owner.is_output:
-                    continue
-                if owner.nbytes != t.nbytes:
+                if p.external or p.is_output or p.view_src is not None or p.nbytes != t.nbytes:
                     continue
                 sp = st(p)
-                if sp["children"] != 1 or sp["views"] != 0:
+                if sp["children"] != 1 or sp["views"] != 0 or not sp["allocated"]:
                     continue
-                if p.view_src is not None:
-                    so = st(owner)
-                    if so["views"] != 1 or so["children"] != 0:
-                        continue
-                    s["offset"], s["size"] = so["offset"], so["size"]
-                    sp["allocated"] = so["allocated"] = False
-                    return
                 s["offset"], s["size"] = sp["offset"], sp["size"]
                 sp["allocated"] = False
                 return
@@ -251,14 +256,30 @@ def simulate(nodes: list[Tensor], alignment: int = CPU_ALIGNMENT, copies: int = 
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What one repeating block allocates per token (element counts, not bytes)."""
+    """What one repeating block allocates per token (element counts, not bytes).
 
-    n_embd_q: int  # n_head * head_dim_k
+    ``mixer`` is what the block does before its feed-forward: ``attn`` (attention over the KV
+    cache, llama's), ``mla`` (DeepSeek's multi-head latent attention: a compressed K cache row
+    of ``n_embd_k = kv_lora + rope`` elements and no V cache) or ``conv`` (LFM2's short
+    convolution over a recurrent state, no KV cache). A feed-forward with ``n_expert`` > 0 is
+    a mixture of experts: a router picks ``n_expert_used`` of them per token, each
+    ``n_ff_exp`` wide."""
+
+    n_embd_q: int  # n_head * head_dim_k (mla: n_head * (kv_lora + rope), the query after absorption)
     n_embd_k: int  # n_head_kv * head_dim_k
-    n_embd_v: int  # n_head_kv * head_dim_v
+    n_embd_v: int  # n_head_kv * head_dim_v (mla: kv_lora, a view of the K cache)
     n_head: int
     n_ff: int
     swa: bool = False  # uses the sliding-window cache and mask
+    mixer: str = "attn"
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    q_lora: int = 0  # mla: rank of the query compression (0: a plain query projection)
+    rope: int = 0  # mla: rotary part of a key
+    nope: int = 0  # mla: the rest of a key, per head
+    head_v: int = 0  # mla: value size per head once decompressed
+    d_conv: int = 0  # conv: positions of state kept per sequence (the window less one)
 
 
 @dataclass(frozen=True)
@@ -278,6 +299,9 @@ class GraphPlan:
     rot_v: int = 0
     mixed_batch: bool = True  # llama.cpp reserves the mixed token/embedding input path
     embeddings: bool = False  # pooled embeddings instead of logits
+    n_rs: int = 0  # recurrent states (one per sequence) when some layer is a conv layer
+    residual_first: bool = False  # the residual is the first operand of its adds (LFM2)
+    v_cache_bytes: float = 2  # bytes per element of the K cache (MLA's V, a view of it, is copied out)
 
 
 @dataclass(frozen=True)
@@ -295,7 +319,10 @@ def layers_elsewhere(here: frozenset[int], n_layer: int) -> bool:
 
 
 def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers: frozenset[int] | None = None,
-                      output: bool = True, embed: bool = True, host: frozenset[int] = frozenset()) -> list[Tensor]:
+                      output: bool = True, embed: bool = True, host: frozenset[int] = frozenset(),
+                      experts: frozenset[int] = frozenset(), ffn_away: frozenset[int] = frozenset(),
+                      ffn_here: frozenset[int] = frozenset(), ffn_kind: tuple[tuple[int, str], ...] = (),
+                      inputs_until: int = 0) -> list[Tensor]:
     """The allocation skeleton of llama.cpp's llama graph (``src/models/llama.cpp`` with
     ``build_inp_embd``, ``build_attn`` and ``build_ffn`` of ``src/llama-graph.cpp``) for one
     micro-batch of ``n_tokens`` tokens producing ``n_outputs`` logit rows.
@@ -313,6 +340,29 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
     device's first layer starts with copies of that output and of the residual (measured
     with GGML_SCHED_DEBUG: the device split's inputs were ``ffn_out-0`` and ``ffn_inp-0``).
     Between two devices the activations cross as one tensor (``l_out``).
+
+    ``experts`` names offloaded mixture-of-experts layers whose experts stay in host memory
+    (llama.cpp's ``--fit`` or ``--cpu-moe``): their expert matmuls run on the host, which gets
+    copies of the normalised input and of the chosen experts' ids, and hands back the experts'
+    outputs; the router, the weighting and the sum stay with the layer, and the weighting and
+    sum of a device's last such layer run where the next layer does (measured with
+    GGML_SCHED_DEBUG on two RPC workers).
+
+    ``ffn_away`` names layers of this part whose feed-forward runs, in part, on another
+    backend, and ``ffn_here`` those of other parts whose feed-forward this backend runs in
+    part: what ``--fit`` does with the first partial layer of a device when it moves more than
+    the experts (to the next device, or host memory). ``ffn_kind`` says what moved, as
+    ``(layer, kind)``: ``attn``, all of the feed-forward (that backend gets copies of the
+    normalised input, twice for a mixture of experts, as it is and reshaped, and of the
+    residual, and returns the layer's output); ``gate``, the down projection (it gets the
+    activations, and for experts their ids and weights, and the residual); ``up``, all but the
+    up projection (counted as ``attn``, with the up projection's output crossing back and
+    forth).
+
+    ``inputs_until`` is the first layer of the last device that runs repeating layers: the host
+    keeps the graph inputs every device reads (positions, cache indices, masks) until that
+    device's part begins, so the experts and feed-forwards it runs for earlier layers run
+    beside them.
     """
     T, O, E = n_tokens, max(1, n_outputs), plan.n_embd
     nodes: list[Tensor] = []
@@ -377,23 +427,18 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
 
     inp = embd
     handed_on: list[Tensor] = []  # the host's last activations, read by the next backend
-    for il, ly in enumerate(plan.layers):
-        last = il == n_layer - 1
-        if il not in here:
-            continue
-        if (il == 0 and not embed) or (il > 0 and il - 1 not in here):
-            if il > 0 and il - 1 in host:  # the host's last layer left its residual add to us
-                inp = add(Tensor("l_out(of the host)", E * T * F32, "ADD",
-                                 [Tensor("ffn_out(copy)", E * T * F32, is_input=True),
-                                  Tensor("ffn_inp(copy)", E * T * F32, is_input=True)]))
-            else:
-                inp = Tensor("inp_from_other_backend", E * T * F32, is_input=True)
+    s_copy = Tensor("rs_s_copy", max(1, plan.n_rs) * 4, is_input=True)
+
+    def residual_add(name: str, rows: int, cur: Tensor, residual: Tensor) -> Tensor:
+        srcs = [residual, cur] if plan.residual_first else [cur, residual]
+        return add(Tensor(name, E * rows * F32, "ADD", srcs))
+
+    def attention(il: int, ly: LayerShape, norm: Tensor) -> Tensor:
+        """llama's attention (``build_qkv``, ``build_attn``): the output before ``wo``."""
         n_kv = plan.n_kv_swa if (ly.swa and iswa) else plan.n_kv
         cache = window if ly.swa else base
         k_idxs, v_idxs, lmask, k_rot, v_rot = cache.k_idxs, cache.v_idxs, cache.mask, cache.k_rot, cache.v_rot
         Q, K, V = ly.n_embd_q, ly.n_embd_k, ly.n_embd_v
-        norm = add(Tensor("attn_norm", E * T * F32, "RMS_NORM", [inp]))
-        norm = add(Tensor("attn_norm_w", E * T * F32, "MUL", [norm, weight("attn_norm.w")]))
         q = add(Tensor("Qcur", Q * T * F32, "MUL_MAT", [weight("wq"), norm]))
         q = add(Tensor("Qrope", Q * T * F32, "ROPE", [view(q), pos]))
         if plan.rot_k:
@@ -423,23 +468,287 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
             att = add(Tensor("kqv_out", Q * T * F32, "CONT", [view(kqv)]))
         if plan.rot_v:
             att = view(add(Tensor("Orot", Q * T * F32, "MUL_MAT", [v_rot, view(att)])))
+        return att
+
+    def latent_attention(il: int, ly: LayerShape, norm: Tensor) -> Tensor:
+        """DeepSeek's MLA with the absorption (``src/models/deepseek2.cpp``): the query is
+        projected into the compressed space (``attn_k_b``), attention runs against the
+        compressed K cache as one KV head (V is a view of K) and its output is expanded per
+        head (``attn_v_b``)."""
+        H, C, R, N, VH = ly.n_head, ly.n_embd_v, ly.rope, ly.nope, ly.head_v
+        lmask, n_kv = base.mask, plan.n_kv
+        if ly.q_lora:
+            q = add(Tensor("q_a", ly.q_lora * T * F32, "MUL_MAT", [weight("wq_a"), norm]))
+            q = add(Tensor("q_a_norm", ly.q_lora * T * F32, "RMS_NORM", [q]))
+            q = add(Tensor("q_a_norm_w", ly.q_lora * T * F32, "MUL", [q, weight("q_a_norm.w")]))
+            q = add(Tensor("q", H * (N + R) * T * F32, "MUL_MAT", [weight("wq_b"), q]))
+        else:
+            q = add(Tensor("q", H * (N + R) * T * F32, "MUL_MAT", [weight("wq"), norm]))
+        absorbed = add(Tensor("q_nope_absorbed", C * H * T * F32, "MUL_MAT", [weight("wk_b"), view(q)]))
+        q_pe = add(Tensor("q_pe", R * H * T * F32, "ROPE", [view(q), pos]))
+        qcur = add(Tensor("Qcur", (C + R) * H * T * F32, "CONCAT", [view(absorbed), q_pe]))
+        kv = add(Tensor("kv_cmpr_pe", (C + R) * T * F32, "MUL_MAT", [weight("wkv_a_mqa"), norm]))
+        kv_c = add(Tensor("kv_cmpr_norm", C * T * F32, "RMS_NORM", [view(kv)]))
+        kv_c = add(Tensor("kv_cmpr", C * T * F32, "MUL", [kv_c, weight("kv_a_norm.w")]))
+        k_pe = add(Tensor("k_pe", R * T * F32, "ROPE", [view(kv), pos]))
+        kcur = add(Tensor("Kcur", (C + R) * T * F32, "CONCAT", [kv_c, k_pe]))
+        cache_k = weight(f"cache_k{il}")
+        add(Tensor("set_k", 0, "SET_ROWS", [view(kcur), base.k_idxs, cache_k], view_src=cache_k))
+        kp, vp = view(cache_k), view(cache_k)
+        if plan.flash_attn:
+            srcs = [view(qcur), kp, vp, lmask]
+            if plan.k_cast:
+                srcs[1] = add(Tensor("k_f16", n_kv * plan.n_stream * (C + R) * 2, "CPY", [kp]))
+                srcs[2] = add(Tensor("v_f16", n_kv * plan.n_stream * C * 2, "CPY", [vp]))
+            att = add(Tensor("fattn", C * H * T * F32, "FLASH_ATTN_EXT", srcs))
+            att = add(Tensor("fattn_mla", VH * H * T * F32, "MUL_MAT", [weight("wv_b"), view(att)]))
+        else:
+            v = add(Tensor("v_cont", int(n_kv * plan.n_stream * C * plan.v_cache_bytes), "CONT", [vp]))
+            kq = add(Tensor("kq", n_kv * T * H * F32, "MUL_MAT", [kp, view(qcur)]))
+            kq = add(Tensor("kq_soft_max", n_kv * T * H * F32, "SOFT_MAX", [kq, lmask]))
+            att = add(Tensor("kqv", C * H * T * F32, "MUL_MAT", [v, kq]))
+            att = add(Tensor("kqv_mla", VH * H * T * F32, "MUL_MAT", [weight("wv_b"), att]))
+        return add(Tensor("kqv_out", VH * H * T * F32, "CONT", [view(att)]))
+
+    def short_conv(il: int, ly: LayerShape, norm: Tensor) -> Tensor:
+        """LFM2's short convolution (``src/models/lfm2.cpp``): the input projection into three
+        parts, the previous ``d_conv`` positions of each sequence from the recurrent state put
+        before the new ones, a depthwise convolution, and the output gate."""
+        bcx = add(Tensor("in_proj", 3 * E * T * F32, "MUL_MAT", [weight("in_proj"), norm]))
+        bx = add(Tensor("bx", E * T * F32, "MUL", [view(bcx), view(bcx)]))
+        conv = add(Tensor("conv_with_state", E * (T + ly.d_conv * plan.n_rs) * F32, "CONCAT",
+                          [view(states[il]), view(bx)]))
+        out = add(Tensor("ssm_conv", E * T * F32, "SSM_CONV", [conv, weight("conv")]))
+        return add(Tensor("conv_gated", E * T * F32, "MUL", [view(bcx), out]))
+
+    def experts_ffn(ly: LayerShape, rows: int, x: Tensor, topk: Tensor) -> Tensor:
+        """Gate, up and down of the chosen experts of each token (``MUL_MAT_ID``)."""
+        k, F = ly.n_expert_used, ly.n_ff_exp
+        gate = add(Tensor("moe_gate", F * k * rows * F32, "MUL_MAT_ID", [weight("gate_exps"), x, topk]))
+        up = add(Tensor("moe_up", F * k * rows * F32, "MUL_MAT_ID", [weight("up_exps"), x, topk]))
+        act = add(Tensor("moe_glu", F * k * rows * F32, "GLU", [gate, up]))
+        return add(Tensor("moe_down", E * k * rows * F32, "MUL_MAT_ID", [weight("down_exps"), act, topk]))
+
+    def experts_sum(ly: LayerShape, rows: int, down: Tensor, w: Tensor) -> Tensor:
+        """The experts' outputs weighted by the router and summed."""
+        k = ly.n_expert_used
+        down = add(Tensor("moe_weighted", E * k * rows * F32, "MUL", [down, w]))
+        parts = [view(down) for _ in range(k)]
+        out = parts[0]
+        for part in parts[1:]:
+            out = add(Tensor("moe_out", E * rows * F32, "ADD", [out, part]))
+        if k == 1:
+            out = add(Tensor("moe_out", E * rows * F32, "CONT", [out]))
+        return out
+
+    def moe(il: int, ly: LayerShape, rows: int, norm: Tensor,
+            hand_off: bool = False) -> tuple[Tensor | None, Tensor | None]:
+        """``build_moe_ffn``: the router's soft-max, the top experts, their weights normalised,
+        then gate, up and down for each chosen expert of each token, weighted and summed.
+        Returns (the sum, None), or (None, the weights) when the sum runs on the next device,
+        or with ``hand_off`` (the experts' outputs, the weights): the next device sums them."""
+        X, k = ly.n_expert, ly.n_expert_used
+        logits = add(Tensor("moe_logits", X * rows * F32, "MUL_MAT", [weight("gate_inp"), norm]))
+        probs = add(Tensor("moe_probs", X * rows * F32, "SOFT_MAX", [logits]))
+        order = add(Tensor("moe_argsort", X * rows * 4, "ARGSORT", [probs]))
+        topk = view(order)
+        w = add(Tensor("moe_weights", k * rows * F32, "GET_ROWS", [view(probs), topk]))
+        w2 = view(w)
+        wsum = add(Tensor("moe_weights_sum", rows * F32, "SUM_ROWS", [w2]))
+        wsum = add(Tensor("moe_weights_sum_clamped", rows * F32, "CLAMP", [wsum]))
+        w = add(Tensor("moe_weights_norm", k * rows * F32, "DIV", [w2, wsum]))
+        if hand_off:
+            return experts_ffn(ly, rows, view(norm), topk), view(w)
+        if il not in experts:
+            return experts_sum(ly, rows, experts_ffn(ly, rows, view(norm), topk), view(w)), None
+        # the experts run on the host: it copies the input and the ids, and hands back their outputs
+        add(Tensor("to_host", 0, "EXPORT", [view(norm), topk]))
+        down = add(Tensor("moe_down(from the host)", E * k * rows * F32, "COPY_IN"))
+        if (output if il == n_layer - 1 else il + 1 in here):
+            return experts_sum(ly, rows, down, view(w)), None
+        return None, view(w)
+
+    kinds = dict(ffn_kind)
+
+    def ffn_section(il: int) -> Tensor:
+        """Layer ``il``'s feed-forward, the part of it run here for the backend that holds the
+        layer (see ``ffn_kind``)."""
+        ly = plan.layers[il]
+        rows = O if il == n_layer - 1 else T
+        kind = kinds.get(il, "attn")
+        if kind == "gate":  # the down projection
+            k = ly.n_expert_used if ly.n_expert else 1
+            F = ly.n_ff_exp if ly.n_expert else ly.n_ff
+            act = add(Tensor("ffn_act(copy)", F * k * rows * F32, "COPY_IN"))
+            if ly.n_expert:
+                topk = add(Tensor("moe_topk(copy)", k * rows * 4, "COPY_IN"))
+                w = add(Tensor("moe_weights(copy)", k * rows * F32, "COPY_IN"))
+                residual = add(Tensor("ffn_inp(copy)", E * rows * F32, "COPY_IN"))
+                down = add(Tensor("moe_down", E * k * rows * F32, "MUL_MAT_ID", [weight("down_exps"), act, topk]))
+                out = experts_sum(ly, rows, down, view(w))
+            else:
+                residual = add(Tensor("ffn_inp(copy)", E * rows * F32, "COPY_IN"))
+                out = add(Tensor("ffn_down", E * rows * F32, "MUL_MAT", [weight("wd"), act]))
+            return add(Tensor("l_out", E * rows * F32, "ADD", [out, residual]))
+        x = add(Tensor("ffn_norm(copy)", E * rows * F32, "COPY_IN"))
+        if ly.n_expert:
+            x3 = add(Tensor("ffn_norm(reshaped copy)", E * rows * F32, "COPY_IN"))
+        if kind != "up" or not ly.n_expert:
+            residual = add(Tensor("ffn_inp(copy)", E * rows * F32, "COPY_IN"))
+        if ly.n_expert:
+            X, k = ly.n_expert, ly.n_expert_used
+            logits = add(Tensor("moe_logits", X * rows * F32, "MUL_MAT", [weight("gate_inp"), x]))
+            probs = add(Tensor("moe_probs", X * rows * F32, "SOFT_MAX", [logits]))
+            order = add(Tensor("moe_argsort", X * rows * 4, "ARGSORT", [probs]))
+            topk = view(order)
+            w = add(Tensor("moe_weights", k * rows * F32, "GET_ROWS", [view(probs), topk]))
+            w2 = view(w)
+            wsum = add(Tensor("moe_weights_sum", rows * F32, "SUM_ROWS", [w2]))
+            wsum = add(Tensor("moe_weights_sum_clamped", rows * F32, "CLAMP", [wsum]))
+            w = add(Tensor("moe_weights_norm", k * rows * F32, "DIV", [w2, wsum]))
+            if kind == "up":  # the up projection and the activation run with the layer, in between
+                F = ly.n_ff_exp
+                gate = add(Tensor("moe_gate", F * k * rows * F32, "MUL_MAT_ID", [weight("gate_exps"), x3, topk]))
+                add(Tensor("to_its_device", 0, "EXPORT", [gate]))
+                act = add(Tensor("moe_glu(copy)", F * k * rows * F32, "COPY_IN"))
+                residual = add(Tensor("ffn_inp(copy)", E * rows * F32, "COPY_IN"))
+                down = add(Tensor("moe_down", E * k * rows * F32, "MUL_MAT_ID", [weight("down_exps"), act, topk]))
+            else:
+                down = experts_ffn(ly, rows, x3, topk)
+            out = experts_sum(ly, rows, down, view(w))
+        else:
+            gate = add(Tensor("ffn_gate", ly.n_ff * rows * F32, "MUL_MAT", [weight("wg"), x]))
+            up = add(Tensor("ffn_up", ly.n_ff * rows * F32, "MUL_MAT", [weight("wu"), x]))
+            act = add(Tensor("ffn_glu", ly.n_ff * rows * F32, "GLU", [gate, up]))
+            out = add(Tensor("ffn_down", E * rows * F32, "MUL_MAT", [weight("wd"), act]))
+        return add(Tensor("l_out", E * rows * F32, "ADD", [out, residual]))
+
+    def foreign_sections(which) -> None:
+        """The host's share of offloaded layers (``which`` of them): their experts, or the
+        feed-forwards moved to host memory."""
+        for il in sorted(experts | ffn_here):
+            if il in here or il >= n_layer or not which(il):
+                continue
+            if il in ffn_here:
+                add(Tensor("to_its_device", 0, "EXPORT", [ffn_section(il)]))
+                continue
+            ly = plan.layers[il]
+            if not ly.n_expert:
+                continue
+            rows = O if il == n_layer - 1 else T
+            x = add(Tensor("ffn_norm(copy)", E * rows * F32, "COPY_IN"))
+            topk = add(Tensor("moe_topk(copy)", ly.n_expert_used * rows * 4, "COPY_IN"))
+            add(Tensor("to_the_device", 0, "EXPORT", [experts_ffn(ly, rows, x, topk)]))
+
+    def expert_tail(ly: LayerShape, rows: int) -> Tensor:
+        """A layer's experts' weighting, sum and residual add, run on the device after the one
+        that holds the layer: its inputs are copies of the experts' outputs, of the router's
+        weights and of the residual."""
+        k = ly.n_expert_used
+        # (the first inputs of this backend's part: allocated before the graph's own inputs)
+        down = Tensor("moe_down(copy)", E * k * rows * F32, is_input=True)
+        w = Tensor("moe_weights(copy)", k * rows * F32, is_input=True)
+        residual = Tensor("ffn_inp(copy)", E * rows * F32, is_input=True)
+        out = experts_sum(ly, rows, down, view(w))
+        return add(Tensor("l_out", E * rows * F32, "ADD", [out, residual]))
+
+    states: dict[int, Tensor] = {}
+    from_section: Tensor | None = None  # a layer's output, from a feed-forward run here
+    for il, ly in enumerate(plan.layers):
+        last = il == n_layer - 1
+        if il not in here:
+            from_section = ffn_section(il) if not embed and il in ffn_here else None
+            if from_section is not None and il + 1 not in here:
+                add(Tensor("to_its_device", 0, "EXPORT", [from_section]))
+                from_section = None
+            continue
+        if from_section is not None:  # the previous layer's feed-forward ran here
+            inp, from_section = from_section, None
+        elif (il == 0 and not embed) or (il > 0 and il - 1 not in here):
+            if il > 0 and il - 1 in host and plan.layers[il - 1].n_expert:
+                inp = expert_tail(plan.layers[il - 1], T)  # (the weighting and sum too, as for a device's)
+            elif il > 0 and il - 1 in host:  # the host's last layer left its residual add to us
+                inp = add(Tensor("l_out(of the host)", E * T * F32, "ADD",
+                                 [Tensor("ffn_out(copy)", E * T * F32, is_input=True),
+                                  Tensor("ffn_inp(copy)", E * T * F32, is_input=True)]))
+            elif il > 0 and il - 1 in experts:  # the previous device left us its experts' sum
+                inp = expert_tail(plan.layers[il - 1], T)
+            else:
+                inp = Tensor("inp_from_other_backend", E * T * F32, is_input=True)
+        if ly.mixer == "conv":  # the sequences' states, gathered before the layer runs
+            states[il] = add(Tensor("rs_states", ly.d_conv * E * max(1, plan.n_rs) * F32, "GET_ROWS",
+                                    [weight(f"cache_r{il}"), s_copy]))
+        norm = add(Tensor("attn_norm", E * T * F32, "RMS_NORM", [inp]))
+        norm = add(Tensor("attn_norm_w", E * T * F32, "MUL", [norm, weight("attn_norm.w")]))
+        if ly.mixer == "conv":
+            att = short_conv(il, ly, norm)
+        elif ly.mixer == "mla":
+            att = latent_attention(il, ly, norm)
+        else:
+            att = attention(il, ly, norm)
         cur = add(Tensor("attn_out", E * T * F32, "MUL_MAT", [weight("wo"), att]))
         rows, residual = T, inp
         if last:
             rows = O
             cur = add(Tensor("attn_out_rows", E * O * F32, "GET_ROWS", [cur, out_ids]))
             residual = add(Tensor("inp_rows", E * O * F32, "GET_ROWS", [residual, out_ids]))
-        ffn_inp = add(Tensor("ffn_inp", E * rows * F32, "ADD", [cur, residual]))
+        ffn_inp = residual_add("ffn_inp", rows, cur, residual)
         norm = add(Tensor("ffn_norm", E * rows * F32, "RMS_NORM", [ffn_inp]))
         norm = add(Tensor("ffn_norm_w", E * rows * F32, "MUL", [norm, weight("ffn_norm.w")]))
-        gate = add(Tensor("ffn_gate", ly.n_ff * rows * F32, "MUL_MAT", [weight("wg"), norm]))
-        up = add(Tensor("ffn_up", ly.n_ff * rows * F32, "MUL_MAT", [weight("wu"), norm]))
-        act = add(Tensor("ffn_glu", ly.n_ff * rows * F32, "GLU", [gate, up]))
-        down = add(Tensor("ffn_down", E * rows * F32, "MUL_MAT", [weight("wd"), act]))
+        if il in ffn_away:  # (part of) its feed-forward runs on another backend, which hands back the output
+            kind = kinds.get(il, "attn")
+            if kind == "gate":  # all but the down projection here
+                if ly.n_expert:
+                    X, k, F = ly.n_expert, ly.n_expert_used, ly.n_ff_exp
+                    logits = add(Tensor("moe_logits", X * rows * F32, "MUL_MAT", [weight("gate_inp"), norm]))
+                    probs = add(Tensor("moe_probs", X * rows * F32, "SOFT_MAX", [logits]))
+                    order = add(Tensor("moe_argsort", X * rows * 4, "ARGSORT", [probs]))
+                    w = add(Tensor("moe_weights", k * rows * F32, "GET_ROWS", [view(probs), view(order)]))
+                    wsum = add(Tensor("moe_weights_sum_clamped", rows * F32, "SUM_ROWS", [view(w)]))
+                    w = add(Tensor("moe_weights_norm", k * rows * F32, "DIV", [view(w), wsum]))
+                    gate = add(Tensor("moe_gate", F * k * rows * F32, "MUL_MAT_ID",
+                                      [weight("gate_exps"), view(norm), view(order)]))
+                    up = add(Tensor("moe_up", F * k * rows * F32, "MUL_MAT_ID",
+                                    [weight("up_exps"), view(norm), view(order)]))
+                    act = add(Tensor("moe_glu", F * k * rows * F32, "GLU", [gate, up]))
+                    add(Tensor("to_other_backend", 0, "EXPORT", [act, view(order), view(w), ffn_inp]))
+                else:
+                    gate = add(Tensor("ffn_gate", ly.n_ff * rows * F32, "MUL_MAT", [weight("wg"), norm]))
+                    up = add(Tensor("ffn_up", ly.n_ff * rows * F32, "MUL_MAT", [weight("wu"), norm]))
+                    act = add(Tensor("ffn_glu", ly.n_ff * rows * F32, "GLU", [gate, up]))
+                    add(Tensor("to_other_backend", 0, "EXPORT", [act, ffn_inp]))
+            elif kind == "up" and ly.n_expert:  # the up projection here, on the ids the other backend chose
+                k, F = ly.n_expert_used, ly.n_ff_exp
+                topk = add(Tensor("moe_topk(copy)", k * rows * 4, "COPY_IN"))
+                gate = add(Tensor("moe_gate(copy)", F * k * rows * F32, "COPY_IN"))
+                up = add(Tensor("moe_up", F * k * rows * F32, "MUL_MAT_ID", [weight("up_exps"), view(norm), topk]))
+                act = add(Tensor("moe_glu", F * k * rows * F32, "GLU", [gate, up]))
+                add(Tensor("to_other_backend", 0, "EXPORT", [act, ffn_inp]))
+            else:
+                add(Tensor("to_other_backend", 0, "EXPORT", [norm, ffn_inp]))
+            if il + 1 not in here:
+                break
+            inp = add(Tensor("l_out(copy)", E * rows * F32, "COPY_IN"))
+            continue
+        if ly.n_expert and embed and not last and il + 1 not in here:
+            # the host's last layer: the device after it weights and sums the experts' outputs
+            down, left = moe(il, ly, rows, norm, hand_off=True)
+            handed_on = [down, left, ffn_inp]
+            break
+        if ly.n_expert:
+            down, left = moe(il, ly, rows, norm)
+            if down is None:  # the next device weights and sums the experts' outputs
+                add(Tensor("to_next_device", 0, "EXPORT", [left, ffn_inp]))
+                break
+        else:
+            gate = add(Tensor("ffn_gate", ly.n_ff * rows * F32, "MUL_MAT", [weight("wg"), norm]))
+            up = add(Tensor("ffn_up", ly.n_ff * rows * F32, "MUL_MAT", [weight("wu"), norm]))
+            act = add(Tensor("ffn_glu", ly.n_ff * rows * F32, "GLU", [gate, up]))
+            down = add(Tensor("ffn_down", E * rows * F32, "MUL_MAT", [weight("wd"), act]))
         if embed and not last and il + 1 not in here:
             handed_on = [down, ffn_inp]
             break  # the next backend adds the residual (see above)
-        inp = add(Tensor("l_out", E * rows * F32, "ADD", [down, ffn_inp]))
+        inp = add(Tensor("l_out", E * rows * F32, "ADD", [ffn_inp, down] if plan.residual_first else [down, ffn_inp]))
 
     if embed and layers is not None and (layers_elsewhere(here, n_layer) or not output):
         # ggml's scheduler puts every graph input on the host backend and gives each device a
@@ -448,8 +757,14 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
         # an RPC worker holding all 3 layers of a 2-block model at n_ctx 2048: the host's
         # compute buffer was 2.52 MiB, nearly all of it the 2 MiB f16 mask).
         exported = list(handed_on)
-        if n_layer and not first_here and plan.mixed_batch:
-            exported += [mixed_embd, slots]
+        if n_layer and not first_here:  # (what the device holding the first layer copies)
+            exported.append(embd)
+            if plan.mixed_batch:
+                exported += [tok_rows, mixed_embd, slots]
+        if inputs_until:  # the first devices take theirs; the last one takes the inputs later
+            add(Tensor("to_the_first_devices", 0, "EXPORT", exported))
+            exported = []
+            foreign_sections(lambda il: il < inputs_until)
         if n_layer and layers_elsewhere(here, n_layer):
             exported += [pos, base.k_idxs, base.v_idxs, base.mask]
             if iswa:
@@ -460,10 +775,16 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
             exported.append(out_ids)
         add(Tensor("to_other_backends", 0, "EXPORT", exported))
 
+    if embed:  # the host runs the experts, or feed-forwards, that offloaded layers keep in host memory
+        foreign_sections(lambda il: il >= inputs_until)
+
     if not output:
         return nodes
     if n_layer - 1 not in here:
-        inp = Tensor("inp_from_other_backend", E * O * F32, is_input=True)
+        if n_layer - 1 in experts and plan.layers[-1].n_expert:
+            inp = expert_tail(plan.layers[-1], O)
+        else:
+            inp = Tensor("inp_from_other_backend", E * O * F32, is_input=True)
     norm = add(Tensor("out_norm", E * O * F32, "RMS_NORM", [inp]))
     norm = add(Tensor("result_norm", E * O * F32, "MUL", [norm, weight("output_norm")]))
     if plan.embeddings:

@@ -10,15 +10,15 @@
   allocator (:mod:`.computegraph`), the host output buffer.
 * ``llama.cpp``: llama.cpp's own projection from ``llama-fit-params`` (:mod:`.fitparams`).
 
-:func:`estimate_all` gathers the three; :func:`format_estimates` prints them side by side.
+:func:`.sources.estimate_all` gathers the three; :func:`format_estimates` prints them side by side.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import platform
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,8 +26,8 @@ from .. import config
 from ..load_options import QUANTIZED_KV, LoadOptions, batch_args
 from ..models.gguf_info import GGUFInfo
 from .computegraph import CPU_ALIGNMENT, GPU_ALIGNMENT, GraphPlan, LayerShape, compute_buffer_bytes
-from .report import (ACTUAL, format_bytes, format_pct, COARSE, COMPONENTS, COMPUTE, DETAILED, HOST, KV, LLAMA_CPP, OTHER, OUTPUT,
-                     SOURCES, WEIGHTS, GiB, MemoryReport, MiB, render_table)
+from .report import (ACTUAL, format_bytes, format_pct, COARSE, COMPONENTS, COMPUTE, DETAILED, HOST, KV, OTHER, OUTPUT,
+                     RS, SOURCES, WEIGHTS, GiB, MemoryReport, MiB, render_table)
 
 # llama.cpp's --fit never shrinks an automatic context below this (common/fit.cpp).
 FIT_MIN_CTX = 4096
@@ -220,10 +220,17 @@ KV_TYPE_BLOCKS = {
     "q5_1": (24, 32),
 }
 
-# Architectures whose graph is llama's up to in-place operations (biases, scales, q/k norms).
-# The compute-buffer model was verified against real children for "llama" only.
-LLAMA_LIKE = frozenset({"llama", "mistral3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "granite"})
-VERIFIED_ARCHS = frozenset({"llama"})
+# Architectures the detailed estimate models: llama's graph up to in-place operations (biases,
+# scales, q/k norms, post-norms), and the families whose blocks :mod:`.computegraph` replays
+# besides: mixture-of-experts feed-forwards (qwen3moe), short-convolution layers with a
+# recurrent state (lfm2) and multi-head latent attention (deepseek2).
+LLAMA_LIKE = frozenset({"llama", "mistral3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "granite",
+                        "qwen3moe", "lfm2", "deepseek2"})
+# Those whose compute buffer was held against real children (bench/estimate_accuracy.py):
+# the rest are assumed to follow llama's graph, and the estimate says so.
+VERIFIED_ARCHS = frozenset({"llama", "qwen3", "gemma3", "qwen3moe", "lfm2", "deepseek2"})
+
+MOE_ARCHS = frozenset({"qwen3moe"})  # mixture-of-experts families whose router and experts are replayed
 
 KV_PAD = 256  # llama.cpp pads n_ctx, per-stream contexts and the SWA cache to 256 cells
 DEFAULT_BATCH = 2048  # llama-server's -b
@@ -336,6 +343,7 @@ def kv_cache_bytes(info: GGUFInfo, plan: ContextPlan) -> dict[int, int]:
     """
     out: dict[int, int] = {}
     v_max = max((info.head_dim_v(il) * info.n_head_kv(il) for il in range(info.block_count)), default=0)
+    mla = info.is_mla
     for il in range(info.block_count):
         hkv = info.n_head_kv(il)
         if hkv <= 0:
@@ -343,12 +351,126 @@ def kv_cache_bytes(info: GGUFInfo, plan: ContextPlan) -> dict[int, int]:
         cells = plan.swa_cells if (_is_swa(info, il) and plan.swa_cells) else plan.n_ctx_seq
         n_k = info.head_dim_k(il) * hkv
         n_v = v_max if plan.v_trans else info.head_dim_v(il) * hkv
-        row = kv_row_bytes(plan.type_k, n_k) + kv_row_bytes(plan.type_v, n_v)
+        # MLA caches one compressed row per token and reads V out of it: no V cache
+        row = kv_row_bytes(plan.type_k, n_k) + (0 if mla else kv_row_bytes(plan.type_v, n_v))
         out[il] = row * cells * plan.n_stream
     return out
 
 
+RS_ALIGNMENT = 32  # the recurrent state's buffer places each layer's tensors at this alignment
+
+
+def rs_bytes(info: GGUFInfo, plan: ContextPlan) -> dict[int, int]:
+    """Recurrent-state bytes per layer (llama.cpp's ``llama_memory_recurrent``): a layer that keeps
+    a state instead of a KV cache has an f32 ``r`` state of ``n_embd_r`` and an ``s`` state of
+    ``n_embd_s`` elements per sequence (``max(1, slots)`` of them, whatever the context). For
+    LFM2's short convolutions ``n_embd_r = (l_cache - 1) * n_embd`` (the last positions of each
+    sequence) and ``n_embd_s = 0``: a few KiB where attention would keep the whole context."""
+    out: dict[int, int] = {}
+    l_cache = info.shortconv_l_cache
+    if not l_cache:
+        return out
+    n_rs = max(1, plan.n_seq)
+    r = (l_cache - 1) * info.embedding_length * 4 * n_rs
+    for il in range(info.block_count):
+        if info.is_recurrent(il):
+            out[il] = -(-r // RS_ALIGNMENT) * RS_ALIGNMENT
+    return out
+
+
 # ----------------------------------------------------------------------------- placement
+
+
+class Share(float):
+    """One accelerator's share of the offloaded layers, as llama.cpp's ``--fit`` sets it for a
+    mixture-of-experts model: ``layers`` whole layers (the value), of which the last ``partial``
+    keep their experts in host memory (llama.cpp's ``-ot`` overrides: a MoE model's dense
+    weights go to the devices before its experts do). The first of those may instead move only
+    part of its feed-forward (``overflow``: ``up`` keeps attention and the up projection,
+    ``gate`` the gate too, ``attn`` only attention; ``moe``: just the experts) to the next
+    device (``to_next``) or host memory. A plain float share means whole layers."""
+
+    partial: int
+    overflow: str
+    to_next: bool
+
+    def __new__(cls, layers: float, partial: int = 0, overflow: str = "moe", to_next: bool = False):
+        obj = super().__new__(cls, layers)
+        obj.partial, obj.overflow, obj.to_next = int(partial), overflow, bool(to_next)
+        return obj
+
+    def __repr__(self) -> str:
+        extra = f", partial={self.partial}" if self.partial else ""
+        if self.overflow != "moe":
+            extra += f", overflow={self.overflow!r}" + (", to_next=True" if self.to_next else "")
+        return f"Share({float(self)!r}{extra})"
+
+    def __reduce__(self):
+        return (Share, (float(self), self.partial, self.overflow, self.to_next))
+
+
+# llama.cpp's overrides for a partial layer (common/fit.cpp): which of its tensors leave the device
+_OVERFLOW_PATTERNS = {
+    "attn": r"blk\.{il}\.ffn_(gate|up|gate_up|down).*",
+    "up": r"blk\.{il}\.ffn_(gate|gate_up|down).*",
+    "gate": r"blk\.{il}\.ffn_down.*",
+    "moe": r"blk\.{il}\.ffn_(up|down|gate_up|gate)_(ch|)exps",
+}
+
+
+def partial_layers(info: GGUFInfo, gpus: list[str], split: Sequence[float] | None) -> dict[int, tuple[str, str]]:
+    """``{layer: (overflow, where)}``: the layers whose experts (or part of whose feed-forward)
+    llama.cpp keeps off their device under ``split`` (:class:`Share`), as ``--fit`` writes its
+    overrides: in each device's slice the whole layers come first, then the partial ones; the
+    first partial layer of a slice moves its ``overflow`` part to ``where`` (the next device, or
+    host memory), the others their experts to host memory."""
+    out: dict[int, tuple[str, str]] = {}
+    if not split or not any(getattr(s, "partial", 0) for s in split):
+        return out
+    il0 = info.block_count + 1 - int(sum(float(s) for s in split))
+    for i, s in enumerate(split):
+        il0 += int(float(s)) - getattr(s, "partial", 0)
+        for k in range(getattr(s, "partial", 0)):
+            il = il0 + k
+            if k == 0 and s.overflow != "moe":
+                out[il] = (s.overflow, gpus[i + 1] if s.to_next and i + 1 < len(gpus) else HOST)
+            else:
+                out[il] = ("moe", HOST)
+        il0 += getattr(s, "partial", 0)
+    return out
+
+
+def tensor_devices(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None,
+                   split: Sequence[float] | None = None) -> dict[str, str]:
+    """The device of every tensor: a layer's tensors where the layer is (:func:`layer_devices`),
+    ``output*`` where the output layer is, the rest in host memory; then the overrides of
+    :func:`partial_layers` (a mixture of experts that ``--fit`` spread over devices and host)."""
+    devices, out_dev = layer_devices(info, options, gpus, split)
+    outs = _output_tensors(info)
+    placed: dict[str, str] = {}
+    for t in info.tensors:
+        if t.layer is not None and t.layer < len(devices):
+            placed[t.name] = devices[t.layer]
+        elif t.name.startswith("output") or t.name in outs:
+            placed[t.name] = out_dev
+        else:
+            placed[t.name] = HOST
+    for il, (overflow, where) in partial_layers(info, list(gpus or []), split).items():
+        if il >= info.block_count or devices[il] == HOST:
+            continue
+        pattern = re.compile(_OVERFLOW_PATTERNS[overflow].format(il=il))
+        for t in info.tensors:
+            if t.layer == il and pattern.search(t.name):
+                placed[t.name] = where
+    return placed
+
+
+def experts_on_host(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None,
+                    split: Sequence[float] | None = None) -> frozenset[int]:
+    """Offloaded layers whose expert matmuls run in host memory, next to their weights."""
+    devices, _ = layer_devices(info, options, gpus, split)
+    return frozenset(il for il, (_o, where) in partial_layers(info, list(gpus or []), split).items()
+                     if il < info.block_count and devices[il] != HOST and where == HOST)
 
 
 def layer_devices(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None,
@@ -430,6 +552,8 @@ def fit_layers(info: GGUFInfo, options: LoadOptions, rooms: Sequence[tuple[str, 
         default = [float(max(f, 1)) for f in free]
         if all(use(i, default) <= room for i, (_, room) in enumerate(rooms)):
             return default
+    if gpus and any(info.is_expert_tensor(t.name) for t in info.tensors):
+        return _fit_experts(info, options, rooms, free)
 
     remaining = n_total
     for i in range(len(gpus) - 1, -1, -1):
@@ -448,6 +572,140 @@ def fit_layers(info: GGUFInfo, options: LoadOptions, rooms: Sequence[tuple[str, 
         if remaining == 0:
             break
     return [float(c) for c in counts]
+
+
+def _fit_experts(info: GGUFInfo, options: LoadOptions, rooms: Sequence[tuple[str, int]],
+                 free: Sequence[int] | None) -> list[Share]:
+    """llama.cpp's ``--fit`` for a mixture of experts (``common/fit.cpp``), when the default
+    placement does not fit: its dense weights first, its experts with what room is left.
+
+    1. From the last device to the first, as many layers as fit, each "dense-only": its
+       experts in host memory (the output layer, on the last device, whole).
+    2. If the dense weights of every layer fit in the devices' rooms together, layers are made
+       whole from the front: the first device takes whole layers (taking them from the front
+       of the dense-only ones) while it fits, then the next, and so on; then each device tries
+       one more layer with part of its feed-forward moved on (to the next device, or host
+       memory for the last): attention and up projection kept, then the gate too, else
+       attention alone.
+
+    Each candidate is measured with the detailed estimate, as llama.cpp measures it with a
+    dry-run load. Returns :class:`Share` per device."""
+    gpus = [d for d, _ in rooms]
+    targets = [room for _, room in rooms]
+    nd, n_total = len(gpus), info.block_count + 1
+    opts = options.replace(num_gpu=None)
+
+    @dataclass
+    class Dev:
+        n_layer: int = 0
+        n_part: int = 0
+        overflow: str = "moe"
+        to_next: bool = False
+
+    def shares(cfg: list[Dev]) -> list[Share]:
+        return [Share(d.n_layer, d.n_part, d.overflow, d.to_next) for d in cfg]
+
+    def mem(cfg: list[Dev]) -> list[int]:
+        if not any(d.n_layer for d in cfg):
+            return [0] * nd
+        rep = _estimate_detailed(info, opts, gpus, split=shares(cfg))
+        return [rep.total(device=g) for g in gpus]
+
+    def copy(cfg: list[Dev]) -> list[Dev]:
+        return [dataclasses.replace(d) for d in cfg]
+
+    # The dense weights of every layer against all the rooms together (the default split, every
+    # expert in host memory).
+    default_devices, default_out = layer_devices(info, opts, gpus,
+                                                 [float(max(f, 1)) for f in free] if free else None)
+    dense_only = []
+    for i, g in enumerate(gpus):
+        n = sum(d == g for d in default_devices) + (default_out == g)
+        dense_only.append(Dev(n, n))  # (every layer's experts: the output layer has none)
+    surplus = sum(targets) - sum(mem(dense_only))
+
+    cfg = [Dev() for _ in gpus]
+    for i in range(nd - 1, -1, -1):  # 1: dense-only layers, back to front
+        unassigned = n_total - sum(d.n_layer for d in cfg[i + 1:])
+
+        def with_layers(n: int) -> list[Dev]:
+            trial = copy(cfg)
+            trial[i] = Dev(n, max(0, n - 1) if i == nd - 1 else n)
+            return trial
+
+        lo, hi = cfg[i].n_layer, unassigned
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if mem(with_layers(mid))[i] <= targets[i]:
+                lo = mid
+            else:
+                hi = mid - 1
+        cfg = with_layers(lo)
+    if surplus <= 0:
+        return shares(cfg)
+
+    start = nd  # 2: the first of the devices holding dense-only layers, to the end
+    for i in range(nd - 1, -1, -1):
+        if cfg[i].n_layer > 0:
+            start = i
+            continue
+        break
+    if start >= nd:
+        return shares(cfg)
+
+    def convert(base: list[Dev], i: int, n: int, first: int) -> tuple[list[Dev], int]:
+        """``n`` dense-only layers, from the front of those, made whole layers of device ``i``."""
+        trial, done = copy(base), 0
+        j = first
+        while j < nd:
+            k = min(n - done, trial[j].n_part)
+            trial[j].n_layer -= k
+            trial[j].n_part -= k
+            trial[i].n_layer += k
+            done += k
+            if trial[j].n_part > 0:
+                break
+            j += 1
+        return trial, min(j, nd - 1)
+
+    i = 0
+    while i <= start and start < nd:
+        most = sum(d.n_part for d in cfg[start:])
+        lo, hi = 0, most
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if mem(convert(cfg, i, mid, start)[0])[i] <= targets[i]:
+                lo = mid
+            else:
+                hi = mid - 1
+        cfg, start = convert(cfg, i, lo, start)
+        # One more layer, in part. (As in llama.cpp, this may take the output layer from the last
+        # device, leaving it a layer count of 0 and a partial count of -1: no overrides there.)
+        if cfg[start].n_layer > (0 if i < nd - 1 else 1):
+            trial = copy(cfg)
+            trial[start].n_layer -= 1
+            trial[start].n_part -= 1
+            trial[i].n_layer += 1
+            trial[i].n_part += 1
+            trial_start = start + 1 if trial[start].n_part == 0 and start + 1 < nd else start
+            trial[i].to_next = i < nd - 1
+
+            def fits(t: list[Dev]) -> bool:
+                m = mem(t)
+                return m[i] < targets[i] and (i + 1 == nd or m[i + 1] < targets[i + 1])
+
+            trial[i].overflow = "up"
+            if fits(trial):
+                cfg, start = copy(trial), trial_start
+                trial[i].overflow = "gate"
+                if fits(trial):
+                    cfg = copy(trial)
+            else:
+                trial[i].overflow = "attn"
+                if fits(trial):
+                    cfg, start = copy(trial), trial_start
+        i += 1
+    return shares(cfg)
 
 
 def _cpu_flags() -> tuple[str, frozenset[str]]:
@@ -497,6 +755,12 @@ def _tensor_offsets(info: GGUFInfo) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _output_tensors(info: GGUFInfo) -> frozenset[str]:
+    """Tensors of the output layer whose names do not start with ``output`` (LFM2 names its
+    final norm ``token_embd_norm``; llama.cpp still places it with the output layer)."""
+    return frozenset({"token_embd_norm.weight"}) if info.architecture == "lfm2" else frozenset()
+
+
 def weight_bytes(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None,
                  split: Sequence[float] | None = None) -> dict[str, int]:
     """Model-buffer bytes per device, as llama.cpp allocates (and logs) them.
@@ -505,6 +769,8 @@ def weight_bytes(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None,
       layer goes; the token embedding (and anything else outside the blocks) stays in host
       memory; a model without ``output.weight`` (tied embeddings) gets a copy of the token
       embedding wherever its output layer is, unless that copy can share the host mapping;
+      a mixture of experts placed by ``--fit`` keeps the experts of its partial layers in host
+      memory (:func:`tensor_devices`), inside the mapping;
     * host memory with mmap (the default): one ``CPU_Mapped`` buffer spanning the file from the
       first to the last host tensor (tensors on a GPU between them are inside the span), plus,
       on a CPU-only machine, a ``CPU_REPACK`` copy of the weights the CPU backend repacks
@@ -530,13 +796,9 @@ def weight_bytes(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None,
         return bool(need) and t.shape[1] % need == 0
 
     has_output = any(t.name == "output.weight" for t in info.tensors)
+    placed = tensor_devices(info, options, gpus, split)
     for t in info.tensors:
-        if t.layer is not None and t.layer < len(devices):
-            dev = devices[t.layer]
-        elif t.name.startswith("output"):
-            dev = out_dev
-        else:
-            dev = HOST
+        dev = placed[t.name]
         if dev != HOST:
             per_dev[dev] = per_dev.get(dev, 0) + t.n_bytes
         elif t.name != "token_embd.weight" and repackable(t):
@@ -573,15 +835,30 @@ def _layer_shapes(info: GGUFInfo) -> tuple[LayerShape, ...]:
     by_name = {t.name: t for t in info.tensors}
     shapes = []
     for il in range(info.block_count):
-        def dim(suffix: str, default: int) -> int:
+        def dim(suffix: str, default: int, axis: int = 1) -> int:
             t = by_name.get(f"blk.{il}.{suffix}")
-            return int(t.shape[1]) if t is not None and len(t.shape) >= 2 else default
+            return int(t.shape[axis]) if t is not None and len(t.shape) > axis else default
 
         hk, hv, hkv, hq = info.head_dim_k(il), info.head_dim_v(il), info.n_head_kv(il), info.n_head(il)
         n_ff = dim("ffn_up.weight", dim("ffn_gate.weight", info.feed_forward_length or 4 * info.embedding_length))
+        kw: dict = {}
+        if f"blk.{il}.ffn_up_exps.weight" in by_name:  # ggml shape {n_embd, n_ff_exp, n_expert}
+            kw.update(n_expert=dim("ffn_up_exps.weight", info.n_expert, 2),
+                      n_expert_used=max(1, info.n_expert_used), n_ff_exp=dim("ffn_up_exps.weight", n_ff))
+        if info.is_recurrent(il):
+            kw.update(mixer="conv", d_conv=info.shortconv_l_cache - 1)
+            hkv = 0
+        elif info.is_mla:
+            rope = info.arch_int("rope.dimension_count")
+            kw.update(mixer="mla", q_lora=dim("attn_q_a.weight", 0) if f"blk.{il}.attn_q_a.weight" in by_name else 0,
+                      rope=rope, nope=info.arch_int("attention.key_length_mla") - rope,
+                      head_v=info.arch_int("attention.value_length_mla"))
+            shapes.append(LayerShape(n_embd_q=max(1, hq) * hk, n_embd_k=hk, n_embd_v=hv, n_head=max(1, hq),
+                                     n_ff=n_ff, **kw))
+            continue
         shapes.append(LayerShape(
             n_embd_q=dim("attn_q.weight", hq * hk), n_embd_k=hkv * hk, n_embd_v=hkv * hv,
-            n_head=max(1, hq), n_ff=n_ff, swa=_is_swa(info, il)))
+            n_head=max(1, hq), n_ff=n_ff, swa=_is_swa(info, il), **kw))
     return tuple(shapes)
 
 
@@ -607,7 +884,10 @@ def graph_plan(info: GGUFInfo, plan: ContextPlan) -> GraphPlan:
         # A causal model computes its logits even when it embeds (llama.cpp builds the output
         # head into the graph, and an embedding load outputs every token of a micro-batch), so
         # its graph is the one with logits, for that many rows.
-        embeddings=plan.embedding and info.architecture not in LLAMA_LIKE)
+        embeddings=plan.embedding and info.architecture not in LLAMA_LIKE,
+        n_rs=max(1, plan.n_seq) if info.shortconv_l_cache else 0,
+        residual_first=info.architecture == "lfm2",
+        v_cache_bytes=KV_TYPE_BLOCKS[plan.type_k][0] / KV_TYPE_BLOCKS[plan.type_k][1] if info.is_mla else 2)
 
 
 def compute_bytes(info: GGUFInfo, plan: ContextPlan, alignment: int = CPU_ALIGNMENT, copies: int = 1,
@@ -649,8 +929,8 @@ def output_bytes(info: GGUFInfo, plan: ContextPlan) -> int:
 def _unsupported_reason(info: GGUFInfo) -> str | None:
     if info.architecture not in LLAMA_LIKE:
         return f"architecture {info.architecture!r} is not modelled"
-    if any("_exps" in t.name for t in info.tensors):
-        return "mixture-of-experts layers are not modelled"
+    if info.architecture not in MOE_ARCHS and any("_exps" in t.name for t in info.tensors):
+        return f"mixture-of-experts layers of {info.architecture!r} are not modelled"
     if not isinstance(info.head_count, list) and int(info.head_count) <= 0:
         return "layers without attention heads (recurrent) are not modelled"
     if info.block_count <= 0 or info.embedding_length <= 0 or info.vocab_size <= 0:
@@ -714,6 +994,8 @@ def _estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str],
         rep.add(dev, WEIGHTS, n)
     for il, n in kv_cache_bytes(info, plan).items():
         rep.add(devices[il], KV, n)
+    for il, n in rs_bytes(info, plan).items():
+        rep.add(devices[il], RS, n)
 
     used_gpus: dict[str, int] = {}  # GPU -> layers on it (the output layer counts)
     for d in [*devices, out_dev]:
@@ -727,20 +1009,38 @@ def _estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str],
         # three full layers the same 13.58 MiB as the whole graph on the CPU).
         t = min(plan.n_ctx, plan.n_ubatch)
         host_layers = [il for il, d in enumerate(devices) if d == HOST]
-        copies = PIPELINE_COPIES if pipeline_parallel(len(gpus), rep.layers_offloaded or 0,
-                                                      info.block_count + 1) else 1
+        # (tensor overrides, such as a mixture of experts' partial layers, turn pipelining off)
+        overridden = bool(partial_layers(info, gpus, split))
+        copies = PIPELINE_COPIES if not overridden and pipeline_parallel(len(gpus), rep.layers_offloaded or 0,
+                                                                         info.block_count + 1) else 1
+        experts = experts_on_host(info, options, gpus, split)
+        # the first partial layer of a device may move part of its feed-forward on
+        moved = {il: (kind, where) for il, (kind, where) in partial_layers(info, gpus, split).items()
+                 if kind != "moe" and il < info.block_count and devices[il] != HOST}
+        away = {il: where for il, (_kind, where) in moved.items()}
         for d in [HOST, *used_gpus]:
             part = dict(layers=frozenset(il for il, dv in enumerate(devices) if dv == d),
                         output=out_dev == d, embed=d == HOST, host=frozenset(host_layers))
+            if experts or away:
+                firsts = [min(il for il, dv in enumerate(devices) if dv == g) for g in used_gpus if g in devices]
+                part["inputs_until"] = max(firsts, default=0)
+            if experts:
+                part["experts"] = experts
+            if away:
+                part["ffn_away"] = frozenset(il for il in away if devices[il] == d)
+                part["ffn_here"] = frozenset(il for il, where in away.items() if where == d)
+                part["ffn_kind"] = tuple(sorted((il, kind) for il, (kind, _where) in moved.items()))
             align = CPU_ALIGNMENT if d == HOST or d.startswith("rpc:") else GPU_ALIGNMENT
             rep.add(d, COMPUTE, compute_bytes(info, plan, align, copies, **part))
         local = [d for d in used_gpus if not d.startswith("rpc:")]
-        if host_layers and local and t >= 32:
+        if (host_layers or experts) and local and t >= 32:
             # A local GPU runs large-batch matmuls of host weights, copying them over (RPC
             # devices do not: their backend offloads no operation).
             lb = info.layer_bytes()
+            eb = {il: sum(x.n_bytes for x in info.tensors if x.layer == il and info.is_expert_tensor(x.name))
+                  for il in experts}
             main = max(local, key=used_gpus.get)
-            rep.add(main, COMPUTE, max(lb.get(il, 0) for il in host_layers))
+            rep.add(main, COMPUTE, max([lb.get(il, 0) for il in host_layers] + list(eb.values())))
     rep.add(HOST, OUTPUT, output_bytes(info, plan))
 
     if options.total_ctx is None and plan.n_ctx_requested > FIT_MIN_CTX:
@@ -763,25 +1063,7 @@ def _estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str],
     return rep
 
 
-# ----------------------------------------------------------------------------- all sources
-
-
-def estimate_all(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None = None, *,
-                 engine=None, model_path: str | os.PathLike | None = None,
-                 timeout: float = 60.0) -> dict[str, MemoryReport]:
-    """``{"coarse": ..., "detailed": ..., "llama.cpp": ...}``; llama.cpp's own projection (from
-    ``llama-fit-params``) only when ``engine`` has it and it answers. Blocks while it runs;
-    see :func:`estimate_all_async` for an event loop."""
-    asked, (gpus, options) = options, (list(gpus or []), within_training(options, info))
-    out = {COARSE: estimate_coarse(info, options, gpus), DETAILED: estimate_detailed(info, options, gpus)}
-    fit = getattr(engine, "fit_params", None) if engine is not None else None
-    if fit:
-        from .fitparams import project
-
-        rep = project(fit, model_path or info.path, options, timeout=timeout)
-        if rep is not None:
-            out[LLAMA_CPP] = rep
-    return with_cap_note(out, asked.num_ctx, info)
+# ----------------------------------------------------------------------------- the context cap
 
 
 def with_cap_note(reports: dict[str, MemoryReport], asked: int | None, info: GGUFInfo) -> dict[str, MemoryReport]:
@@ -794,31 +1076,6 @@ def with_cap_note(reports: dict[str, MemoryReport], asked: int | None, info: GGU
     note = (f"num_ctx {asked} is more than the model's training context: it is loaded with {capped}, as Ollama "
             "does, and estimated so")
     return {k: dataclasses.replace(r, warnings=[*r.warnings, note]) for k, r in reports.items()}
-
-
-async def estimate_all_async(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None = None, *,
-                             engine=None, model_path: str | os.PathLike | None = None,
-                             timeout: float = 60.0) -> dict[str, MemoryReport]:
-    """:func:`estimate_all` without blocking the event loop."""
-    asked, (gpus, options) = options, (list(gpus or []), within_training(options, info))
-    out = {COARSE: estimate_coarse(info, options, gpus), DETAILED: estimate_detailed(info, options, gpus)}
-    out = await with_projection_async(out, engine, model_path or info.path, options, timeout=timeout)
-    return with_cap_note(out, asked.num_ctx, info)
-
-
-async def with_projection_async(reports: dict[str, MemoryReport], engine, model_path: str | os.PathLike,
-                                options: LoadOptions, timeout: float = 60.0) -> dict[str, MemoryReport]:
-    """``reports`` plus llama.cpp's own projection (``llama-fit-params`` with the same flags,
-    ``--rpc`` included) when ``engine`` has the tool and it answers."""
-    out = dict(reports)
-    fit = getattr(engine, "fit_params", None) if engine is not None else None
-    if fit:
-        from .fitparams import project_async
-
-        rep = await project_async(fit, model_path, options, timeout=timeout)
-        if rep is not None:
-            out[LLAMA_CPP] = rep
-    return out
 
 
 # ----------------------------------------------------------------------------- text

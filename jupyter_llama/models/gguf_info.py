@@ -59,6 +59,8 @@ _ARCH_SWA_PERIOD = {
 }
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+# llama.cpp's pattern for the experts of a layer (common/fit.cpp, --cpu-moe)
+_EXPERT_RE = re.compile(r"^blk\.\d+\.ffn_(up|down|gate_up|gate)_(ch|)exps")
 
 
 class GGUFError(ValueError):
@@ -149,6 +151,45 @@ class GGUFInfo:
 
     def head_dim_v(self, layer: int = 0) -> int:
         return self.value_length if self.value_length else self._head_dim(layer)
+
+    # -- family features ----------------------------------------------------------------
+
+    def arch_int(self, key: str, default: int = 0) -> int:
+        """The integer ``{architecture}.{key}`` of the metadata (``default`` when absent)."""
+        v = self.metadata.get(f"{self.architecture}.{key}")
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+    @property
+    def is_mla(self) -> bool:
+        """DeepSeek's multi-head latent attention: the cache holds one compressed row per token
+        (``key_length``, the compressed KV and the rotary key) and no V; ``key_length_mla`` /
+        ``value_length_mla`` are the head sizes once decompressed."""
+        return bool(self.arch_int("attention.key_length_mla") and self.arch_int("attention.value_length_mla"))
+
+    @property
+    def n_expert(self) -> int:
+        """Experts per mixture-of-experts layer (0: a dense model)."""
+        return self.arch_int("expert_count")
+
+    @property
+    def n_expert_used(self) -> int:
+        """Experts a token is routed to."""
+        return self.arch_int("expert_used_count")
+
+    @property
+    def shortconv_l_cache(self) -> int:
+        """LFM2's convolution window (0: no short-convolution layers)."""
+        return self.arch_int("shortconv.l_cache")
+
+    def is_recurrent(self, layer: int) -> bool:
+        """A layer that keeps a recurrent state instead of a KV cache: in a hybrid model
+        (LFM2), a layer without KV heads."""
+        return self.shortconv_l_cache > 0 and self.n_head_kv(layer) == 0
+
+    def is_expert_tensor(self, name: str) -> bool:
+        """A mixture-of-experts expert tensor (``blk.N.ffn_{gate,up,down,gate_up}_exps``): what
+        llama.cpp's ``--cpu-moe`` and its ``--fit`` keep in host memory."""
+        return _EXPERT_RE.match(name) is not None
 
     # -- bytes ------------------------------------------------------------------------
 
