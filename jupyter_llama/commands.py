@@ -337,7 +337,7 @@ def _shape_options(p: argparse.ArgumentParser) -> None:
 
 
 SHAPE_FIELDS = ("layers", "embd", "heads", "kv_heads", "ff", "vocab", "ctx", "type", "seed")
-SYNTH_FIELDS = SHAPE_FIELDS + ("template", "fim")
+SYNTH_FIELDS = SHAPE_FIELDS + ("template", "fim", "arch")
 
 
 @functools.lru_cache(maxsize=4)
@@ -426,6 +426,9 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
                         "the model really calls a tool it is offered)")
     p.add_argument("--fim", action="store_true", default=None,
                    help="give it fill-in-the-middle tokens (generate with suffix, llama-server's /infill)")
+    p.add_argument("--arch", choices=("llama", "qwen3", "gemma3", "qwen3moe", "lfm2", "deepseek2"),
+                   help="its architecture family (default llama): qwen3, gemma3 (sliding window), qwen3moe "
+                        "(experts), lfm2 (recurrent state), deepseek2 (compressed KV cache)")
     _shape_options(p)
 
     p = add("cp", cmd_cp, "copy a model to a new name (no bytes are copied)")
@@ -1130,7 +1133,7 @@ def cmd_synth(args, fe: Frontend):
             return cmd_create(argparse.Namespace(name=args.name, from_file=path, projector=proj), fe)
         with tempfile.TemporaryDirectory(prefix="jupyter-llama-synth-") as tmp:
             path, proj = write(os.path.join(tmp, "synth.gguf"))
-            described = (f"as a synthetic {shape.type} llama of {shape.layers} layers, {shape.embd} wide, "
+            described = (f"as a synthetic {shape.type} {shape.arch} of {shape.layers} layers, {shape.embd} wide, "
                          f"{os.path.getsize(path) / 2**20:.1f} MiB")
             return cmd_create(argparse.Namespace(name=args.name, from_file=path, projector=proj, described=described
                                                  + (", with a projector" if proj else "")), fe)

@@ -708,6 +708,32 @@ def _fit_experts(info: GGUFInfo, options: LoadOptions, rooms: Sequence[tuple[str
     return shares(cfg)
 
 
+def _placement_notes(info: GGUFInfo, options: LoadOptions, gpus: list[str],
+                     split: Sequence[float] | None) -> list[str]:
+    """What the estimate of a placement says of itself where it is not measured: a mixture of
+    experts whose experts stay in host memory, and a layer whose feed-forward is split between
+    two devices."""
+    notes = []
+    parts = partial_layers(info, gpus, split)
+    devices, _ = layer_devices(info, options, gpus, split)
+    on_host = sorted(il for il, (kind, where) in parts.items()
+                     if kind == "moe" and where == HOST and il < info.block_count and devices[il] != HOST)
+    if on_host:
+        notes.append(f"llama.cpp's --fit keeps the experts of {len(on_host)} offloaded layer"
+                     f"{'s' if len(on_host) > 1 else ''} in host memory (their expert matmuls run there)")
+        if any(not g.startswith("rpc:") for g in gpus):
+            notes.append("a local GPU copies host experts over for large batches: counted as the largest layer's "
+                         "experts in its compute buffer (derived, not measured)")
+    for il, (kind, where) in sorted(parts.items()):
+        if kind != "moe" and il < info.block_count and devices[il] != HOST:
+            moved = {"attn": "its whole feed-forward", "gate": "its down projection",
+                     "up": "all of its feed-forward but the up projection"}[kind]
+            notes.append(f"llama.cpp's --fit moves {moved} of layer {il} to {where}"
+                         + (": the compute buffers of that split are replayed from its scheduling, not measured "
+                            "(some 0.2 MiB high on small models)" if kind == "up" else ""))
+    return notes
+
+
 def _cpu_flags() -> tuple[str, frozenset[str]]:
     machine = platform.machine().lower()
     flags: set[str] = set()
@@ -1050,7 +1076,9 @@ def _estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str],
 
     if info.architecture not in VERIFIED_ARCHS:
         rep.warnings.append(f"compute buffer for {info.architecture!r} assumes llama's graph "
-                            "(verified against llama only)")
+                            f"(verified against {', '.join(sorted(VERIFIED_ARCHS))})")
+    if gpus:
+        rep.warnings += _placement_notes(info, options, gpus, split)
     if plan.flash_attn:
         for kind, ctype, dim in (("K", plan.type_k, info.head_dim_k), ("V", plan.type_v, info.head_dim_v)):
             block = KV_TYPE_BLOCKS[ctype][1]

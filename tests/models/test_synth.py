@@ -444,3 +444,20 @@ def test_the_cli_makes_a_tools_model_with_fim_tokens(tmp_path):
     r = subprocess.run([sys.executable, "-m", "jupyter_llama.cli", "synth", "--output", str(out), "--template", "x"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "invalid choice: 'x'" in r.stderr
+
+
+def test_the_cli_makes_each_family(tmp_path):
+    """`jupyter-llama synth --arch FAMILY`: the family from the command line, and a shape the
+    family cannot have said as a usage error."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "moe.gguf"
+    r = subprocess.run([sys.executable, "-m", "jupyter_llama.cli", "synth", "--output", str(out), "--arch", "qwen3moe",
+                        "--layers", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    info = read_gguf_info(out)
+    assert info.architecture == "qwen3moe" and info.n_expert == 8 and info.block_count == 2
+    r = subprocess.run([sys.executable, "-m", "jupyter_llama.cli", "synth", "--output", str(out), "--arch", "lfm2",
+                        "--layers", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "lfm2 needs at least 3 layers" in r.stderr
