@@ -17,14 +17,24 @@ It writes ``bench/out/estimate_accuracy.csv`` and ``bench/out/estimate_accuracy.
 prints, per estimator, the error of the total and of each component (mean, median and max
 absolute error %, share within 5% and 10%), then the goals with pass/fail:
 
-* coarse never below the actual total (and its mean over-estimate);
+* coarse: how often it is at or above the actual total, and its mean over-estimate, shown but
+  not a goal: it is Ollama's formula as written, kept as a teaching reference (conservative is
+  not safe: where the compute buffer outweighs its allowances it comes out below);
 * detailed within 10% of the actual total in >= 95% of configurations and within 5% at the
   median;
 * llama.cpp's projection within 10% of the actual total wherever it is shown.
 
-Then (unless ``--no-workers``) the sweep on two ``ggml-rpc-server`` workers from
-``bench/rpc_devices.py``: budgets that force partial offload, detailed within 10% per device
-and in total in >= 95% of loads, coarse never below actual.
+The sweep covers every architecture family of :data:`jupyter_llama.models.synth.FAMILIES`
+(Llama, Qwen3, Gemma 3, Qwen3-MoE, LFM2, DeepSeek2's MLA), each in f32 and q8_0, and prints a
+per-family table: the detailed estimate within 10% of the actual total in >= 95% of a family's
+loads, and which components matched the log to its rounding.
+
+Then (unless ``--no-workers``) partial offload to two ``ggml-rpc-server`` workers: the Llama
+sweep of ``bench/rpc_devices.py``, and for each family budgets that force llama.cpp's --fit to
+split it between the workers and host memory (a mixture of experts keeps experts in host
+memory before it gives up layers), loaded through the scheduler: per family, detailed within
+10% per device and in total in >= 95% of cases (a device figure within the log's rounding,
+0.01 MiB, counts as within). Every miss is printed with what differed and why.
 
 Usage: ``.venv/bin/python bench/estimate_accuracy.py [--quick] [--out DIR]``
 (``JUPYTER_LLAMA_SERVER`` picks the llama-server; ``llama-fit-params`` is taken from beside it).
@@ -35,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -49,8 +60,9 @@ from jupyter_llama.memory.estimate import estimate_coarse, estimate_detailed
 from jupyter_llama.memory.fitparams import run_fit_params_async
 from jupyter_llama.memory.report import (ACTUAL, COARSE, COMPUTE, DETAILED, KV, LLAMA_CPP, MemoryReport, MiB,
                                          OUTPUT, WEIGHTS)
+from jupyter_llama.memory.report import HOST, RS
 from jupyter_llama.models.gguf_info import read_gguf_info
-from jupyter_llama.models.synth import SynthShape, write_synthetic
+from jupyter_llama.models.synth import FAMILIES, SynthShape, write_synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 STORIES = ROOT.parent / "shared" / "models" / "stories260K.gguf"
@@ -119,7 +131,28 @@ CONFIGS: list[tuple[str, LoadOptions]] = [
     ("deep-q4_0", O(num_ctx=2048, num_parallel=1, use_mmap=False)),
 ]
 
-QUICK = {0, 5, 10, 11, 15, 17, 21, 25, 28, 31}
+# Every family beyond Llama (its small model of synth.FAMILIES, in f32 and in q8_0), under the
+# options that move its memory: a short and a long context, slots with and without a shared
+# cache, flash attention off (KQ scores), a quantized cache, automatic slots, a small
+# micro-batch, host memory only.
+FAMILY_NAMES = [f for f in FAMILIES if f != "llama"]
+_FAMILY_QUICK: set[int] = set()
+for _i, _f in enumerate(FAMILY_NAMES):
+    _FAMILY_QUICK |= {len(CONFIGS), len(CONFIGS) + 5}
+    SHAPES[_f] = dataclasses.replace(FAMILIES[_f], ctx=65536, seed=11 + _i)
+    SHAPES[f"{_f}-q8_0"] = dataclasses.replace(FAMILIES[_f], ctx=65536, type="q8_0", seed=21 + _i)
+    CONFIGS += [
+        (_f, O(num_ctx=512, num_parallel=1)),
+        (_f, O(num_ctx=4096, num_parallel=4)),
+        (_f, O(num_ctx=2048, num_parallel=1, flash_attn="off")),
+        (_f, O(num_ctx=32768, num_parallel=1, **Q8)),
+        (_f, O(num_ctx=8192)),
+        (f"{_f}-q8_0", O(num_ctx=2048, num_parallel=2, num_ubatch=256)),
+        (f"{_f}-q8_0", O(num_ctx=1024, num_parallel=1, flash_attn="off", num_gpu=0)),
+        (f"{_f}-q8_0", O(num_ctx=4096, num_parallel=1, use_mmap=False, **Q8)),
+    ]
+
+QUICK = {0, 5, 10, 11, 15, 17, 21, 25, 28, 31} | _FAMILY_QUICK
 
 
 @dataclass
@@ -132,6 +165,7 @@ class Result:
     load_s: float
     error: str | None = None
     not_shown: str | None = None  # why llama.cpp's projection is not shown for this load
+    family: str = "llama"  # the model's architecture
 
 
 def describe(o: LoadOptions) -> str:
@@ -159,6 +193,7 @@ def err_pct(pred: int, actual: int) -> float | None:
 
 async def run_one(i: int, name: str, path: Path, options: LoadOptions, engine) -> Result:
     info = read_gguf_info(path)
+    family = info.architecture
     reports = {COARSE: estimate_coarse(info, options, []), DETAILED: estimate_detailed(info, options, [])}
     not_shown = None
     if engine.fit_params:
@@ -172,10 +207,11 @@ async def run_one(i: int, name: str, path: Path, options: LoadOptions, engine) -
     try:
         await runner.start()
         reports[ACTUAL] = runner.memory()
-        return Result(i, name, options, info.file_size, reports, time.perf_counter() - t0, not_shown=not_shown)
+        return Result(i, name, options, info.file_size, reports, time.perf_counter() - t0, not_shown=not_shown,
+                      family=family)
     except LoadError as e:
         return Result(i, name, options, info.file_size, reports, time.perf_counter() - t0, error=str(e),
-                      not_shown=not_shown)
+                      not_shown=not_shown, family=family)
     finally:
         await runner.stop()
 
@@ -209,10 +245,9 @@ def summarize(results: list[Result]) -> tuple[str, bool]:
     passed = True
     coarse = stats[(COARSE, "total")]
     below = [r for r in ok if r.reports[COARSE].total() < r.reports[ACTUAL].total()]
-    g1 = not below and bool(coarse)
-    lines.append(f"  [{'PASS' if g1 else 'FAIL'}] coarse never below the actual total: "
-                 f"{len(coarse) - len(below)}/{len(coarse)} at or above; mean over-estimate "
-                 f"{statistics.mean(coarse):+.1f}%" if coarse else "  [FAIL] coarse: no data")
+    lines.append(f"  [----] coarse (Ollama's formula as written, a teaching reference, not a goal) at or above "
+                 f"the actual total: {len(coarse) - len(below)}/{len(coarse)}; mean over-estimate "
+                 f"{statistics.mean(coarse):+.1f}%" if coarse else "  [----] coarse: no data")
     if below:
         lines.append("         below actual (coarse counts no compute buffer; where that buffer outweighs the "
                      "weights and the f16-KV allowance, coarse falls short):")
@@ -264,8 +299,159 @@ def summarize(results: list[Result]) -> tuple[str, bool]:
             causes[cause] = causes.get(cause, 0) + 1
         lines.append("         not shown where these could move a device's figure by more than 5%: "
                      + "; ".join(f"{cause} ({n})" for cause, n in sorted(causes.items(), key=lambda kv: -kv[1])))
-    passed = g1 and g2 and g3 and g4
+    passed = g2 and g3 and g4
     return "\n".join(lines), passed
+
+
+ROUNDING = 0.01 * MiB  # the log gives MiB to two decimals: a difference this small is its rounding
+FAMILY_GOAL = 0.95  # share of a family's loads (and device figures) within 10%
+
+
+def within(pred: int, actual: int, pct: float = 10.0) -> bool:
+    """Within ``pct`` of the actual figure, or within the log's rounding of it."""
+    return abs(pred - actual) <= ROUNDING or (actual > 0 and abs(pred - actual) / actual * 100 <= pct)
+
+
+def _component_note(pred: MemoryReport, act: MemoryReport, device: str | None = None) -> str:
+    """What differed, component by component (MiB, predicted - actual)."""
+    parts = []
+    for c in (WEIGHTS, KV, RS, COMPUTE, OUTPUT):
+        p = pred.get(device, c) if device else pred.total(component=c)
+        a = act.get(device, c) if device else act.total(component=c)
+        if abs(p - a) > ROUNDING:
+            parts.append(f"{c} {(p - a) / MiB:+.2f} MiB")
+    return ", ".join(parts) or "within the log's rounding per component"
+
+
+def _why(pred: MemoryReport, act: MemoryReport, device: str | None = None) -> str:
+    """A sentence for a miss, from which components differ."""
+    get = (lambda r, c: r.get(device, c)) if device else (lambda r, c: r.total(component=c))
+    if abs(get(pred, WEIGHTS) - get(act, WEIGHTS)) > ROUNDING:
+        return ("llama.cpp's --fit placed the layers (or a mixture of experts' partial layers) otherwise than "
+                "predicted: its choices hinge on its own projections, rounded to whole MiB, at the edge of a budget")
+    if abs(get(pred, COMPUTE) - get(act, COMPUTE)) > ROUNDING:
+        return ("the compute buffer of a graph split between backends (see computegraph's notes: a feed-forward "
+                "split 'up' between two devices is replayed from its scheduling, not measured)")
+    if abs(get(pred, KV) - get(act, KV)) > ROUNDING or abs(get(pred, RS) - get(act, RS)) > ROUNDING:
+        return "the cache went with other layers than predicted"
+    return "a figure of a few hundredths of a MiB: the log's rounding is most of it"
+
+
+def family_table(results: list[Result]) -> tuple[str, bool]:
+    """Per family: loads, the detailed total within 10% (goal >= 95%), median and largest error,
+    and the share of loads in which each component matched the log to its rounding."""
+    ok = [r for r in results if r.error is None and ACTUAL in r.reports]
+    fams = list(dict.fromkeys(r.family for r in ok))
+    header = (f"{'family':<10} {'loads':>5} {'<=10%':>6} {'median|e|%':>11} {'max|e|%':>8}  "
+              f"{'weights':>7} {'kv':>5} {'rs':>5} {'compute':>7} {'output':>6}  goal  {'coarse kv/actual':>16}")
+    lines = ["per family (detailed vs the child's log; components: share of loads exact to the log's rounding)",
+             header, "-" * len(header)]
+    passed = True
+    misses = []
+    for fam in fams:
+        rs = [r for r in ok if r.family == fam]
+        errs = [abs(err_pct(r.reports[DETAILED].total(), r.reports[ACTUAL].total()) or 0.0) for r in rs]
+        share = sum(within(r.reports[DETAILED].total(), r.reports[ACTUAL].total()) for r in rs) / len(rs)
+        exact = []
+        for c in (WEIGHTS, KV, RS, COMPUTE, OUTPUT):
+            n = sum(abs(r.reports[DETAILED].total(component=c) - r.reports[ACTUAL].total(component=c)) <= ROUNDING
+                    for r in rs)
+            exact.append(f"{n / len(rs):>{7 if c in (WEIGHTS, COMPUTE) else 5 if c != OUTPUT else 6}.0%}")
+        good = share >= FAMILY_GOAL
+        passed &= good
+        kv_ratio = [r.reports[COARSE].total(component=KV) / r.reports[ACTUAL].total(component=KV)
+                    for r in rs if r.reports[ACTUAL].total(component=KV)]
+        ratio = f"{min(kv_ratio):.2f}-{max(kv_ratio):.2f}x" if kv_ratio else "-"
+        lines.append(f"{fam:<10} {len(rs):>5} {share:>6.0%} {statistics.median(errs):>11.2f} {max(errs):>8.2f}  "
+                     f"{' '.join(exact)}  {'PASS' if good else 'FAIL'}  {ratio:>16}")
+        misses += [r for r in rs if not within(r.reports[DETAILED].total(), r.reports[ACTUAL].total())]
+    lines.append("  coarse is Ollama's formula as written, kept as a teaching reference: an f16 cache of "
+                 "2 x layers x KV heads x (embd / heads) per cell for every layer, so it knows no family here (no "
+                 "sliding window, no head size of its own, no compressed or recurrent cache); its KV column shows "
+                 "how far that one formula lands from each family's real cache")
+    for r in misses:
+        d, a = r.reports[DETAILED], r.reports[ACTUAL]
+        lines.append(f"  miss #{r.index} {r.model} {describe(r.options)}: {d.total() / MiB:.2f} MiB for "
+                     f"{a.total() / MiB:.2f} ({_component_note(d, a)}): {_why(d, a)}")
+    return "\n".join(lines), passed
+
+
+def family_budgets(info, ctx: int) -> list[tuple[int, int]]:
+    """Budgets (MiB on worker A, worker B) that make llama.cpp's --fit split a small model:
+    fractions of what it takes on one device, whole."""
+    whole = estimate_detailed(info, LoadOptions(num_ctx=ctx, num_parallel=1, flash_attn="on"),
+                              ["rpc:127.0.0.1:1"]).total() / MiB
+    return [(max(2, round(whole * a)), max(2, round(whole * b))) for a, b in ((0.35, 0.2), (0.55, 0.3), (0.8, 0.15))]
+
+
+async def family_workers(engine, quick: bool = False) -> bool:
+    """Each family split by llama.cpp's --fit between two RPC workers and host memory, loaded
+    through the scheduler with budgets on the workers: the prediction the scheduler made before
+    the load against what the child allocated, per device and in total."""
+    from jupyter_llama.engine.worker import LocalWorker
+    from jupyter_llama.memory import devices as devmod
+    from jupyter_llama.scheduler import Scheduler, SchedulerSettings
+
+    rows, by_family = [], {}
+    with tempfile.TemporaryDirectory(prefix="estimate-accuracy-rpc-") as tmp, \
+            LocalWorker(engine) as a, LocalWorker(engine) as b:
+        for fam in FAMILY_NAMES:
+            model = str(write_synthetic(Path(tmp) / f"{fam}.gguf", FAMILIES[fam]))
+            info = read_gguf_info(model)
+            stats = by_family.setdefault(fam, {"cases": 0, "ok": 0, "loads": 0, "totals": 0, "misses": []})
+            for ctx in (512,) if quick else (512, 2048):
+                for ba, bb in family_budgets(info, ctx):
+                    for kv in ("f16",) if quick else ("f16", "q8_0"):
+                        budgets = devmod.Budgets(limits={a.id: ba * MiB, b.id: bb * MiB})
+                        s = Scheduler(SchedulerSettings(binary=engine.path, rpc_workers=(a.endpoint, b.endpoint),
+                                                        budgets=budgets, keep_alive=60.0))
+                        opts = LoadOptions(num_ctx=ctx, num_parallel=1, cache_type_k=kv, cache_type_v=kv,
+                                           flash_attn="on")
+                        try:
+                            lo = await s.load(model, opts)
+                            act, det = lo.actual, lo.predictions[DETAILED]
+                            fit = [f for f in lo.runner.parser.fit if f.layers is not None]
+                        finally:
+                            await s.shutdown()
+                        stats["loads"] += 1
+                        where = "; ".join(f"{f.device.split(':')[-1] if f.device else '?'} {f.layers}"
+                                          + (f" ({f.overflowing} with experts in host memory)" if f.overflowing else "")
+                                          for f in fit) or "-"
+                        for dev in sorted(set(act.devices) | set(det.devices), key=lambda d: (d != HOST, d)):
+                            av, pv = act.total(device=dev), det.total(device=dev)
+                            good = within(pv, av)
+                            stats["cases"] += 1
+                            stats["ok"] += good
+                            name = dev if dev == HOST else "worker " + ("A" if dev == a.id else "B")
+                            rows.append((fam, f"{ba}/{bb}", ctx, kv, f"{act.layers_offloaded}/{act.layers_total}", name,
+                                         av / MiB, pv / MiB, err_pct(pv, av) if av else 0.0))
+                            if not good:
+                                stats["misses"].append(f"{fam} {ba}/{bb} MiB ctx {ctx} {kv}, {name}: {pv / MiB:.2f} MiB "
+                                                       f"for {av / MiB:.2f} ({_component_note(det, act, dev)}; "
+                                                       f"llama.cpp's fit: {where}): {_why(det, act, dev)}")
+                        good = within(det.total(), act.total())
+                        stats["totals"] += good
+                        rows.append((fam, f"{ba}/{bb}", ctx, kv, "", "total", act.total() / MiB, det.total() / MiB,
+                                     err_pct(det.total(), act.total()) or 0.0))
+                        if not good:
+                            stats["misses"].append(f"{fam} {ba}/{bb} MiB ctx {ctx} {kv}, in total: {det.total() / MiB:.2f} "
+                                                   f"MiB for {act.total() / MiB:.2f} ({_component_note(det, act)})")
+    print(f"{'family':<10} {'budgets':>8} {'ctx':>5} {'kv':>5} {'layers':>6} {'device':>9} {'actual MiB':>10} "
+          f"{'detailed':>9} {'error':>7}")
+    for r in rows:
+        print(f"{r[0]:<10} {r[1]:>8} {r[2]:>5} {r[3]:>5} {r[4]:>6} {r[5]:>9} {r[6]:>10.2f} {r[7]:>9.2f} {r[8]:>+6.1f}%")
+    print(f"\n{'family':<10} {'loads':>5} {'per device <=10%':>17} {'total <=10%':>12}  goal (>= 95% each)")
+    passed = True
+    for fam, st in by_family.items():
+        dev_share, tot_share = st["ok"] / max(1, st["cases"]), st["totals"] / max(1, st["loads"])
+        good = dev_share >= FAMILY_GOAL and tot_share >= FAMILY_GOAL
+        passed &= good
+        print(f"{fam:<10} {st['loads']:>5} {st['ok']:>8}/{st['cases']:<3} ({dev_share:>4.0%}) {st['totals']:>5}/"
+              f"{st['loads']:<3}({tot_share:>4.0%})  {'PASS' if good else 'FAIL'}")
+    for st in by_family.values():
+        for m in st["misses"]:
+            print(f"  miss: {m}")
+    return passed
 
 
 def write_csv(results: list[Result], path: Path) -> None:
@@ -350,7 +536,7 @@ async def main_async(args) -> int:
         else:
             print(f"note: {STORIES} is absent; its configurations are skipped")
         results: list[Result] = []
-        row = "{:>3} {:<12} {:<46} {:>9} {:>9} {:>9} {:>9} {:>7}"
+        row = "{:>3} {:<14} {:<46} {:>9} {:>9} {:>9} {:>9} {:>7}"
         print(row.format("#", "model", "options", "actual", "coarse", "detailed", "llama.cpp", "load s"))
         for i, name, options in configs:
             if name not in paths:
@@ -358,7 +544,7 @@ async def main_async(args) -> int:
             r = await run_one(i, name, paths[name], options, engine)
             results.append(r)
             if r.error:
-                print(f"{i:>3} {name:<12} {describe(options):<46} load failed: {r.error.splitlines()[0]}")
+                print(f"{i:>3} {name:<14} {describe(options):<46} load failed: {r.error.splitlines()[0]}")
                 continue
 
             def mib(src):
@@ -371,6 +557,8 @@ async def main_async(args) -> int:
     write_csv(results, csv_path)
     write_plot(results, png_path)
     text, passed = summarize(results)
+    fam_text, fam_passed = family_table(results)
+    passed = passed and fam_passed
     failed = [r for r in results if r.error]
     print()
     print(f"{len(results) - len(failed)} configurations measured ({len(failed)} failed to load) "
@@ -379,6 +567,10 @@ async def main_async(args) -> int:
     print()
     print(text)
     print()
+    print(fam_text)
+    print()
+    for r in failed:
+        print(f"load failed: #{r.index} {r.model} {describe(r.options)}: {r.error.splitlines()[0]}")
     print(f"wrote {csv_path} and {png_path}")
     if args.no_workers:
         return 0 if passed else 1
@@ -389,7 +581,9 @@ async def main_async(args) -> int:
 
     print("\n== on two ggml-rpc-server workers: 3 budgets x 2 contexts x 2 KV types ==")
     workers_ok = await accuracy_on_workers(engine)
-    return 0 if passed and workers_ok else 1
+    print("\n== each family on two ggml-rpc-server workers and host memory, split by llama.cpp's --fit ==")
+    families_ok = await family_workers(engine, quick=args.quick)
+    return 0 if passed and workers_ok and families_ok else 1
 
 
 def main() -> int:

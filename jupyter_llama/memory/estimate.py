@@ -399,6 +399,9 @@ class Share(float):
         obj.partial, obj.overflow, obj.to_next = int(partial), overflow, bool(to_next)
         return obj
 
+    def __str__(self) -> str:  # (as a number wherever a split is written out)
+        return float.__repr__(self)
+
     def __repr__(self) -> str:
         extra = f", partial={self.partial}" if self.partial else ""
         if self.overflow != "moe":
@@ -794,7 +797,8 @@ def weight_bytes(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None,
     * every tensor of block N goes where layer N goes; ``output*`` tensors where the output
       layer goes; the token embedding (and anything else outside the blocks) stays in host
       memory; a model without ``output.weight`` (tied embeddings) gets a copy of the token
-      embedding wherever its output layer is, unless that copy can share the host mapping;
+      embedding wherever its output layer is, unless that is host memory and the copy would
+      not be repacked (then the output reads the embedding itself, mapped or not);
       a mixture of experts placed by ``--fit`` keeps the experts of its partial layers in host
       memory (:func:`tensor_devices`), inside the mapping;
     * host memory with mmap (the default): one ``CPU_Mapped`` buffer spanning the file from the
@@ -834,12 +838,12 @@ def weight_bytes(info: GGUFInfo, options: LoadOptions, gpus: list[str] | None,
     if not has_output:
         embd = next((t for t in info.tensors if t.name == "token_embd.weight"), None)
         if embd is not None:
+            # (llama.cpp makes the copy only in a buffer type other than the embedding's: on a
+            # device, or repacked; in plain host memory the output reads the embedding itself)
             if out_dev != HOST:
                 per_dev[out_dev] = per_dev.get(out_dev, 0) + embd.n_bytes
             elif repackable(embd):
                 repacked += embd.n_bytes
-            elif not mmap:
-                per_dev[HOST] = per_dev.get(HOST, 0) + embd.n_bytes
     if host_plain:
         if mmap:
             first = min(offsets[n][0] for n in host_plain)

@@ -54,7 +54,7 @@ def test_a_share_says_which_layers_keep_their_experts_in_host_memory(infos):
     info = infos["qwen3moe"]
     split = [Share(4, partial=3, overflow="attn", to_next=True), Share(1)]
     assert list(map(float, tuple(list(split)))) == [4.0, 1.0]  # a plain split to everything else
-    assert pickle.loads(pickle.dumps(split[0])).partial == 3
+    assert pickle.loads(pickle.dumps(split[0])).partial == 3 and f"{split[0]},{split[1]}" == "4.0,1.0"
     # blocks 0-3 on the first device: block 0 whole, block 1 moves its feed-forward to the next
     # device, blocks 2 and 3 keep their experts in host memory
     assert partial_layers(info, GPUS, split) == {1: ("attn", GPUS[1]), 2: ("moe", HOST), 3: ("moe", HOST)}
