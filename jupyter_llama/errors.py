@@ -7,13 +7,18 @@ module of the core imports upward for an error type; the server maps ``status`` 
 from __future__ import annotations
 
 
-class SchedulerError(RuntimeError):
-    """Base of the errors the API turns into HTTP statuses (see ``status``)."""
+class JupyterLlamaError(RuntimeError):
+    """The root of the errors the manager answers with an HTTP status (``status``): the
+    server maps it once; anything else that escapes a handler is a bug (a 500 that says so)."""
 
     status = 500
 
 
-class ModelNotFound(SchedulerError):
+class SchedulerError(JupyterLlamaError):
+    """What the scheduler refuses or fails at: loads, fits, leases, its own shutdown."""
+
+
+class ModelNotFound(JupyterLlamaError):
     status = 404
 
     def __init__(self, name: str, hint: str = "", *, missing_file: str | None = None):
@@ -46,7 +51,7 @@ class PinnedInTheWay(DoesNotFit):
     pass
 
 
-class StorageFull(SchedulerError):
+class StorageFull(JupyterLlamaError):
     """The disk (or the user's quota) holding the model store filled up during a write: an
     import, an upload, a copy, a manifest, a download. The message says what filled up, how
     much was needed when that is known, and what to do; whoever raises it has removed what it
@@ -74,15 +79,15 @@ class LoadCancelled(SchedulerError):
     status = 409
 
 
-class NoSuchRoute(SchedulerError):
+class NoSuchRoute(JupyterLlamaError):
     status = 404
 
 
-class NotSupported(SchedulerError):
+class NotSupported(JupyterLlamaError):
     status = 501
 
 
-class BadRequest(SchedulerError):
+class BadRequest(JupyterLlamaError):
     status = 400
 
 

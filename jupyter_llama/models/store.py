@@ -69,7 +69,7 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
 from filelock import Timeout
 
 from .. import config
-from ..errors import BadRequest, ModelNotFound, SchedulerError, StorageFull
+from ..errors import BadRequest, JupyterLlamaError, ModelNotFound, StorageFull
 from ..private import write_private
 from .ref import ModelRef, model_details, parameter_size
 from .gguf_info import GGUFError, GGUFInfo, read_gguf_info
@@ -127,7 +127,7 @@ BeforeRemove = Callable[[ModelRef], Awaitable[Any]]
 # ----------------------------------------------------------------------------- errors
 
 
-class StoreError(SchedulerError):
+class StoreError(JupyterLlamaError):
     """A registry operation failed; the message says what to do."""
 
     status = 500

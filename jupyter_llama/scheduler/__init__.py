@@ -17,7 +17,8 @@ One module per seam:
 Every name importers used from the single module it once was is still here.
 """
 
-from ..errors import (BadRequest, DoesNotFit, LoadFailed, ModelNotFound, PinnedInTheWay, SchedulerError,
+from ..errors import (BadRequest, DoesNotFit, JupyterLlamaError, LoadFailed, ModelNotFound, PinnedInTheWay,
+                      SchedulerError,
                       ServerBusy)
 from ..models.ref import ModelRef
 from .loop import (FREED_FRESH_S, FileResolver, Predictor, Resolver, RunnerFactory, Scheduler,
@@ -28,7 +29,8 @@ from .state import (PLACEMENT_FIELDS, Event, EventKind, EventLog, Lease, Loaded,
                     Subscription)
 
 __all__ = [
-    "BadRequest", "DoesNotFit", "LoadFailed", "ModelNotFound", "PinnedInTheWay", "SchedulerError", "ServerBusy",
+    "BadRequest", "DoesNotFit", "JupyterLlamaError", "LoadFailed", "ModelNotFound", "PinnedInTheWay", "SchedulerError",
+    "ServerBusy",
     "ModelRef",
     "FREED_FRESH_S", "FileResolver", "Predictor", "Resolver", "RunnerFactory", "Scheduler", "default_predictor",
     "FitPlan", "_fit_words", "_what_to_shrink", "available", "budget_room", "eviction_order", "fit_plan",

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..config import ConfigError, parse_size
-from ..errors import DoesNotFit, SchedulerError
+from ..errors import DoesNotFit, JupyterLlamaError, SchedulerError
 from ..memory.report import format_bytes
 
 __all__ = [
@@ -57,7 +57,7 @@ class OverMemoryQuota(DoesNotFit):
     status = 507
 
 
-class Forbidden(SchedulerError):
+class Forbidden(JupyterLlamaError):
     """The person may not do this (change the shared library, stop another person's model)."""
 
     status = 403

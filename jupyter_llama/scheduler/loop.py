@@ -33,7 +33,8 @@ import time
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from ..config import ConfigError, format_duration, parse_duration, shown
-from ..errors import (BadRequest, DoesNotFit, LoadCancelled, LoadFailed, ModelNotFound, PinnedInTheWay, SchedulerError,
+from ..errors import (BadRequest, DoesNotFit, JupyterLlamaError, LoadCancelled, LoadFailed, ModelNotFound, PinnedInTheWay,
+                      SchedulerError,
                       ServerBusy)
 from ..load_options import LoadOptions
 from ..engine.runner import EngineError, LoadError, LoadStopped, Runner
@@ -314,7 +315,7 @@ class Scheduler:
         self._name_changes += 1
         try:
             named = (await self.resolver(name)).key
-        except SchedulerError:
+        except JupyterLlamaError:
             named = None
         except (OSError, ValueError):
             return []  # the store cannot say now: every runner is left as it is
@@ -327,7 +328,7 @@ class Scheduler:
                 continue
             try:
                 ref = await self.resolver(loaded_as)
-            except SchedulerError:
+            except JupyterLlamaError:
                 ref = None  # deleted
             except (OSError, ValueError):
                 continue
@@ -348,7 +349,7 @@ class Scheduler:
         ``m:latest``); a name the store no longer knows still finds what is loaded under it."""
         try:
             key = (await self.resolver(name)).key
-        except SchedulerError:
+        except JupyterLlamaError:
             key = None
         lo = self.loaded.get(key) if key else None
         if lo is None or lo.state == ModelState.GONE:  # loaded under this name from what it named before
@@ -360,7 +361,7 @@ class Scheduler:
         keeps what the child logged)."""
         try:
             key = (await self.resolver(name)).key
-        except SchedulerError:
+        except JupyterLlamaError:
             return None
         return None if key in self.loaded else self.failed.get(key)
 
@@ -721,7 +722,7 @@ class Scheduler:
                 self.failed[ref.key] = lo
                 while len(self.failed) > 8:  # (the newest few: a log is up to 2,000 lines)
                     self.failed.pop(next(iter(self.failed)))
-            err = e if isinstance(e, SchedulerError) else LoadFailed(
+            err = e if isinstance(e, JupyterLlamaError) else LoadFailed(
                 f"failed to load {ref.name}: {e}") if isinstance(e, EngineError) else e
             if isinstance(e, Exception):
                 self.events.emit(EventKind.ERROR, ref.name, ("load stopped: " if cancelled is not None else
@@ -748,7 +749,7 @@ class Scheduler:
                 await published
             if lo.cancelled is not None:  # stopped while its budgets were checked or published: see _stop_runner
                 raise lo.cancelled
-        except SchedulerError as e:
+        except JupyterLlamaError as e:
             lo.ready.set_exception(e)
             lo.ready.exception()
             raise
@@ -986,7 +987,7 @@ class Scheduler:
 
     # -------------------------------------------------------------- internals: unloading
 
-    async def _unload(self, lo: Loaded, reason: str, rule: str, cancel: SchedulerError | None = None) -> None:
+    async def _unload(self, lo: Loaded, reason: str, rule: str, cancel: JupyterLlamaError | None = None) -> None:
         """Unload, waiting for running requests first; then wait for GPU memory to come back.
         ``cancel``: what the requests waiting for its load hear, if it is still loading (see
         :meth:`_stop_runner`)."""
@@ -1006,7 +1007,7 @@ class Scheduler:
         self._retiring.append(lo)
         self._stop_soon(lo, reason, rule="evict", tasks=self._stopping)
 
-    async def _stop_runner(self, lo: Loaded, reason: str, rule: str, cancel: SchedulerError | None = None) -> None:
+    async def _stop_runner(self, lo: Loaded, reason: str, rule: str, cancel: JupyterLlamaError | None = None) -> None:
         """Stop its runner and take it off the loaded models. One whose load has not finished
         is stopped too (a child being started included: :meth:`Runner.stop` waits for it), and
         its load fails with ``cancel`` (by default a 409 that gives ``reason``), not with the

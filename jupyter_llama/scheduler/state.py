@@ -27,7 +27,7 @@ from ..procs import process_alive
 
 if TYPE_CHECKING:  # (types only: the state is not the engine's)
     from ..engine.runner import Runner
-    from ..errors import SchedulerError
+    from ..errors import JupyterLlamaError
     from .loop import Scheduler
 
 class ModelState(enum.StrEnum):
@@ -182,7 +182,7 @@ class Loaded:
     # Set when the manager stops it before its load has finished (its name now means another
     # file, it was deleted, the manager shuts down): what the requests waiting for that load
     # are answered with, instead of the child's exit worded as a crash.
-    cancelled: SchedulerError | None = None
+    cancelled: JupyterLlamaError | None = None
     # A shared manager's (see scheduler.users): whose request loaded it (its memory counts
     # against that person's quota), who holds it now (requests in flight per person), and
     # who has used it since it loaded. Empty in a single-user manager.

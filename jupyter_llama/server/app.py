@@ -42,13 +42,14 @@ from .._version import __version__
 from ..client import client_environment
 from ..config import ConfigError
 from ..private import UntrustedFile, trusted_folder
-from ..scheduler import Scheduler, SchedulerError, SchedulerSettings
+from ..errors import JupyterLlamaError
+from ..scheduler import Scheduler, SchedulerSettings
 
 URL_ENV = "JUPYTER_LLAMA_URL"
 ACTIVITY_KEY = "jupyter_llama"
 
 
-class EngineUnavailable(SchedulerError):
+class EngineUnavailable(JupyterLlamaError):
     """No usable llama-server; the message says how to get one."""
 
     status = 503
@@ -88,7 +89,7 @@ class CachedResolver:
         try:  # the manifest's stamp before the read: a change while it is read is not kept
             manifest = str(self.store.entry(name).manifest_path)
             before = self._stamps([manifest])
-        except (SchedulerError, ValueError, OSError):
+        except (JupyterLlamaError, ValueError, OSError):
             manifest = before = None
         ref = self.store.resolve_sync(name)
         found = (ref, self.store.preset_for(name))
@@ -108,7 +109,7 @@ class CachedResolver:
         not resolve (a typo) gets an empty one: resolving it later says what is wrong."""
         try:
             return (await self._cached(name))[1]
-        except (SchedulerError, ValueError, OSError):
+        except (JupyterLlamaError, ValueError, OSError):
             return await asyncio.to_thread(self.store.preset_for, name)
 
     async def _cached(self, name: str) -> tuple:

@@ -73,7 +73,8 @@ from ..errors import NoSuchRoute, NotLoaded, NotSupported
 from ..models.names import plainly_a_path, same_model
 from ..models.store import LOCAL_KEY_FILE_HEADER, LOCAL_KEY_HEADER, PathNotAllowed, local_caller
 from ..models.pull import PullError, derive_name, pull_stream
-from ..scheduler import BadRequest, ModelNotFound, SchedulerError
+from ..errors import JupyterLlamaError
+from ..scheduler import BadRequest, ModelNotFound
 from ..scheduler.fairness import Forbidden
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class ClientGone(Exception):
     """The client closed the connection; stop quietly."""
 
 
-class PayloadTooLarge(SchedulerError):
+class PayloadTooLarge(JupyterLlamaError):
     status = 413
 
 
@@ -96,7 +97,7 @@ def error_status(exc: BaseException) -> tuple[int, str]:
     """(HTTP status, message) for an exception from the core."""
     if isinstance(exc, web.HTTPError):
         return exc.status_code, exc.log_message or exc.reason or responses.get(exc.status_code, "error")
-    if isinstance(exc, SchedulerError):
+    if isinstance(exc, JupyterLlamaError):
         return int(getattr(exc, "status", 500) or 500), str(exc)
     if isinstance(exc, RequestError):
         return (exc.status if 400 <= exc.status < 500 else 500), str(exc)
@@ -305,7 +306,7 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
 
     async def fail(self, exc: BaseException) -> None:
         status, message = error_status(exc)
-        if status >= 500 and not isinstance(exc, (SchedulerError, EngineError)):
+        if status >= 500 and not isinstance(exc, (JupyterLlamaError, EngineError)):
             self.log.error("jupyter-llama: %s %s failed", self.request.method, self.request.path, exc_info=exc)
         else:
             self.log.info("jupyter-llama: %s %s -> %s %s", self.request.method, self.request.path, status, message)

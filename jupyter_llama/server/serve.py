@@ -33,7 +33,7 @@ from typing import Sequence
 
 from .._version import __version__
 from ..config import ConfigError
-from ..errors import SchedulerError
+from ..errors import JupyterLlamaError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     loop_name = use_fast_loop()
     try:
         app = make_server(args=args)
-    except (ConfigError, SchedulerError) as e:  # (a setting the extension cannot read, mostly)
+    except (ConfigError, JupyterLlamaError) as e:  # (a setting the extension cannot read, mostly)
         print(f"jupyter-llama serve: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # (the server binds its socket as it is made: an address this machine does not have)
