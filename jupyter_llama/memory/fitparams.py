@@ -441,7 +441,7 @@ def project(binary: str | os.PathLike | None, model: str | os.PathLike, options:
         log.warning("no llama-fit-params beside the engine; llama.cpp's projection is unavailable")
         return None
     res = run_fit_params(binary, model, options, timeout)
-    _say(res)
+    log_result(res)
     return res.report
 
 
@@ -452,11 +452,13 @@ async def project_async(binary: str | os.PathLike | None, model: str | os.PathLi
         log.warning("no llama-fit-params beside the engine; llama.cpp's projection is unavailable")
         return None
     res = await run_fit_params_async(binary, model, options, timeout)
-    _say(res)
+    log_result(res)
     return res.report
 
 
-def _say(res: FitParamsResult) -> None:
+def log_result(res: FitParamsResult) -> None:
+    """Log what a projection gave where it gave no report: a note where it is withheld, a
+    warning where it failed."""
     if res.withheld:
         log.info("llama.cpp's projection is not shown: %s", res.error)
     elif res.report is None:
