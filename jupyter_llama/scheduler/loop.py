@@ -204,8 +204,8 @@ class Scheduler:
         # (a lease whose child is found dead asks again, once: Lease)
         again = (name, options, keep_alive) if user is None else (name, options, keep_alive, user)
         lo = self.loaded.get(ref.key)
-        if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.differences(options) \
-                and lo.runner is not None and lo.runner.serving:
+        if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle \
+                and not lo.differences(options, ref.name) and lo.runner is not None and lo.runner.serving:
             return self._lease(lo, ka, 0.0, ref, again, user)  # fast path: no queue, no lock
         if self._pending >= self.settings.max_queue:
             self.events.emit(EventKind.BUSY, ref.name, f"queue full ({self._pending} waiting, limit "
@@ -223,7 +223,8 @@ class Scheduler:
                     loading = True
                     await asyncio.shield(lo.ready)  # one load, however many wait for it
                     continue
-                if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle and not lo.differences(options):
+                if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle \
+                        and not lo.differences(options, ref.name):
                     if await self._healthy(lo) and lo.state == ModelState.READY and not lo.unload_when_idle:
                         # (a health check is no load: 0 unless it waited for one)
                         return self._lease(lo, ka, time.monotonic() - t0 if loading else 0.0, ref, again, user)
@@ -240,10 +241,10 @@ class Scheduler:
                         continue
                     lo = self.loaded.get(ref.key)
                     if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle \
-                            and not lo.differences(options) and await self._healthy(lo):
+                            and not lo.differences(options, ref.name) and await self._healthy(lo):
                         continue  # someone loaded it while we waited for the lock
                     if lo is not None:
-                        await self._retire_for_reload(lo, options)
+                        await self._retire_for_reload(lo, options, ref.name)
                     lo = await self._load(ref, options, ka, user)
                 return self._lease(lo, ka, time.monotonic() - t0, ref, again, user)
         finally:
@@ -390,7 +391,8 @@ class Scheduler:
         ref = await self.resolver(name)
         opts = self.effective_options(options or LoadOptions(), ref)
         lo = next((x for x in self.loaded.values() if x.ref.key == ref.key and x.state != ModelState.GONE), None)
-        same = lo is not None and lo.state in (ModelState.READY, ModelState.UNLOADING) and not lo.differences(opts)
+        same = lo is not None and lo.state in (ModelState.READY, ModelState.UNLOADING) \
+            and not lo.differences(opts, ref.name)
         inv = await self.inventory()
         used = self.usage()
         if lo is not None:  # would it fit if it were loaded afresh: its own runner not counted
@@ -544,8 +546,8 @@ class Scheduler:
             options = options.replace(num_ubatch=ctx, num_batch=max(ctx, options.num_batch or 0))
         return options
 
-    async def _retire_for_reload(self, lo: Loaded, options: LoadOptions) -> None:
-        changed = lo.differences(options)
+    async def _retire_for_reload(self, lo: Loaded, options: LoadOptions, name: str | None = None) -> None:
+        changed = lo.differences(options, name)
         if lo.runner is None or not lo.runner.alive:
             reason, rule = "its runner is no longer running", "crash"
         elif lo.unload_when_idle and not changed:

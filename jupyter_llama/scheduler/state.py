@@ -215,15 +215,29 @@ class Loaded:
         return LoadedSnapshot(self.name, self.ref.key, self.ref.path, self.keep_alive, self.refcount, self.state,
                               self.charge.by_device())
 
-    def differences(self, requested: LoadOptions) -> list[str]:
-        """The load options in which this model differs from what the request asks (empty
-        when it serves the request as it is); automatic (None) values match anything."""
+    def differences(self, requested: LoadOptions, name: str | None = None) -> list[str]:
+        """The load options in which this model differs from what a request for ``name`` asks
+        (empty when it serves the request as it is).
+
+        Asked under the name it was loaded under (or with no name), an automatic (None) value
+        matches anything: a client that sets nothing, as OpenAI's cannot, takes the model as
+        it is loaded. Another name of the same file (a preset and the model it is made from)
+        has load options of its own, as Ollama gives each name: there a None asks for the
+        default, so it matches only a runner loaded without that option, and the context
+        compares as the context each request gets."""
+        other = name is not None and not same_model(name, self.name)
         diffs = []
         for f in dataclasses.fields(LoadOptions):
             if f.name in PLACEMENT_FIELDS:  # set by the scheduler, not the caller
                 continue
             want = getattr(requested, f.name)
+            if other and f.name in ("num_ctx", "default_ctx"):
+                if f.name == "num_ctx" and requested.request_ctx != self.options.request_ctx:
+                    diffs.append(f.name)
+                continue
             if want is None:
+                if other and getattr(self.options, f.name) is not None:
+                    diffs.append(f.name)
                 continue
             if f.name == "embedding" and not want and self.options.embedding:
                 # A child started with --embeddings also completes (b11434 turns embeddings on

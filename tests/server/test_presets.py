@@ -165,6 +165,26 @@ async def test_load_options_in_a_preset_are_the_models_default_load_options(clie
     assert [m.context_length for m in (await run(client.ps)).models] == [512]
 
 
+async def test_a_preset_and_its_model_each_keep_their_own_load_options(client, http):
+    """Ollama gives each name its own options: after a preset with a small context loaded,
+    its base model asked with no options is not served by that runner (its context would cut
+    the base model's prompts); it is loaded as itself, and ps names it. The same name asked
+    again with no options takes the runner as it is (no reload for a client that sets none)."""
+    async def ps() -> list[tuple[str, int, int]]:
+        return [(m["name"], m["context_length"], m["pid"]) for m in (await http.get("api/ps")).json()["models"]]
+
+    await run(client.create, model="pirate", from_="tiny", parameters=dict(OPTS, num_ctx=512))
+    await run(client.generate, model="pirate", prompt="Hi", options={"num_predict": 1})
+    ((name, ctx, pid),) = await ps()
+    assert (name, ctx) == ("pirate:latest", 512)
+
+    await run(client.generate, model="tiny", prompt="Hi", options={"num_predict": 1})
+    ((name, ctx, tiny_pid),) = await ps()
+    assert name == "tiny:latest" and ctx != 512 and tiny_pid != pid  # another child, loaded for tiny as tiny is
+    await run(client.generate, model="tiny", prompt="Hi", options={"num_predict": 1})
+    assert [p for _, _, p in await ps()] == [tiny_pid]
+
+
 @pytest.mark.parametrize("kw, words", [
     ({"parameters": {"temprature": 0.5}}, 'unknown parameter "temprature" (did you mean "temperature"?)'),
     ({"parameters": {"num_ctx": "big"}}, 'parameter num_ctx must be a whole number, not "big"'),
