@@ -32,7 +32,7 @@ import os
 import time
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
-from ..config import ConfigError, format_duration, parse_duration, shown
+from ..config import ConfigError, context_length, format_duration, parse_duration, shown
 from ..errors import (BadRequest, DoesNotFit, JupyterLlamaError, LoadCancelled, LoadFailed, ModelNotFound, PinnedInTheWay,
                       SchedulerError,
                       ServerBusy)
@@ -117,6 +117,7 @@ class Scheduler:
         (:class:`Runner`, a llama-server child), so that the loop can be driven without one."""
         if not settings.binary:
             raise ConfigError("scheduler needs the path of a llama-server binary (settings.binary)")
+        context_length()  # (a default context it cannot read stops the manager here, not every load)
         self.settings = settings
         self.resolver = resolver or FileResolver()
         self.predictor = predictor
@@ -538,13 +539,7 @@ class Scheduler:
             options = within_training(options, ref.info)
         if ref is not None and ref.mmproj and options.mmproj is None:
             options = options.replace(mmproj=ref.mmproj)
-        if ref is not None and options.embedding and options.num_ubatch is None:
-            # An embedding takes its whole input in one micro-batch (llama-server refuses an
-            # input longer than -ub: "increase the physical batch size"), so an embedding load
-            # gets a batch as large as a request's context, as Ollama gives it.
-            ctx = options.num_ctx or ref.info.context_length
-            options = options.replace(num_ubatch=ctx, num_batch=max(ctx, options.num_batch or 0))
-        return options
+        return options  # (an embedding load's batch is within_training's: embed_batch)
 
     async def _retire_for_reload(self, lo: Loaded, options: LoadOptions, name: str | None = None) -> None:
         changed = lo.differences(options, name)
@@ -812,7 +807,7 @@ class Scheduler:
     async def _oom_retry(self, lo: Loaded, err: LoadError, retried: set[str]) -> str | None:
         """Ollama's out-of-memory recoveries, each at most once. Returns what was done, or None."""
         train_ctx = lo.ref.info.context_length
-        current = lo.options.num_ctx or train_ctx
+        current = lo.options.request_ctx or train_ctx  # (an automatic context is its default, when set)
         if "ctx" not in retried and lo.options.num_ctx is None and current > 4096:
             retried.add("ctx")
             step = 32768 if current > 32768 else 4096
