@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..config import json_kind, shown
 from ..load_options import LoadOptions
 from ..errors import BadRequest
-from .options import format_to_schema, parse_keep_alive, split_options
+from .options import OLLAMA_SAMPLING_DEFAULTS, format_to_schema, parse_keep_alive, split_options
 
 __all__ = [
     "ENDPOINTS",
@@ -275,6 +275,30 @@ def with_preset(req: OpenAIRequest, preset) -> OpenAIRequest:
     # the preset's load options, with the one the route itself sets (embeddings: embedding)
     options = split.load_options(embedding=req.options.embedding or None)
     return dataclasses.replace(req, body=body, options=options)
+
+
+# What Ollama's OpenAI layer sends for a sampling field a request leaves out: temperature and
+# top_p 1.0 (OpenAI's own defaults), and Ollama's defaults for the fields OpenAI does not have.
+# llama-server's OpenAI routes read them all by these names. Not on the Responses route, whose
+# body llama-server turns into a chat request of its own (temperature and top_p only there),
+# nor on Anthropic's.
+OPENAI_SAMPLING_DEFAULTS = {**OLLAMA_SAMPLING_DEFAULTS, "temperature": 1.0, "top_p": 1.0}
+RESPONSES_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
+
+
+def with_sampling_defaults(req: OpenAIRequest) -> OpenAIRequest:
+    """``req`` with Ollama's OpenAI-layer sampling defaults where neither the request nor the
+    model's preset (:func:`with_preset`, applied first) sets a value, so an OpenAI client
+    samples here as it does against Ollama, not with llama-server's own defaults."""
+    if req.endpoint in ("/v1/chat/completions", "/v1/completions"):
+        defaults = OPENAI_SAMPLING_DEFAULTS
+    elif req.endpoint == "/v1/responses":
+        defaults = RESPONSES_SAMPLING_DEFAULTS
+    else:
+        return req
+    # (a field sent as null is one left out)
+    body = {**defaults, **{k: v for k, v in req.body.items() if not (v is None and k in defaults)}}
+    return dataclasses.replace(req, body=body)
 
 
 def error_body(status: int, message: str) -> dict:

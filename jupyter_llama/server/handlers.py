@@ -1099,7 +1099,7 @@ class OpenAIHandler(LlamaHandler):
     @api_method
     async def post(self, route: str):
         body = self.json_body()
-        req = oai.with_preset(self.parse_request(route, body), await self.preset_of(body))
+        req = oai.with_sampling_defaults(oai.with_preset(self.parse_request(route, body), await self.preset_of(body)))
         self._named = req.named
         with self.ext.work():
             await self.cancellable(self._run(req))

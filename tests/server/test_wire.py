@@ -240,6 +240,15 @@ def test_openai_requests():
 
     counted = oai.with_preset(count, Preset(system="Be brief.", parameters={"num_predict": 5}))
     assert counted.body["instructions"] == "Be brief." and counted.body["max_output_tokens"] == 5  # as a create
+    # Ollama's OpenAI layer: temperature and top_p 1.0, its other defaults, the request's and the preset's winning
+    chat = oai.parse_request("chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                  "temperature": 0.2, "top_p": None})
+    sent = oai.with_sampling_defaults(oai.with_preset(chat, Preset(parameters={"top_k": 7}))).body
+    assert sent["temperature"] == 0.2 and sent["top_p"] == 1.0 and sent["top_k"] == 7 and sent["repeat_penalty"] == 1.1
+    responses = oai.with_sampling_defaults(oai.parse_request("responses", {"model": "m", "input": "x"})).body
+    assert responses["temperature"] == 1.0 and responses["top_p"] == 1.0 and "top_k" not in responses
+    embeddings = oai.parse_request("embeddings", {"model": "m", "input": "x"})
+    assert oai.with_sampling_defaults(embeddings).body == embeddings.body
     assert oai.error_body(404, "gone")["error"] == {"message": "gone", "type": "not_found_error", "param": None,
                                                     "code": None}
     assert oai.sse({"a": 1}) == b'data: {"a":1}\n\n'
