@@ -261,6 +261,9 @@ def test_03_where_the_memory_goes(run_notebook):
     assert all(v["detailed"] == pytest.approx(v["actual"], abs=0.02 * MiB) for v in swa.values())
     assert c["vocab"]["embd_share"] > 0.5, "the embedding table is most of the weights"
     assert c["vocab"]["output_log"] == pytest.approx(c["vocab"]["logits_by_hand"], abs=0.01 * MiB)
+    slots = c["slots"]  # num_ctx is per request: KV and logits grow with the request slots
+    assert slots["2"]["kv"] == 2 * slots["1"]["kv"] and slots["4"]["kv"] == 4 * slots["1"]["kv"]
+    assert slots["4"]["output"] == 4 * slots["1"]["output"]
 
 
 @notebook_test
