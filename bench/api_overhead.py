@@ -99,9 +99,9 @@ from jupyter_llama.embedded import EmbeddedManager  # noqa: E402
 from jupyter_llama.engine.binary import find_engine  # noqa: E402
 from jupyter_llama.engine.http1 import post_lines  # noqa: E402
 from jupyter_llama.engine.runner import free_port  # noqa: E402
-from jupyter_llama.procs import child_pids, process_alive  # noqa: E402
 from jupyter_llama.engine.worker import LocalWorker  # noqa: E402
 from jupyter_llama.models.synth import SynthShape, write_synthetic  # noqa: E402
+from jupyter_llama.procs import child_pids, process_alive  # noqa: E402
 
 # 24 MB f16, 4 blocks 512 wide: a token every ~1 ms on one core, where the relay shows most
 SHAPE = SynthShape(layers=4, embd=512, heads=8, kv_heads=8, ctx=2048, type="f16")

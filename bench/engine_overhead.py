@@ -27,8 +27,8 @@ import httpx
 
 from jupyter_llama.engine.binary import find_engine
 from jupyter_llama.engine.launch import build_argv
-from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import Runner, _free_port
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.models.synth import SynthShape, write_synthetic
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "In a small village", "Write a poem about"]

@@ -54,13 +54,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jupyter_llama.engine.binary import find_engine
-from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import LoadError, Runner
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory.estimate import estimate_coarse, estimate_detailed
 from jupyter_llama.memory.fitparams import run_fit_params_async
-from jupyter_llama.memory.report import (ACTUAL, COARSE, COMPUTE, DETAILED, KV, LLAMA_CPP, MemoryReport, MiB,
-                                         OUTPUT, WEIGHTS)
-from jupyter_llama.memory.report import HOST, RS
+from jupyter_llama.memory.report import (
+    ACTUAL,
+    COARSE,
+    COMPUTE,
+    DETAILED,
+    HOST,
+    KV,
+    LLAMA_CPP,
+    OUTPUT,
+    RS,
+    WEIGHTS,
+    MemoryReport,
+    MiB,
+)
 from jupyter_llama.models.gguf_info import read_gguf_info
 from jupyter_llama.models.synth import FAMILIES, SynthShape, write_synthetic
 

@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "hub"))
 
 import httpx  # noqa: E402
-
 from hubutil import missing, start_hub  # noqa: E402
 
 

@@ -36,9 +36,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jupyter_llama.engine.binary import find_engine  # noqa: E402
-from jupyter_llama.load_options import LoadOptions  # noqa: E402
 from jupyter_llama.engine.runner import free_port  # noqa: E402
 from jupyter_llama.engine.worker import LocalWorker  # noqa: E402
+from jupyter_llama.load_options import LoadOptions  # noqa: E402
 from jupyter_llama.memory import devices as devmod  # noqa: E402
 from jupyter_llama.memory.fitparams import run_fit_params_async  # noqa: E402
 from jupyter_llama.memory.report import COARSE, DETAILED, HOST, MiB  # noqa: E402

@@ -24,8 +24,8 @@ import httpx
 
 from jupyter_llama.engine.binary import find_engine
 from jupyter_llama.engine.launch import build_argv
-from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import _free_port
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.models.synth import SynthShape, write_synthetic
 from jupyter_llama.scheduler import Scheduler, SchedulerSettings
 

@@ -51,8 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jupyter_llama.embedded import EmbeddedManager  # noqa: E402
 from jupyter_llama.engine.binary import find_engine  # noqa: E402
-from jupyter_llama.procs import descendants, process_alive, signal_recorded, start_time  # noqa: E402
 from jupyter_llama.models.synth import SynthShape, write_synthetic  # noqa: E402
+from jupyter_llama.procs import descendants, process_alive, signal_recorded, start_time  # noqa: E402
 
 MODELS = [f"soak{i}" for i in range(4)]
 SHAPE = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=2048)  # 0.7 MB: loads in a blink on one core
@@ -66,7 +66,6 @@ PROMPTS = ["Once upon a time", "The quick brown fox", "In a small village", "Wri
 # The suite's own file host (Range, ETag), which counts what it sent.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "server"))
 from srvutil import FileHost  # noqa: E402
-
 
 # ============================================================================ bookkeeping
 

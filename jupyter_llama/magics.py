@@ -20,10 +20,8 @@ from traitlets import Float, Unicode, observe
 
 from . import background
 from .client import URL_ENV
+from .commands import EXIT_USAGE, CommandError, Frontend, RunResult, StreamStopped, _HelpShown, build_parser, execute
 from .config import env, parse_duration
-from .commands import (EXIT_USAGE, CommandError, Frontend, RunResult, StreamStopped, _HelpShown, build_parser,
-                       execute)
-
 
 
 def _hard_breaks(text: str) -> str:

@@ -43,14 +43,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from ..config import json_kind, shown
-from ..load_options import LoadOptions
 from ..errors import BadRequest
+from ..load_options import LoadOptions
 from ..models.preset import Preset
 from ..models.ref import model_details
 from .gotemplate import GoTemplate, TemplateUnsupported
 from .modelfile import write_modelfile
-from .options import (format_to_schema, parameters_text, parse_keep_alive, parse_parameters, split_options,
-                      with_sampling_defaults)
+from .options import (
+    format_to_schema,
+    parameters_text,
+    parse_keep_alive,
+    parse_parameters,
+    split_options,
+    with_sampling_defaults,
+)
 
 __all__ = [
     "OLLAMA_VERSION",

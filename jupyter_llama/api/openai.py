@@ -16,8 +16,8 @@ import struct
 from dataclasses import dataclass, field
 
 from ..config import json_kind, shown
-from ..load_options import LoadOptions
 from ..errors import BadRequest
+from ..load_options import LoadOptions
 from .options import OLLAMA_SAMPLING_DEFAULTS, format_to_schema, parse_keep_alive, split_options
 
 __all__ = [

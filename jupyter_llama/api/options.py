@@ -19,14 +19,13 @@ Pure functions; the only errors raised are :class:`~jupyter_llama.scheduler.BadR
 from __future__ import annotations
 
 import logging
-
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..config import ConfigError, json_kind, parse_duration, shown
-from ..load_options import FLASH_ATTN, KV_CACHE_TYPES, LoadOptions, LoadOptionsError
 from ..errors import BadRequest
+from ..load_options import FLASH_ATTN, KV_CACHE_TYPES, LoadOptions, LoadOptionsError
 
 __all__ = [
     "LOAD_OPTIONS",

@@ -46,8 +46,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from jupyter_llama.memory import rpc
-from jupyter_llama.memory.report import (ACTUAL, COMPUTE, KV, OUTPUT, RS, WEIGHTS, MemoryReport,
-                                         MiB, device_of_backend)
+from jupyter_llama.memory.report import ACTUAL, COMPUTE, KV, OUTPUT, RS, WEIGHTS, MemoryReport, MiB, device_of_backend
 
 __all__ = ["FitDecision", "LogParser", "KVSummary", "OOM_MARKERS", "ERROR_MARKERS", "RECOVERABLE_MARKERS"]
 

@@ -30,15 +30,15 @@ import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable
 
-from ..memory.report import MemoryReport
 from ..errors import BadRequest, EngineError, RequestError
 from ..load_options import LoadOptions
+from ..memory.report import MemoryReport
 from ..procs import child_environment, exit_words
 from . import http1
 from .http1 import BadResponse, sse_events
 from .launch import build_argv
-from .process import ChildProcess
 from .logparse import LogParser
+from .process import ChildProcess
 
 CRASH_MESSAGE = ("model runner has unexpectedly stopped, this may be due to resource limitations "
                  "or an internal error")

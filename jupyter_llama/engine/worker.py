@@ -27,7 +27,7 @@ from typing import Callable
 from ..memory import rpc
 from ..procs import child_environment, exit_words
 from .binary import Engine
-from .runner import _SETPRIV, free_port, _pdeathsig_preexec
+from .runner import _SETPRIV, _pdeathsig_preexec, free_port
 
 UNSAFE_BIND_WARNING = ("warning: ggml's RPC protocol has no authentication and no encryption: anyone who can reach "
                        "{host}:{port} can use this machine's device and read its memory. Expose workers on a "

@@ -74,7 +74,6 @@ come out some 0.2 MiB above the log on the device that runs it.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 
 F32 = 4

@@ -26,8 +26,26 @@ from .. import config
 from ..load_options import QUANTIZED_KV, LoadOptions, batch_args
 from ..models.gguf_info import GGUFInfo
 from .computegraph import CPU_ALIGNMENT, GPU_ALIGNMENT, GraphPlan, LayerShape, compute_buffer_bytes
-from .report import (ACTUAL, format_bytes, format_pct, COARSE, COMPONENTS, COMPUTE, DETAILED, HOST, KV, OTHER, OUTPUT,
-                     RS, SOURCES, WEIGHTS, GiB, MemoryReport, MiB, render_table)
+from .report import (
+    ACTUAL,
+    COARSE,
+    COMPONENTS,
+    COMPUTE,
+    DETAILED,
+    HOST,
+    KV,
+    OTHER,
+    OUTPUT,
+    RS,
+    SOURCES,
+    WEIGHTS,
+    GiB,
+    MemoryReport,
+    MiB,
+    format_bytes,
+    format_pct,
+    render_table,
+)
 
 # llama.cpp's --fit never shrinks an automatic context below this (common/fit.cpp).
 FIT_MIN_CTX = 4096

@@ -35,9 +35,8 @@ would reach the file system as ``ValueError: embedded null byte``, a 500.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import urllib.parse
+from dataclasses import dataclass
 
 from .. import config
 from ..errors import BadRequest

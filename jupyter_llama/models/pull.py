@@ -85,12 +85,12 @@ from .store import (
     ModelEntry,
     ModelStore,
     StoreError,
-    atomic_write_json,
     _projector_summary,
-    free_bytes,
     _Throttle,
     _unlink,
+    atomic_write_json,
     fmt_bytes,
+    free_bytes,
 )
 
 __all__ = [

@@ -71,11 +71,18 @@ from filelock import Timeout
 from .. import config
 from ..errors import BadRequest, JupyterLlamaError, ModelNotFound, StorageFull
 from ..private import write_private
-from .ref import ModelRef, model_details, parameter_size
 from .gguf_info import GGUFError, GGUFInfo, read_gguf_info
-from .names import (InvalidName, ModelName, also_registry, parse_name, plainly_a_path, refuse_control_characters,
-                    without_registry)
+from .names import (
+    InvalidName,
+    ModelName,
+    also_registry,
+    parse_name,
+    plainly_a_path,
+    refuse_control_characters,
+    without_registry,
+)
 from .preset import MAX_LAYER_BYTES, PRESET_MEDIA_TYPES, Preset, PresetError
+from .ref import ModelRef, model_details, parameter_size
 
 __all__ = [
     "atomic_write_json",

@@ -17,16 +17,21 @@ One module per seam:
 Every name importers used from the single module it once was is still here.
 """
 
-from ..errors import (BadRequest, DoesNotFit, JupyterLlamaError, LoadFailed, ModelNotFound, PinnedInTheWay,
+from ..errors import (
+                      BadRequest,
+                      DoesNotFit,
+                      JupyterLlamaError,
+                      LoadFailed,
+                      ModelNotFound,
+                      PinnedInTheWay,
                       SchedulerError,
-                      ServerBusy)
+                      ServerBusy,
+)
 from ..models.ref import ModelRef
-from .loop import (FREED_FRESH_S, FileResolver, Predictor, Resolver, RunnerFactory, Scheduler,
-                   default_predictor)
+from .loop import FREED_FRESH_S, FileResolver, Predictor, Resolver, RunnerFactory, Scheduler, default_predictor
 from .policy import FitPlan, _fit_words, _what_to_shrink, available, budget_room, eviction_order, fit_plan
 from .settings import SAFETY_MARGIN_VAR, SchedulerSettings
-from .state import (PLACEMENT_FIELDS, Event, EventKind, EventLog, Lease, Loaded, LoadedSnapshot, ModelState,
-                    Subscription)
+from .state import PLACEMENT_FIELDS, Event, EventKind, EventLog, Lease, Loaded, LoadedSnapshot, ModelState, Subscription
 
 __all__ = [
     "BadRequest", "DoesNotFit", "JupyterLlamaError", "LoadFailed", "ModelNotFound", "PinnedInTheWay", "SchedulerError",

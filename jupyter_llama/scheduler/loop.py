@@ -33,12 +33,20 @@ import time
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from ..config import ConfigError, context_length, format_duration, parse_duration, shown
-from ..errors import (BadRequest, DoesNotFit, JupyterLlamaError, LoadCancelled, LoadFailed, ModelNotFound, PinnedInTheWay,
-                      SchedulerError,
-                      ServerBusy)
-from ..load_options import LoadOptions
-from ..engine.runner import EngineError, LoadError, LoadStopped, Runner
 from ..engine.launch import BARE_PROMPT_CHAT_TEMPLATE
+from ..engine.runner import EngineError, LoadError, LoadStopped, Runner
+from ..errors import (
+    BadRequest,
+    DoesNotFit,
+    JupyterLlamaError,
+    LoadCancelled,
+    LoadFailed,
+    ModelNotFound,
+    PinnedInTheWay,
+    SchedulerError,
+    ServerBusy,
+)
+from ..load_options import LoadOptions
 from ..memory import devices as devmod
 from ..memory import peers as peermod
 from ..memory import rpc
@@ -49,8 +57,8 @@ from ..models.names import same_model
 from ..models.ref import ModelRef
 from ..procs import exit_words
 from . import policy
-from .policy import FitPlan, budget_room
 from .fairness import Holding, QuotaTable, Who, fair_eviction_order, over_share
+from .policy import FitPlan, budget_room
 from .settings import SchedulerSettings
 from .state import EventKind, EventLog, Lease, Loaded, LoadedSnapshot, ModelState
 from .users import UserBook

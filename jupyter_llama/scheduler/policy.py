@@ -29,8 +29,7 @@ from ..memory import peers as peermod
 from ..memory import rpc
 from ..memory.devices import MEMORY_LIMIT_VAR
 from ..memory.estimate import estimate_detailed, estimate_layer_counts, fit_layers
-from ..memory.report import (COARSE, COMPUTE, DETAILED, HOST, KV, OTHER, WEIGHTS, MemoryReport, MiB, format_bytes,
-                             is_gpu)
+from ..memory.report import COARSE, COMPUTE, DETAILED, HOST, KV, OTHER, WEIGHTS, MemoryReport, MiB, format_bytes, is_gpu
 from .settings import SAFETY_MARGIN_VAR, SchedulerSettings, format_margin
 from .state import LoadedSnapshot, ModelState
 

@@ -26,8 +26,17 @@ import collections
 import time
 from typing import TYPE_CHECKING, Callable
 
-from .fairness import (OverMemoryQuota, QuotaExceeded, QuotaTable, Who, concurrent_refusal, load_refusal,
-                       quota_for, rate_refusal, round_robin)
+from .fairness import (
+    OverMemoryQuota,
+    QuotaExceeded,
+    QuotaTable,
+    Who,
+    concurrent_refusal,
+    load_refusal,
+    quota_for,
+    rate_refusal,
+    round_robin,
+)
 from .state import EventKind, EventLog
 
 if TYPE_CHECKING:

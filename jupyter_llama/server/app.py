@@ -41,8 +41,8 @@ from .. import config
 from .._version import __version__
 from ..client import client_environment
 from ..config import ConfigError
-from ..private import UntrustedFile, trusted_folder
 from ..errors import JupyterLlamaError
+from ..private import UntrustedFile, trusted_folder
 from ..scheduler import Scheduler, SchedulerSettings
 
 URL_ENV = "JUPYTER_LLAMA_URL"

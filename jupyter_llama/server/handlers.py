@@ -60,20 +60,19 @@ from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
 
 from .._version import __version__
-from ..api import ollama as oa
-from ..api.ollama import ndjson
-from ..api import openai as oai
 from ..api import anthropic as anth
+from ..api import ollama as oa
+from ..api import openai as oai
+from ..api.ollama import ndjson
 from ..api.options import split_options
 from ..config import ConfigError
-from ..load_options import LoadOptionsError
 from ..engine.runner import EngineError, RequestError, RunnerCrashed, reserve_for
+from ..errors import JupyterLlamaError, NoSuchRoute, NotLoaded, NotSupported
+from ..load_options import LoadOptionsError
 from ..models.gguf_info import GGUFError, read_arrays, read_gguf_info
-from ..errors import NoSuchRoute, NotLoaded, NotSupported
 from ..models.names import plainly_a_path, same_model
-from ..models.store import LOCAL_KEY_FILE_HEADER, LOCAL_KEY_HEADER, PathNotAllowed, local_caller
 from ..models.pull import PullError, derive_name, pull_stream
-from ..errors import JupyterLlamaError
+from ..models.store import LOCAL_KEY_FILE_HEADER, LOCAL_KEY_HEADER, PathNotAllowed, local_caller
 from ..scheduler import BadRequest, ModelNotFound
 from ..scheduler.fairness import Forbidden
 

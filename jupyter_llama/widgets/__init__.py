@@ -35,8 +35,18 @@ once, as a coroutine on the async client.
 """
 
 # the public API (``__all__`` below), from the modules that define it
-from .model import device_rows, duration_text, error_text, event_rows, fit_summary  # noqa: F401
-from .model import keep_alive_text, load_options, model_rows, panel_rows, parse_time  # noqa: F401
+from .model import (  # noqa: F401  # noqa: F401
+    device_rows,
+    duration_text,
+    error_text,
+    event_rows,
+    fit_summary,
+    keep_alive_text,
+    load_options,
+    model_rows,
+    panel_rows,
+    parse_time,
+)
 from .panel import PullProgress, RunningPanel, pull_progress  # noqa: F401
 from .picker import ModelPicker  # noqa: F401
 from .render import render_devices, render_events, render_fit, render_panel_row  # noqa: F401

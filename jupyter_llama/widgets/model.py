@@ -10,11 +10,9 @@ import re
 import time
 from typing import Any, Iterable, Mapping
 
-
 from ..client import LlamaError
 from ..memory.report import COARSE, DETAILED, LLAMA_CPP, format_bytes
 from ..models.names import same_model
-
 
 ACTUAL = "actual"
 FOREVER_S = 50 * 365 * 86400  # expires_at further away than this: kept loaded for good

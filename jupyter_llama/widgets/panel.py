@@ -13,8 +13,16 @@ from ..client import AsyncLlamaClient, LlamaClient, LlamaError
 from ..memory.report import format_bytes
 from ..models.names import same_model
 from .base import _Actions, _async_client, _descendants, _on_frontend_close, _running_loop
-from .model import TransferRate, device_rows, error_text, event_rows, memory_scale_text, panel_rows
-from .model import pull_error_text, rate_text
+from .model import (
+    TransferRate,
+    device_rows,
+    error_text,
+    event_rows,
+    memory_scale_text,
+    panel_rows,
+    pull_error_text,
+    rate_text,
+)
 from .render import _status, render_devices, render_events, render_panel_row
 
 

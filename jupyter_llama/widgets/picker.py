@@ -9,8 +9,18 @@ import ipywidgets as W
 
 from ..client import LlamaClient, LlamaError
 from .base import _Actions, _descendants, _on_frontend_close, _safe
-from .model import CTX_AUTO, CTX_SET, GPU_AUTO, GPU_N, GPU_NONE, error_text, fit_summary, initial_model
-from .model import load_options, model_rows
+from .model import (
+    CTX_AUTO,
+    CTX_SET,
+    GPU_AUTO,
+    GPU_N,
+    GPU_NONE,
+    error_text,
+    fit_summary,
+    initial_model,
+    load_options,
+    model_rows,
+)
 from .render import _e, _help, _status, render_fit
 
 

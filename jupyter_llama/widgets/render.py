@@ -5,10 +5,8 @@ from __future__ import annotations
 import html
 from typing import Any, Iterable, Mapping
 
-
 from ..memory.report import COARSE, DETAILED, format_bytes, format_pct
 from .model import round_bytes_text
-
 
 # colours (colour-blind safe pairs from the Tableau palette)
 C_ACTUAL = "#4e79a7"

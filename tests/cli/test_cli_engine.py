@@ -138,7 +138,8 @@ def test_arguments_a_command_has_no_use_for_are_refused():
 def test_the_client_is_the_packages_to_import():
     import jupyter_llama
     from jupyter_llama import AsyncLlamaClient, LlamaClient
-    from jupyter_llama.client import AsyncLlamaClient as A, LlamaClient as L
+    from jupyter_llama.client import AsyncLlamaClient as A
+    from jupyter_llama.client import LlamaClient as L
 
     assert (LlamaClient, AsyncLlamaClient) == (L, A)
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):

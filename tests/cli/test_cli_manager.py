@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 

@@ -1,7 +1,6 @@
 import pytest
 
-from jupyter_llama.memory.report import (COMPUTE, KV, OUTPUT, WEIGHTS, MemoryReport, MiB, device_of_backend,
-                                         format_bytes)
+from jupyter_llama.memory.report import COMPUTE, KV, OUTPUT, WEIGHTS, MemoryReport, MiB, device_of_backend, format_bytes
 
 
 @pytest.mark.parametrize("backend,device", [

@@ -12,14 +12,14 @@ import time
 
 import pytest
 
-from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import RunnerCrashed
-from jupyter_llama.procs import process_alive
 from jupyter_llama.engine.worker import LocalWorker
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory import devices as devmod
 from jupyter_llama.memory import fitparams as fp
 from jupyter_llama.memory import rpc
 from jupyter_llama.memory.report import DETAILED, HOST, MiB
+from jupyter_llama.procs import process_alive
 from jupyter_llama.scheduler import ModelState, Scheduler, SchedulerSettings
 
 pytestmark = pytest.mark.engine

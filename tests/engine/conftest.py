@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import Runner
+from jupyter_llama.load_options import LoadOptions
 
 
 @pytest.fixture

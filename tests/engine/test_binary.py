@@ -7,8 +7,16 @@ import threading
 import pytest
 
 from jupyter_llama.engine import binary
-from jupyter_llama.engine.binary import (BuildError, EngineBroken, EngineNotFound, _version_info, build_engine,
-                                         check_runnable, cmake_args, find_engine)
+from jupyter_llama.engine.binary import (
+    BuildError,
+    EngineBroken,
+    EngineNotFound,
+    _version_info,
+    build_engine,
+    check_runnable,
+    cmake_args,
+    find_engine,
+)
 
 
 def _script(tmp_path, name, body):

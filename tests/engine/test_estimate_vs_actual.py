@@ -6,9 +6,9 @@ import pytest
 
 from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory.estimate import estimate_detailed, format_estimates
-from jupyter_llama.memory.sources import estimate_all_async
 from jupyter_llama.memory.fitparams import project, project_async, run_fit_params
 from jupyter_llama.memory.report import COARSE, COMPUTE, DETAILED, KV, LLAMA_CPP, WEIGHTS
+from jupyter_llama.memory.sources import estimate_all_async
 from jupyter_llama.models.gguf_info import read_gguf_info
 
 pytestmark = pytest.mark.engine

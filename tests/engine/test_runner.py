@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from jupyter_llama.engine.launch import build_argv
-from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import LoadError, Runner, RunnerCrashed
+from jupyter_llama.load_options import LoadOptions
+from jupyter_llama.memory.report import COMPUTE, KV, OUTPUT, WEIGHTS, MiB
 from jupyter_llama.procs import process_alive
-from jupyter_llama.memory.report import COMPUTE, KV, MiB, OUTPUT, WEIGHTS
 
 pytestmark = pytest.mark.engine
 
@@ -154,8 +154,8 @@ async def test_child_killed_mid_stream_gives_clear_error(start_runner, tiny_mode
 
 async def test_a_request_that_fails_while_the_child_lives_says_why_in_words(start_runner, tiny_model):
     """Not a Python repr: what failed, and the reason (its type's name when it has no text)."""
-    from jupyter_llama.errors import EngineError
     from jupyter_llama.engine.runner import free_port
+    from jupyter_llama.errors import EngineError
 
     r = await start_runner(tiny_model, LoadOptions(num_ctx=512, num_parallel=1))
     assert (await r.tokenize("Once upon")) and (await r.post("/apply-template", {"messages": []}))["prompt"].endswith("assistant\n")

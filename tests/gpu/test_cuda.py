@@ -16,10 +16,10 @@ import time
 import pytest
 
 from jupyter_llama.engine.binary import gpu_devices
-from jupyter_llama.procs import process_alive
 from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory import devices as devmod
 from jupyter_llama.memory.report import DETAILED, HOST, MiB
+from jupyter_llama.procs import process_alive
 from jupyter_llama.scheduler import Scheduler, SchedulerSettings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]

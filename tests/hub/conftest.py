@@ -4,7 +4,6 @@ one per test module (see hubutil.py); its tests skip, saying why, without Jupyte
 from __future__ import annotations
 
 import pytest
-
 from hubutil import missing, start_hub
 
 # The Hub's users, and the service's settings for them (c.LlamaHub).

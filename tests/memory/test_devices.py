@@ -11,8 +11,18 @@ import pytest
 from jupyter_llama.config import ConfigError
 from jupyter_llama.memory import devices as dv
 from jupyter_llama.memory.devices import (
-    GPU, Budgets, DeviceState, HostMemory, HostMemoryError, Inventory, budgets_from_env, format_inventory,
-    inventory, list_gpus, parse_memory_limit, read_host_memory,
+    GPU,
+    Budgets,
+    DeviceState,
+    HostMemory,
+    HostMemoryError,
+    Inventory,
+    budgets_from_env,
+    format_inventory,
+    inventory,
+    list_gpus,
+    parse_memory_limit,
+    read_host_memory,
 )
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3

@@ -6,12 +6,31 @@ import pytest
 
 from jupyter_llama.load_options import LoadOptions, LoadOptionsError
 from jupyter_llama.memory import estimate as est
-from jupyter_llama.memory.sources import estimate_all
 from jupyter_llama.memory.computegraph import GraphPlan, LayerShape, Tensor, _Allocator, compute_buffer_bytes, simulate
-from jupyter_llama.memory.estimate import (estimate_coarse, estimate_detailed, format_estimates,
-                                           kv_cache_bytes, kv_row_bytes, layer_devices, plan_context, weight_bytes)
-from jupyter_llama.memory.report import (ACTUAL, COARSE, COMPUTE, DETAILED, GiB, KV, MemoryReport, MiB, OTHER,
-                                         OUTPUT, WEIGHTS)
+from jupyter_llama.memory.estimate import (
+    estimate_coarse,
+    estimate_detailed,
+    format_estimates,
+    kv_cache_bytes,
+    kv_row_bytes,
+    layer_devices,
+    plan_context,
+    weight_bytes,
+)
+from jupyter_llama.memory.report import (
+    ACTUAL,
+    COARSE,
+    COMPUTE,
+    DETAILED,
+    KV,
+    OTHER,
+    OUTPUT,
+    WEIGHTS,
+    GiB,
+    MemoryReport,
+    MiB,
+)
+from jupyter_llama.memory.sources import estimate_all
 from jupyter_llama.models.gguf_info import GGUFInfo, TensorInfo
 
 KiB = 1024

@@ -10,8 +10,18 @@ import pickle
 import pytest
 
 from jupyter_llama.load_options import LoadOptions
-from jupyter_llama.memory.estimate import (Share, estimate_detailed, experts_on_host, fit_layers, kv_cache_bytes,
-                                           partial_layers, plan_context, rs_bytes, tensor_devices, weight_bytes)
+from jupyter_llama.memory.estimate import (
+    Share,
+    estimate_detailed,
+    experts_on_host,
+    fit_layers,
+    kv_cache_bytes,
+    partial_layers,
+    plan_context,
+    rs_bytes,
+    tensor_devices,
+    weight_bytes,
+)
 from jupyter_llama.memory.report import COMPUTE, HOST, KV, RS, WEIGHTS, MiB
 from jupyter_llama.models.gguf_info import read_gguf_info
 from jupyter_llama.models.synth import FAMILIES, write_synthetic

@@ -12,7 +12,7 @@ import pytest
 
 from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory import fitparams as fp
-from jupyter_llama.memory.report import COMPUTE, KV, LLAMA_CPP, MiB, WEIGHTS
+from jupyter_llama.memory.report import COMPUTE, KV, LLAMA_CPP, WEIGHTS, MiB
 
 SAMPLE = """\
 0.00.017.430 I llama_fit_params: printing estimated memory in MiB to stdout (device, model, context, compute) ...

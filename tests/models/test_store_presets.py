@@ -8,8 +8,14 @@ import os
 import pytest
 from conftest import TINY
 
-from jupyter_llama.models.preset import (LICENSE_MEDIA_TYPE, MESSAGES_MEDIA_TYPE, PARAMS_MEDIA_TYPE, SYSTEM_MEDIA_TYPE,
-                                         TEMPLATE_MEDIA_TYPE, Preset)
+from jupyter_llama.models.preset import (
+    LICENSE_MEDIA_TYPE,
+    MESSAGES_MEDIA_TYPE,
+    PARAMS_MEDIA_TYPE,
+    SYSTEM_MEDIA_TYPE,
+    TEMPLATE_MEDIA_TYPE,
+    Preset,
+)
 from jupyter_llama.models.store import MODEL_MEDIA_TYPE, BlobCorrupt, ModelStore
 from jupyter_llama.models.synth import SynthShape, write_synthetic
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jupyter_llama.models import synth
 from jupyter_llama.engine.runner import free_port
+from jupyter_llama.models import synth
 from jupyter_llama.models.gguf_info import read_arrays, read_gguf_info
 from jupyter_llama.models.synth import MIN_VOCAB, SynthShape, special_token_ids, write_synthetic
 

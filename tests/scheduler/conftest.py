@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_llama.procs import process_alive
 from jupyter_llama.memory.devices import Budgets
+from jupyter_llama.procs import process_alive
 from jupyter_llama.scheduler import Scheduler, SchedulerSettings
 
 SHAPE = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=2048)

@@ -7,9 +7,20 @@ from dataclasses import dataclass
 import pytest
 
 from jupyter_llama.config import ConfigError
-from jupyter_llama.scheduler.fairness import (Holding, Who, concurrent_refusal, fair_eviction_order, load_refusal,
-                                              over_share, parse_quotas, private_namespace, private_owner, quota_for,
-                                              rate_refusal, round_robin)
+from jupyter_llama.scheduler.fairness import (
+    Holding,
+    Who,
+    concurrent_refusal,
+    fair_eviction_order,
+    load_refusal,
+    over_share,
+    parse_quotas,
+    private_namespace,
+    private_owner,
+    quota_for,
+    rate_refusal,
+    round_robin,
+)
 
 GiB = 1 << 30
 

@@ -9,11 +9,21 @@ import time
 
 import pytest
 
-from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.engine.runner import RunnerCrashed
+from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory.report import MemoryReport
-from jupyter_llama.scheduler import (BadRequest, DoesNotFit, Event, LoadFailed, ModelNotFound, ModelState,
-                                     PinnedInTheWay, Scheduler, SchedulerSettings, ServerBusy)
+from jupyter_llama.scheduler import (
+    BadRequest,
+    DoesNotFit,
+    Event,
+    LoadFailed,
+    ModelNotFound,
+    ModelState,
+    PinnedInTheWay,
+    Scheduler,
+    SchedulerSettings,
+    ServerBusy,
+)
 
 pytestmark = pytest.mark.engine
 

@@ -12,7 +12,6 @@ that thinks and calls tools; ``vision`` is tiny's weights with a synthetic proje
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from typing import Literal
 

@@ -258,8 +258,14 @@ async def test_openai_client(llama_url, token):
 
 
 async def test_our_client(llama_url, server_root, token, ext, monkeypatch, jp_runtime_dir):
-    from jupyter_llama.client import (AsyncLlamaClient, BadRequestError, LlamaClient, ModelNotFoundError,
-                                      ServerNotFound, find_server)
+    from jupyter_llama.client import (
+        AsyncLlamaClient,
+        BadRequestError,
+        LlamaClient,
+        ModelNotFoundError,
+        ServerNotFound,
+        find_server,
+    )
 
     # explicit url (the server's root or the API root) and token
     c = LlamaClient(url=server_root, token=token)

@@ -196,10 +196,14 @@ def _fuzz(spec: dict, llama_url: str, token: str) -> tuple[list[str], int]:
     import jsonschema
     import requests
     import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
     from schemathesis import GenerationMode
-    from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                                   status_code_conformance)
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
 
     examples = int(os.environ.get("JUPYTER_LLAMA_FUZZ_EXAMPLES", "8"))
     schema = schemathesis.openapi.from_dict(spec)
