@@ -346,7 +346,8 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
 
     Built once per ``prog`` (a magic runs it on every call; parsing does not change it).
     """
-    parser = _Parser(prog=prog, description="Run and manage local llama.cpp models: Ollama's manager layer, in Jupyter.",
+    parser = _Parser(prog=prog,
+                     description="Run and manage local llama.cpp models: Ollama's manager layer, in Jupyter.",
                      epilog="Other clients, unconfigured: in a kernel that a Jupyter server with this extension "
                             "started, OLLAMA_HOST and OLLAMA_API_KEY, OPENAI_BASE_URL and OPENAI_API_KEY, "
                             "ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY point at that server (unless you set them), so "
@@ -438,8 +439,9 @@ def build_parser(prog: str = "jupyter-llama") -> argparse.ArgumentParser:
     p = add("rm", cmd_rm, "remove models (a loaded one is unloaded first)")
     p.add_argument("models", nargs="+")
 
-    p = add("prune", cmd_prune, "drop partial downloads no pull is working on (their resume is lost), blobs no model uses "
-                                       "(kept for an hour after they were written), and left-over temporary files")
+    p = add("prune", cmd_prune, "drop partial downloads no pull is working on (their resume is lost), "
+                                "blobs no model uses (kept for an hour after they were written), "
+                                "and left-over temporary files")
     p.add_argument("--json", action="store_true")
 
     p = add("estimate", cmd_estimate, "predict memory for a model (or GGUF file) under load options")
@@ -837,7 +839,8 @@ def cmd_stop(args, fe: Frontend):
         close = re.search(r"\(did you mean [^)]*\)", e.message)
         raise CommandError(f'no model is named "{args.model}"{f" {close.group(0)}" if close else ""}: nothing to '
                            "stop. `ps` shows the loaded models, `list` the ones there are") from None
-    fe.note(f"{args.model} unloaded" if loaded else f"{args.model} was not loaded: nothing to stop (`ps` shows what is)")
+    fe.note(f"{args.model} unloaded" if loaded
+            else f"{args.model} was not loaded: nothing to stop (`ps` shows what is)")
     return EXIT_OK
 
 

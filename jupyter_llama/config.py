@@ -72,12 +72,14 @@ def parse_size(text: str | int, what: str = "size") -> int:
         return int(text)
     m = _SIZE_RE.match(str(text))
     if not m:
-        raise ConfigError(f"{what}: {shown(text)} is not a size; write bytes or a number with a unit, e.g. 8GiB, 512MiB, 8000MB")
+        raise ConfigError(f"{what}: {shown(text)} is not a size; write bytes or a number with a unit, "
+                          "e.g. 8GiB, 512MiB, 8000MB")
     number, unit = float(m.group(1)), m.group(2).lower()
     if unit in ("k", "m", "g", "t"):  # bare letters: binary, like `free -g` and llama.cpp's MiB figures
         unit += "ib"
     if unit not in _SIZE_UNITS:
-        raise ConfigError(f"{what}: unknown unit {shown(m.group(2))} in {shown(text)}; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")
+        raise ConfigError(f"{what}: unknown unit {shown(m.group(2))} in {shown(text)}; "
+                          "use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")
     return int(number * _SIZE_UNITS[unit])
 
 
@@ -124,7 +126,8 @@ def _parse_duration(value, what: str) -> float:
         total += float(m.group(1)) * _DURATION_SCALE[m.group(2)]
         pos = m.end()
     if pos != len(body) or not body:
-        raise ConfigError(f"{what}: {shown(value)} is not a duration; use seconds (300), or units like '10m', '1h30m', '-1' for forever")
+        raise ConfigError(f"{what}: {shown(value)} is not a duration; use seconds (300), "
+                          "or units like '10m', '1h30m', '-1' for forever")
     if negative:
         return math.inf
     return total

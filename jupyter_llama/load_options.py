@@ -84,7 +84,8 @@ class LoadOptions:
         for name in ("cache_type_k", "cache_type_v"):
             v = getattr(self, name)
             if v is not None and v not in KV_CACHE_TYPES:
-                raise LoadOptionsError(f"{name} {shown(v)} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPES)}")
+                raise LoadOptionsError(f"{name} {shown(v)} is not a KV cache type; "
+                                       f"use one of {', '.join(KV_CACHE_TYPES)}")
         if self.flash_attn is not None:
             fa = {True: "on", False: "off"}.get(self.flash_attn, self.flash_attn)
             if fa not in FLASH_ATTN:

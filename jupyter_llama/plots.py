@@ -144,8 +144,8 @@ def plot_memory(reports: Mapping[str, MemoryReport], *, title: str | None = None
                 f"than {OFF_SCALE}x the others)")
         surcharge = reports[top_src].total(component=OTHER) if top_src == COARSE else 0
         if surcharge:  # say what makes it so large
-            note += (f"\n\nthe grey part of coarse is\nOllama's allowance for large\nbatches ({format_bytes(surcharge)}): "
-                     "room it\nkeeps free, not memory\nllama.cpp allocates")
+            note += ("\n\nthe grey part of coarse is\nOllama's allowance for large\n"
+                     f"batches ({format_bytes(surcharge)}): room it\nkeeps free, not memory\nllama.cpp allocates")
         ax.text(1.01, 0.0, note, transform=ax.transAxes, fontsize=7, va="bottom", ha="left", color="#555")
     # The legend sits right of the axes, where no bar or label can be under it.
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False, borderaxespad=0)
@@ -266,10 +266,10 @@ def plot_sweep(result: SweepResult, *, budget: int | None = None, sources: Seque
     ax = fig.add_subplot()
     for src in sources:
         ys = [(p.total(src) / scale) if p.total(src) is not None else None for p in result.points]
-        pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+        pts = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
         if not pts:
             continue
-        px, py = zip(*pts)
+        px, py = zip(*pts, strict=True)
         if src == ACTUAL:
             ax.plot(px, py, linestyle="none", marker=SOURCE_MARKERS[src], color=SOURCE_COLOURS[src],
                     markersize=6, label="actual (measured)", zorder=3)

@@ -50,7 +50,8 @@ def _why_not_ours(st: os.stat_result, what: str, path: str | os.PathLike, secret
     if st.st_mode & 0o022:
         return f"{what} {path} can be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
     if secret and st.st_mode & 0o077:
-        return f"{what} {path} can be read by other users (mode {stat.S_IMODE(st.st_mode):o}), and it would hold a secret"
+        return (f"{what} {path} can be read by other users (mode {stat.S_IMODE(st.st_mode):o}), "
+                "and it would hold a secret")
     return None
 
 
@@ -95,7 +96,8 @@ def read_trusted(path: str | os.PathLike, *, secret: bool = False, limit: int = 
         raise UntrustedFile(f"{path} cannot be read: {e.strerror or e}") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
-        why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else _why_not_ours(st, "the file", path, secret)
+        why = ("it is not a regular file" if not stat.S_ISREG(st.st_mode)
+               else _why_not_ours(st, "the file", path, secret))
         if why:
             raise UntrustedFile(f"{why if why.startswith('the file') else f'{path}: {why}'}: it is not trusted, so "
                                 "it is not read; remove it (another user may have put it there)")

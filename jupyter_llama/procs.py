@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["child_environment", "child_pids", "descendants", "exit_words", "process_alive", "same_process", "signal_recorded",
-           "start_time"]
+__all__ = ["child_environment", "child_pids", "descendants", "exit_words", "process_alive", "same_process",
+           "signal_recorded", "start_time"]
 
 
 # Words in the name of an environment variable that holds a credential (JUPYTER_LLAMA_TOKEN,

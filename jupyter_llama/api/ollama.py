@@ -1094,7 +1094,8 @@ class ChatTranslator(_Lines):
             if fn.get("name"):
                 slot["name"] += fn["name"]
             if fn.get("arguments"):
-                slot["arguments"] += fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"])
+                args = fn["arguments"]
+                slot["arguments"] += args if isinstance(args, str) else json.dumps(args)
         if text or think:
             self.parts.append(text)
             self.thinking.append(think)

@@ -215,7 +215,8 @@ def find_engine(setting: str | None = None) -> Engine:
                 eng.reason = f"the {_BACKEND_WORDS[backend]} build, which sees {devices[0]}"
                 eng.passed_over = passed_over
                 return eng
-            why = f"the {_BACKEND_WORDS[backend]} build {d.name} sees no {_BACKEND_WORDS[backend]} device: {_why_no_gpu(backend)}"
+            words = _BACKEND_WORDS[backend]
+            why = f"the {words} build {d.name} sees no {words} device: {_why_no_gpu(backend)}"
             passed_over.append(why)
             gpu_build = gpu_build or eng
     if gpu_build is not None:

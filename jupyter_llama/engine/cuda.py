@@ -254,8 +254,8 @@ def python_cuda_dirs(major: int) -> list[Path]:
 def _toolkit_top(nvcc: str) -> Path | None:
     """The toolkit folder nvcc works from (``#$ TOP=...`` in its dry run)."""
     try:
-        out = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True, timeout=30,
-                             stdin=subprocess.DEVNULL)
+        out = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True,
+                             timeout=30, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired):
         return None
     m = re.search(r"^#\$ TOP=(.+)$", out.stdout + out.stderr, re.M)

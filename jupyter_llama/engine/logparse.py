@@ -113,7 +113,8 @@ _FIT_FUNC_RE = re.compile(r"\b\w*(?:params_fit|fit_params)\w*\s*:")
 _FIT_DEV_RE = re.compile(
     r"-\s+(?P<dev>[A-Za-z][\w.\-]*)(?:\s+\((?P<desc>.*?)\))?\s*:\s+(?P<layers>\d+)\s+layers"
     r"(?:\s+\(\s*(?P<over>\d+)\s+overflowing\))?,\s+(?P<used>-?\d+)\s+MiB used,\s+(?P<free>-?\d+)\s+MiB free")
-_FIT_PROJ_RE = re.compile(  # multi-device projection: "- CUDA0 (NVIDIA H200): 143167 total, 158000 used, -16000 free vs. target of 1024"
+# multi-device projection: "- CUDA0 (NVIDIA H200): 143167 total, 158000 used, -16000 free vs. target of 1024"
+_FIT_PROJ_RE = re.compile(
     r"-\s+(?P<dev>[A-Za-z][\w.\-]*)(?:\s+\((?P<desc>.*?)\))?\s*:\s+(?P<total>\d+)\s+total,\s+(?P<used>-?\d+)\s+used,"
     r"\s+(?P<free>-?\d+)\s+free vs\. target")
 # llama_model_load_from_file's device list: "  - RPC0 : 127.0.0.1:50061 (24105 MiB, 24105 MiB free)"

@@ -235,7 +235,7 @@ class Runner:
             self.state = RunnerState.FAILED
             raise LoadError(f"model file {self.model_path} does not exist")
         self.state = RunnerState.STARTING
-        for attempt in range(3):
+        for _attempt in range(3):
             try:
                 if self._stop_asked:  # stopped before (or between) its tries: no child is started
                     raise self._stopped_error()
@@ -408,7 +408,7 @@ class Runner:
 
             eps = list(self.options.rpc or ())
             alive = await asyncio.gather(*(asyncio.to_thread(listening, ep, 1.0) for ep in eps))
-            self._lost_workers = [ep for ep, up in zip(eps, alive) if not up]
+            self._lost_workers = [ep for ep, up in zip(eps, alive, strict=True) if not up]
         return self._lost_workers
 
     def _crash_error(self, retryable: bool = False) -> RunnerCrashed:

@@ -92,8 +92,10 @@ def render(snap: dict) -> str:
     rate = (users or {}).get("rate", {})
     out: list[str] = []
     out += _lines("jupyter_llama_model_loaded_bytes",
-                  (({"model": m["name"], "device": d}, n) for m in snap["models"] for d, n in sorted(m["by_device"].items())))
-    out += _lines("jupyter_llama_model_requests_in_flight", (({"model": m["name"]}, m["in_flight"]) for m in snap["models"]))
+                  (({"model": m["name"], "device": d}, n)
+                   for m in snap["models"] for d, n in sorted(m["by_device"].items())))
+    out += _lines("jupyter_llama_model_requests_in_flight",
+                  (({"model": m["name"]}, m["in_flight"]) for m in snap["models"]))
     out += _lines("jupyter_llama_model_queue_depth", (({"model": n}, queue.get(n, 0)) for n in names))
     out += _lines("jupyter_llama_model_tokens_per_second", (({"model": n}, float(r)) for n, r in sorted(rate.items())))
     out += _lines("jupyter_llama_model_evictions_total",

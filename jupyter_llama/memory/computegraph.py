@@ -363,7 +363,7 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
     device's part begins, so the experts and feed-forwards it runs for earlier layers run
     beside them.
     """
-    T, O, E = n_tokens, max(1, n_outputs), plan.n_embd
+    T, n_out, E = n_tokens, max(1, n_outputs), plan.n_embd
     nodes: list[Tensor] = []
     n_layer = len(plan.layers)
     here = frozenset(range(n_layer)) if layers is None else layers
@@ -404,7 +404,7 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
 
     pos = Tensor("inp_pos", T * 4, is_input=True)
     mask_bytes = 2 if plan.flash_attn else 4
-    out_ids = Tensor("out_ids", O * 4, is_input=True)
+    out_ids = Tensor("out_ids", n_out * 4, is_input=True)
 
     def cache_inputs(suffix: str, swa: bool) -> _CacheInputs:
         """The inputs of one KV cache: row indices for K and V, the mask, the rotations."""
@@ -573,7 +573,7 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
         """Layer ``il``'s feed-forward, the part of it run here for the backend that holds the
         layer (see ``ffn_kind``)."""
         ly = plan.layers[il]
-        rows = O if il == n_layer - 1 else T
+        rows = n_out if il == n_layer - 1 else T
         kind = kinds.get(il, "attn")
         if kind == "gate":  # the down projection
             k = ly.n_expert_used if ly.n_expert else 1
@@ -634,7 +634,7 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
             ly = plan.layers[il]
             if not ly.n_expert:
                 continue
-            rows = O if il == n_layer - 1 else T
+            rows = n_out if il == n_layer - 1 else T
             x = add(Tensor("ffn_norm(copy)", E * rows * F32, "COPY_IN"))
             topk = add(Tensor("moe_topk(copy)", ly.n_expert_used * rows * 4, "COPY_IN"))
             add(Tensor("to_the_device", 0, "EXPORT", [experts_ffn(ly, rows, x, topk)]))
@@ -688,9 +688,9 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
         cur = add(Tensor("attn_out", E * T * F32, "MUL_MAT", [weight("wo"), att]))
         rows, residual = T, inp
         if last:
-            rows = O
-            cur = add(Tensor("attn_out_rows", E * O * F32, "GET_ROWS", [cur, out_ids]))
-            residual = add(Tensor("inp_rows", E * O * F32, "GET_ROWS", [residual, out_ids]))
+            rows = n_out
+            cur = add(Tensor("attn_out_rows", E * n_out * F32, "GET_ROWS", [cur, out_ids]))
+            residual = add(Tensor("inp_rows", E * n_out * F32, "GET_ROWS", [residual, out_ids]))
         ffn_inp = residual_add("ffn_inp", rows, cur, residual)
         norm = add(Tensor("ffn_norm", E * rows * F32, "RMS_NORM", [ffn_inp]))
         norm = add(Tensor("ffn_norm_w", E * rows * F32, "MUL", [norm, weight("ffn_norm.w")]))
@@ -781,15 +781,15 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
         return nodes
     if n_layer - 1 not in here:
         if n_layer - 1 in experts and plan.layers[-1].n_expert:
-            inp = expert_tail(plan.layers[-1], O)
+            inp = expert_tail(plan.layers[-1], n_out)
         else:
-            inp = Tensor("inp_from_other_backend", E * O * F32, is_input=True)
-    norm = add(Tensor("out_norm", E * O * F32, "RMS_NORM", [inp]))
-    norm = add(Tensor("result_norm", E * O * F32, "MUL", [norm, weight("output_norm")]))
+            inp = Tensor("inp_from_other_backend", E * n_out * F32, is_input=True)
+    norm = add(Tensor("out_norm", E * n_out * F32, "RMS_NORM", [inp]))
+    norm = add(Tensor("result_norm", E * n_out * F32, "MUL", [norm, weight("output_norm")]))
     if plan.embeddings:
-        add(Tensor("result_embd", E * O * F32, "CPY", [norm], is_output=True))
+        add(Tensor("result_embd", E * n_out * F32, "CPY", [norm], is_output=True))
     else:
-        add(Tensor("result_output", plan.n_vocab * O * F32, "MUL_MAT", [weight("output"), norm], is_output=True))
+        add(Tensor("result_output", plan.n_vocab * n_out * F32, "MUL_MAT", [weight("output"), norm], is_output=True))
     return nodes
 
 

@@ -435,7 +435,8 @@ class Budgets:
             return ({ALL_DEVICES: 0, HOST: 1, ALL_GPUS: 2}.get(k, 3), k)
 
         if self.limits:
-            parts = ", ".join(f"{_limit_label(k)} {format_bytes(v)}" for k, v in sorted(self.limits.items(), key=lambda kv: order(kv[0])))
+            limits = sorted(self.limits.items(), key=lambda kv: order(kv[0]))
+            parts = ", ".join(f"{_limit_label(k)} {format_bytes(v)}" for k, v in limits)
             limits = f"memory budgets: {parts}" + (f" (from {self.limits_source})" if self.limits_source else "")
         else:
             limits = f"memory budgets: none (set {MEMORY_LIMIT_VAR}, e.g. 8GiB or cuda:0=20GiB,cpu=6GiB)"
@@ -530,7 +531,8 @@ class Inventory:
             holder = self.held.get(w.endpoint)
             if w.devices:
                 for d in w.devices:
-                    rows.append(DeviceState(d.id, f"RPC worker {w.endpoint}" + (f" device {d.index}" if d.index else ""),
+                    label = f"RPC worker {w.endpoint}" + (f" device {d.index}" if d.index else "")
+                    rows.append(DeviceState(d.id, label,
                                             d.total, d.free, self.budgets.limit_for(d.id), kind="rpc",
                                             reachable=w.reachable, error=w.error, held_by=holder))
             else:

@@ -640,28 +640,28 @@ def _fit_experts(info: GGUFInfo, options: LoadOptions, rooms: Sequence[tuple[str
     default_devices, default_out = layer_devices(info, opts, gpus,
                                                  [float(max(f, 1)) for f in free] if free else None)
     dense_only = []
-    for i, g in enumerate(gpus):
+    for g in gpus:
         n = sum(d == g for d in default_devices) + (default_out == g)
         dense_only.append(Dev(n, n))  # (every layer's experts: the output layer has none)
     surplus = sum(targets) - sum(mem(dense_only))
 
+    def with_layers(base: list[Dev], i: int, n: int) -> list[Dev]:
+        """``base`` with ``n`` dense-only layers on device ``i`` (the last keeps the output layer whole)."""
+        trial = copy(base)
+        trial[i] = Dev(n, max(0, n - 1) if i == nd - 1 else n)
+        return trial
+
     cfg = [Dev() for _ in gpus]
     for i in range(nd - 1, -1, -1):  # 1: dense-only layers, back to front
         unassigned = n_total - sum(d.n_layer for d in cfg[i + 1:])
-
-        def with_layers(n: int) -> list[Dev]:
-            trial = copy(cfg)
-            trial[i] = Dev(n, max(0, n - 1) if i == nd - 1 else n)
-            return trial
-
         lo, hi = cfg[i].n_layer, unassigned
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if mem(with_layers(mid))[i] <= targets[i]:
+            if mem(with_layers(cfg, i, mid))[i] <= targets[i]:
                 lo = mid
             else:
                 hi = mid - 1
-        cfg = with_layers(lo)
+        cfg = with_layers(cfg, i, lo)
     if surplus <= 0:
         return shares(cfg)
 
@@ -689,6 +689,11 @@ def _fit_experts(info: GGUFInfo, options: LoadOptions, rooms: Sequence[tuple[str
             j += 1
         return trial, min(j, nd - 1)
 
+    def fits(t: list[Dev], i: int) -> bool:
+        """Whether ``t`` keeps device ``i`` and the one after it under their targets."""
+        m = mem(t)
+        return m[i] < targets[i] and (i + 1 == nd or m[i + 1] < targets[i + 1])
+
     i = 0
     while i <= start and start < nd:
         most = sum(d.n_part for d in cfg[start:])
@@ -710,20 +715,15 @@ def _fit_experts(info: GGUFInfo, options: LoadOptions, rooms: Sequence[tuple[str
             trial[i].n_part += 1
             trial_start = start + 1 if trial[start].n_part == 0 and start + 1 < nd else start
             trial[i].to_next = i < nd - 1
-
-            def fits(t: list[Dev]) -> bool:
-                m = mem(t)
-                return m[i] < targets[i] and (i + 1 == nd or m[i + 1] < targets[i + 1])
-
             trial[i].overflow = "up"
-            if fits(trial):
+            if fits(trial, i):
                 cfg, start = copy(trial), trial_start
                 trial[i].overflow = "gate"
-                if fits(trial):
+                if fits(trial, i):
                     cfg = copy(trial)
             else:
                 trial[i].overflow = "attn"
-                if fits(trial):
+                if fits(trial, i):
                     cfg, start = copy(trial), trial_start
         i += 1
     return shares(cfg)
@@ -883,7 +883,7 @@ def _layer_shapes(info: GGUFInfo) -> tuple[LayerShape, ...]:
     by_name = {t.name: t for t in info.tensors}
     shapes = []
     for il in range(info.block_count):
-        def dim(suffix: str, default: int, axis: int = 1) -> int:
+        def dim(suffix: str, default: int, axis: int = 1, il: int = il) -> int:
             t = by_name.get(f"blk.{il}.{suffix}")
             return int(t.shape[axis]) if t is not None and len(t.shape) > axis else default
 

@@ -129,13 +129,13 @@ def parse_fit_print(text: str, rpc: tuple[str, ...] | list[str] = ()) -> MemoryR
 
 
 def parse_projection(text: str, rpc: tuple[str, ...] | list[str] = ()) -> tuple[MemoryReport | None, list[dict]]:
-    """(report, the rows of its breakdown for buffers of no device). The per-device lines of ``--fit-print on`` output as a MemoryReport (source
-    ``llama.cpp``), or None when there are none. Log lines mixed in are ignored, except the
-    memory breakdown (``--log-jsonl``), whose buffers of no device (``CPU_REPACK``: weights
-    repacked for the CPU) count in host memory. The tool names RPC devices by number alone
-    (``RPC0``): with ``rpc``, the ``--rpc`` endpoints in their order, the K-th is the worker at
-    ``rpc[K]`` (a worker of one device each, as ``jupyter-llama worker`` serves), as
-    everything else names it."""
+    """(report, the rows of its breakdown for buffers of no device). The per-device lines of
+    ``--fit-print on`` output as a MemoryReport (source ``llama.cpp``), or None when there are
+    none. Log lines mixed in are ignored, except the memory breakdown (``--log-jsonl``), whose
+    buffers of no device (``CPU_REPACK``: weights repacked for the CPU) count in host memory.
+    The tool names RPC devices by number alone (``RPC0``): with ``rpc``, the ``--rpc`` endpoints
+    in their order, the K-th is the worker at ``rpc[K]`` (a worker of one device each, as
+    ``jupyter-llama worker`` serves), as everything else names it."""
     rep = MemoryReport(LLAMA_CPP)
     found = False
     extra: list[dict] = []
@@ -178,7 +178,7 @@ def placement_of(report: MemoryReport, options: LoadOptions, fitted: list[str] |
     first, then local GPUs."""
     workers = [device_id(ep) for ep in options.rpc or ()]
     gpus = workers + sorted(d for d in report.devices if d != HOST and d not in workers)
-    flags = dict(zip(fitted[::2], fitted[1::2]))
+    flags = dict(zip(fitted[::2], fitted[1::2], strict=False))
     ngl = int(flags["-ngl"]) if "-ngl" in flags else options.num_gpu
     split = [float(x) for x in flags["-ts"].split(",")] if "-ts" in flags else None
     if split is not None and len(split) != len(gpus):
@@ -309,8 +309,8 @@ def _failed(argv: list[str], ran: _Ran) -> FitParamsResult:
     if ran.error:
         return FitParamsResult(None, argv, ran.error, ran.rc, tail)
     why = next((ln for ln in reversed(tail) if "error" in ln.lower() or "failed" in ln.lower()), None)
-    return FitParamsResult(None, argv, f"llama-fit-params exited with code {ran.rc}" + (f": {why.strip()}" if why else ""),
-                           ran.rc, tail)
+    error = f"llama-fit-params exited with code {ran.rc}" + (f": {why.strip()}" if why else "")
+    return FitParamsResult(None, argv, error, ran.rc, tail)
 
 
 def _fitted(ran: _Ran) -> tuple[list[str], str | None]:

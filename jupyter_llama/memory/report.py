@@ -2,7 +2,8 @@
 
 A :class:`MemoryReport` is a table of bytes indexed by (device, component). Devices use
 canonical ids: ``"cpu"`` for host memory, ``"cuda:0"``, ``"vulkan:0"``, ``"rocm:0"``,
-``"metal:0"`` for accelerators, ``"rpc:HOST:PORT"`` for llama.cpp RPC workers. Components are the kinds of buffer llama.cpp allocates.
+``"metal:0"`` for accelerators, ``"rpc:HOST:PORT"`` for llama.cpp RPC workers. Components are
+the kinds of buffer llama.cpp allocates.
 Estimators, the log parser, plots, ``ps`` and the scheduler all speak this type.
 """
 
@@ -188,7 +189,8 @@ def render_table(header: list[str], rows: Iterable[list], title: str | None = No
     widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h)) for i, h in enumerate(header)]
 
     def fmt(cells):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        pairs = enumerate(zip(cells, widths, strict=False))
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
 
     lines = [title] if title else []
     lines.append(fmt([str(h) for h in header]))

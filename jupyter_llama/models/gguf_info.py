@@ -738,7 +738,7 @@ def format_info(info: GGUFInfo, tensors: bool = False) -> str:
         shape_strs = ["[" + ", ".join(str(d) for d in t.shape) + "]" for t in info.tensors]
         shape_w = max([len(s) for s in shape_strs] + [5])
         lines.append(f"{'name':<{name_w}}  {'shape':<{shape_w}}  {'type':<7}  {'bytes':>14}")
-        for t, s in zip(info.tensors, shape_strs):
+        for t, s in zip(info.tensors, shape_strs, strict=True):
             lines.append(f"{t.name:<{name_w}}  {s:<{shape_w}}  {t.ggml_type:<7}  {t.n_bytes:>14,}")
         lines.append("")
         lines.append("bytes per layer:")

@@ -515,7 +515,8 @@ class _Http:
         if u.scheme == "https":
             ctx = ssl.create_default_context()
             if proxy is not None:
-                conn = http.client.HTTPSConnection(proxy.hostname, proxy.port or 8080, timeout=self.timeout, context=ctx)
+                conn = http.client.HTTPSConnection(proxy.hostname, proxy.port or 8080, timeout=self.timeout,
+                                                   context=ctx)
                 conn.set_tunnel(host, port, headers=proxy_auth)
             else:
                 conn = http.client.HTTPSConnection(host, port, timeout=self.timeout, context=ctx)
@@ -841,7 +842,7 @@ class Puller:
                 raise
             except BaseException as e:
                 why = getattr(e, "strerror", None) or str(e) or type(e).__name__
-                attempts = self._try_again(e, attempts + 1, lambda n: RegistryUnreachable(
+                attempts = self._try_again(e, attempts + 1, lambda n, why=why: RegistryUnreachable(
                     f"cannot reach the registry {ref.base} for {ref.text}: {why} (tried {n} "
                     f"time{'s' if n > 1 else ''}); check the network, or set JUPYTER_LLAMA_REGISTRY "
                     f"to a registry this machine can reach"))
@@ -955,7 +956,7 @@ class Puller:
         for attempt in range(3):
             results = [self._fetch(rf) for rf in files]
             layers, land_info, proj_info = [], None, None
-            for rf, (hexd, size, parsed) in zip(files, results):
+            for rf, (hexd, size, parsed) in zip(files, results, strict=True):
                 media = rf.media_type or _GGUF_ROLES[rf.role]
                 layers.append({"mediaType": media, "digest": f"sha256:{hexd}", "size": size})
                 if rf.role == "model":
@@ -1288,7 +1289,8 @@ class Puller:
                 if r is not None:
                     r.close()
 
-                def give_up(n: int, e: BaseException = e) -> PullError:
+                def give_up(n: int, e: BaseException = e, offset: int = offset,
+                            total: int | None = total) -> PullError:
                     kept = partial.exists() and partial.stat().st_size > 0
                     what = f"after {offset:,} of {total:,} bytes" if total else f"after {offset:,} bytes"
                     return PullError(

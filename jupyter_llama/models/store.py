@@ -1287,7 +1287,8 @@ class ModelStore:
                     _unlink(t)
         hexes = [normalize_digest(ly["digest"]) for ly in layers]
         land = land or {}
-        for ly, hexd in zip(layers, hexes):  # before the locks: a check that must hash does it here, not under them
+        # before the locks: a check that must hash does it here, not under them
+        for ly, hexd in zip(layers, hexes, strict=True):
             if hexd not in land:
                 self._check_layer(name, ly, hexd)
         new_blobs: set[str] = set()  # landed here and not there before: removed again if this fails
@@ -1319,7 +1320,7 @@ class ModelStore:
         that was not in the store before."""
         with self._blob_locks(hexes):
             landed: set[str] = set()
-            for ly, hexd in zip(layers, hexes):
+            for ly, hexd in zip(layers, hexes, strict=True):
                 if hexd in landed:  # the same bytes twice (a template that is also the system text)
                     continue
                 if hexd in land:

@@ -804,7 +804,7 @@ def _write(tmp: str, s: SynthShape) -> None:
         w.add_add_space_prefix(False)
     if s.fim:
         for key, text in zip((Keys.Tokenizer.FIM_PRE_ID, Keys.Tokenizer.FIM_SUF_ID, Keys.Tokenizer.FIM_MID_ID),
-                             FIM_TOKENS):
+                             FIM_TOKENS, strict=True):
             w.add_uint32(key, s.token_id(text))
     w.add_chat_template(TOOLS_TEMPLATE if s.template == "tools" else CHAT_TEMPLATE)
 

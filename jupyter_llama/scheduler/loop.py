@@ -742,8 +742,9 @@ class Scheduler:
         lo.loaded_at = time.time()
         self.failed.pop(ref.key, None)  # (a load that failed before is no longer what `log` should show)
         actual = lo.actual
-        self.events.emit(EventKind.LOADED, ref.name, _loaded_message(lo, actual), load_seconds=round(lo.load_duration, 3),
-                         pid=lo.runner.pid, predicted={k: v.total() for k, v in preds.items()},
+        self.events.emit(EventKind.LOADED, ref.name, _loaded_message(lo, actual),
+                         load_seconds=round(lo.load_duration, 3), pid=lo.runner.pid,
+                         predicted={k: v.total() for k, v in preds.items()},
                          actual=actual.to_dict() if actual else None,
                          **({"user": lo.loaded_by} if lo.loaded_by else {}))
         published = asyncio.ensure_future(self._publish())  # (on the board's thread, while the budgets are checked)
@@ -907,8 +908,9 @@ class Scheduler:
                 self.events.emit(EventKind.FIT, ref.name, msg, fits=False, devices=numbers)
                 raise DoesNotFit(msg)
             victim, rule = self._choose_victim(ref, reason)
-            self.events.emit(EventKind.EVICT, victim.name, f"evicting {victim.name} to make room for {ref.name}: {reason}; "
-                             f"chosen because {rule}", victim=victim.name, for_model=ref.name, rule=rule,
+            self.events.emit(EventKind.EVICT, victim.name,
+                             f"evicting {victim.name} to make room for {ref.name}: {reason}; chosen because {rule}",
+                             victim=victim.name, for_model=ref.name, rule=rule,
                              devices=numbers, over_cap=plan.over_cap)
             if plan.over_cap and not short and victim.refcount == 0 and all(
                     d == HOST or rpc.is_rpc(d) for d in victim.charge.by_device()):

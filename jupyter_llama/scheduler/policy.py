@@ -126,17 +126,18 @@ def fit_targets(info, options: LoadOptions, accel: Sequence[devmod.DeviceState],
     it then takes fewer layers, and either the rest still fit on the devices (the growth now
     has room) or a layer stays on the host and pipeline parallelism stays off."""
     ids = [d.id for d in accel]
-    rooms = [d.free - k for d, k in zip(accel, keeps)]
+    rooms = [d.free - k for d, k in zip(accel, keeps, strict=True)]
     targets = [(k + MiB - 1) // MiB * MiB for k in keeps]  # (llama.cpp takes whole MiB)
     weights: list[float] = []
     for _ in range(FIT_ROUNDS):
-        weights = fit_layers(info, options, [(i, max(0, d.free - t)) for i, d, t in zip(ids, accel, targets)],
+        rooms_now = [(i, max(0, d.free - t)) for i, d, t in zip(ids, accel, targets, strict=True)]
+        weights = fit_layers(info, options, rooms_now,
                              free=[d.free for d in accel])
         rep = estimate_detailed(info, options.replace(num_gpu=None), ids, split=weights)
-        over = [rep.total(device=i) - room for i, room in zip(ids, rooms)]
+        over = [rep.total(device=i) - room for i, room in zip(ids, rooms, strict=True)]
         if all(x <= 0 for x in over):
             break
-        targets = [t + (x + MiB - 1) // MiB * MiB if x > 0 else t for t, x in zip(targets, over)]
+        targets = [t + (x + MiB - 1) // MiB * MiB if x > 0 else t for t, x in zip(targets, over, strict=True)]
     return weights, targets
 
 
@@ -174,7 +175,7 @@ def placement(info, options: LoadOptions, inv: devmod.Inventory, used: Mapping[s
         while kept:
             weights, targets = fit_targets(info, options, [accel[i] for i in kept], [keeps[i] for i in kept])
             layers = estimate_layer_counts(info, options, [accel[i].id for i in kept], weights)
-            empty = {i for i, n in zip(kept, layers) if accel[i].kind == "rpc" and n == 0}
+            empty = {i for i, n in zip(kept, layers, strict=True) if accel[i].kind == "rpc" and n == 0}
             if not empty:
                 break
             kept = [i for i in kept if i not in empty]

@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve the jupyter-llama API (Ollama- and OpenAI-compatible) "
                                             "from a Jupyter server with only this extension.")
     p.add_argument("--ip", default=None,
-                   help="address to listen on (default 127.0.0.1; as a Hub service, the host of JUPYTERHUB_SERVICE_URL)")
+                   help="address to listen on "
+                        "(default 127.0.0.1; as a Hub service, the host of JUPYTERHUB_SERVICE_URL)")
     p.add_argument("--port", type=_port, default=None,
                    help="port (default: jupyter_server's, 8888, or the next free; 0: any free one)")
     p.add_argument("--token", default=None,
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-browser", action="store_true",
                    help="do not open a browser (the default: there is no page to show, only an API)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARN, ERROR or CRITICAL")
-    p.add_argument("--allow-root", action="store_true", help="allow running as root (jupyter_server refuses by default)")
+    p.add_argument("--allow-root", action="store_true",
+                   help="allow running as root (jupyter_server refuses by default)")
     p.add_argument("--exit-when-idle", type=_seconds, default=None, metavar="SECONDS",
                    help="exit once no model is loaded and no request has come for this long (the background "
                         "manager's way of going away by itself)")

@@ -163,7 +163,8 @@ def _status(text: str, error: bool = False) -> str:
     return f"<span style='color:{colour};font-size:12px'>{_e(text)}</span>"
 
 
-_CODE = "font-family:var(--jp-code-font-family,monospace);background:rgba(127,127,127,.15);padding:0 3px;border-radius:3px"
+_CODE = ("font-family:var(--jp-code-font-family,monospace);background:rgba(127,127,127,.15);"
+         "padding:0 3px;border-radius:3px")
 
 
 def _with_code(text: str) -> str:
