@@ -312,7 +312,7 @@ def steal_share(before: list[int] | None, after: list[int] | None) -> float | No
     report prints it beside them."""
     if not before or not after or len(before) < 8:
         return None
-    d = [b - a for a, b in zip(before, after)]
+    d = [b - a for a, b in zip(before, after, strict=False)]
     busy = sum(d[:3]) + sum(d[5:8])  # (not idle or iowait: what the bench's processes wanted)
     return d[7] / busy if busy > 0 else 0.0
 
@@ -415,7 +415,7 @@ async def streams_phase(servers: dict[str, Server], groups: list[list[str]], pla
                 await first.down()
 
     def summary(a: dict) -> dict:
-        tokens, wall = (sum(col) for col in zip(*a["rounds"]))
+        tokens, wall = (sum(col) for col in zip(*a["rounds"], strict=True))
         every = sum(a["ttft"], [])
         cpu, cpu_tokens = a["cpu"] or (0.0, 0)
         return {"tps": tokens / wall, "ttft_ms": statistics.fmean(every) * 1000,
@@ -798,16 +798,21 @@ def report(title: str, res: dict, plan: Settings, model: str) -> bool:
         limit = radded + 2 if k == 1 else 10
         good = added <= limit
         ok &= good or not goals_ttft
-        print(f"{'':<7}{'':>8}  {'first token ms, mean':<24}" + "".join(f"{x['ttft_ms']:>8.2f}" for x in (o, b, t, tb, h))
+        print(f"{'':<7}{'':>8}  {'first token ms, mean':<24}"
+              + "".join(f"{x['ttft_ms']:>8.2f}" for x in (o, b, t, tb, h))
               + f"  ours {added:+.2f}, router {radded:+.2f} "
               + (f"(goal <= {limit:+.2f}) {'ok' if good else 'MISSED'}" if goals_ttft else f"(no goal with {model})"))
-        print(f"{'':<7}{'':>8}  {'  95% intervals, median':<24}" + "".join(f"{x['ttft_median_ms']:>8.2f}" for x in (o, b, t, tb, h))
+        print(f"{'':<7}{'':>8}  {'  95% intervals, median':<24}"
+              + "".join(f"{x['ttft_median_ms']:>8.2f}" for x in (o, b, t, tb, h))
               + f"  ours [{alo:+.2f}, {ahi:+.2f}], router [{rlo:+.2f}, {rhi:+.2f}]; medians: ours "
-              f"{o['ttft_median_ms'] - b['ttft_median_ms']:+.2f}, router {t['ttft_median_ms'] - tb['ttft_median_ms']:+.2f}")
+              f"{o['ttft_median_ms'] - b['ttft_median_ms']:+.2f}, "
+              f"router {t['ttft_median_ms'] - tb['ttft_median_ms']:+.2f}")
         print(f"{'':<7}{'':>8}  {'relay CPU per token us':<24}{o['cpu_us']:>8.0f}{'':>8}{t['cpu_us']:>8.0f}")
         if o["last_ms"] is not None:  # (no goal: how late each relay gets a burst's last request to its child)
-            print(f"{'':<7}{'':>8}  {'last stream 1st token ms':<24}" + "".join(f"{x['last_ms']:>8.1f}" for x in (o, b, t, tb, h))
-                  + f"  added: ours {o['last_ms'] - b['last_ms']:+.1f}, router {t['last_ms'] - tb['last_ms']:+.1f} (no goal)")
+            print(f"{'':<7}{'':>8}  {'last stream 1st token ms':<24}"
+                  + "".join(f"{x['last_ms']:>8.1f}" for x in (o, b, t, tb, h))
+                  + f"  added: ours {o['last_ms'] - b['last_ms']:+.1f}, "
+                  f"router {t['last_ms'] - tb['last_ms']:+.1f} (no goal)")
     if "swap" in res:
         s = res["swap"]
         ratio = s["ours"] / s["bare"]
@@ -841,10 +846,10 @@ def report_wide(cells: dict, argv: list[str] | None) -> None:
         o, b = r["ours"], r["bare"]
         lo, hi = ratio_interval(r, "ours", "bare")
         added, alo, ahi = ttft_interval(r, "ours", "bare")
-        print(f"{route:<7}{k:>8}  {'tokens/s':<24}{o['tps']:>8.0f}{b['tps']:>8.0f}  ours/bare {o['tps'] / b['tps']:.3f} "
-              f"[{lo:.3f}, {hi:.3f}] ({len(o['rounds'])} rounds)")
-        print(f"{'':<7}{'':>8}  {'first token ms, mean':<24}{o['ttft_ms']:>8.1f}{b['ttft_ms']:>8.1f}  ours {added:+.1f} "
-              f"[{alo:+.1f}, {ahi:+.1f}]")
+        print(f"{route:<7}{k:>8}  {'tokens/s':<24}{o['tps']:>8.0f}{b['tps']:>8.0f}  "
+              f"ours/bare {o['tps'] / b['tps']:.3f} [{lo:.3f}, {hi:.3f}] ({len(o['rounds'])} rounds)")
+        print(f"{'':<7}{'':>8}  {'first token ms, mean':<24}{o['ttft_ms']:>8.1f}{b['ttft_ms']:>8.1f}  "
+              f"ours {added:+.1f} [{alo:+.1f}, {ahi:+.1f}]")
         print(f"{'':<7}{'':>8}  {'relay CPU per token us':<24}{o['cpu_us']:>8.0f}")
 
 
@@ -916,8 +921,9 @@ def pool_report(paths: list[str], draws: int = 2000) -> None:
     models = [run.get("model", "synthetic") for run in runs]  # (runs saved before the model was: synthetic)
     if len(set(models)) > 1:
         raise ValueError("runs of different models cannot be pooled: " + "; ".join(
-            f"{', '.join(p for p, pm in zip(paths, models) if pm == m)} {'is a run' if models.count(m) == 1 else 'are runs'}"
-            f" of the {m} model" for m in dict.fromkeys(models)) + " (pool the runs of one model at a time)")
+            f"{', '.join(p for p, pm in zip(paths, models, strict=True) if pm == m)} "
+            f"{'is a run' if models.count(m) == 1 else 'are runs'} of the {m} model" for m in dict.fromkeys(models))
+            + " (pool the runs of one model at a time)")
     model = models[0]
     floor = SETTINGS[model].floor
     judged = len(runs) >= POOL_RUNS
@@ -928,8 +934,8 @@ def pool_report(paths: list[str], draws: int = 2000) -> None:
           f"the runs' ours/bare\nand the goal that it is {floor:.2f} or more (both judged over {POOL_RUNS} or more "
           f"runs); the chance that one more\nrun's ours/bare is {floor:.2f} or more (from a run's own spread, sd)")
     width = max(36, 8 * len(runs) + 2)
-    head = (f"{'placement':<10}{'cell':<11}{'each run':<{width}}{'mean':>7}  {'95% interval':<18}{f'>={POOL_MARGIN:+.2f}':<8}"
-            f"{'ours/bare':>9} {f'>={floor:.2f}':<7}{'sd':>6}{'chance':>7}")
+    head = (f"{'placement':<10}{'cell':<11}{'each run':<{width}}{'mean':>7}  {'95% interval':<18}"
+            f"{f'>={POOL_MARGIN:+.2f}':<8}{'ours/bare':>9} {f'>={floor:.2f}':<7}{'sd':>6}{'chance':>7}")
     print(head)
     print("-" * len(head))
     every, missed = 1.0, []
@@ -966,8 +972,8 @@ def pool_report(paths: list[str], draws: int = 2000) -> None:
             if judged and not high:
                 missed.append(f"{where} {key} (ours/bare)")
             verdict = "" if lo <= 0 <= hi else (" ours ahead" if lo > 0 else " ours behind")
-            print(f"{where:<10}{key:<11}{', '.join(shown):<{width}}{mean:>+7.3f}  [{lo:+.3f}, {hi:+.3f}]  {mark(near):<8}"
-                  f"{level:>9.3f} {mark(high):<7}{spread:>6.3f}{beat:>7.0%}{verdict}")
+            print(f"{where:<10}{key:<11}{', '.join(shown):<{width}}{mean:>+7.3f}  [{lo:+.3f}, {hi:+.3f}]  "
+                  f"{mark(near):<8}{level:>9.3f} {mark(high):<7}{spread:>6.3f}{beat:>7.0%}{verdict}")
     wide = sorted({k for run in runs for k in run.get("host", {}).get("streams32", {})})
     if wide:
         print(f"\n{WIDE_STREAMS} streams on the host (no goal yet): ours/bare in each run (- where a run has none), "
@@ -978,8 +984,8 @@ def pool_report(paths: list[str], draws: int = 2000) -> None:
             got = [r for r in each if r is not None]
             print(f"{'host':<10}{key:<11}{', '.join('-' if r is None else f'{r:.3f}' for r in each):<{width}}"
                   f"{statistics.fmean(got):>7.3f}")
-    print(f"\nthe chance that one more run has ours/bare >= {floor:.2f} in every cell: {every:.2%} (roughly: see --pool "
-          "in the README)")
+    print(f"\nthe chance that one more run has ours/bare >= {floor:.2f} in every cell: {every:.2%} "
+          "(roughly: see --pool in the README)")
     if not judged:
         print(f"pool: the goal needs {POOL_RUNS} or more runs; {len(runs)} given, so no verdict")
     elif missed:

@@ -97,7 +97,7 @@ SHAPES = {
 }
 
 
-def O(**kw) -> LoadOptions:
+def opt(**kw) -> LoadOptions:
     return LoadOptions(**kw)
 
 
@@ -106,40 +106,40 @@ Q8 = dict(cache_type_k="q8_0", cache_type_v="q8_0", flash_attn="on")
 # (model name, options); every model sees contexts from 512 up, f16 and q8_0 caches, the
 # three slot settings and both num_gpu settings somewhere in the list.
 CONFIGS: list[tuple[str, LoadOptions]] = [
-    ("tiny-f32", O(num_ctx=512)),
-    ("tiny-f32", O(num_ctx=2048, num_parallel=1)),
-    ("tiny-f32", O(num_ctx=8192, num_parallel=4, num_gpu=0)),
-    ("tiny-f32", O(num_ctx=32768, num_parallel=1, **Q8)),
-    ("tiny-f32", O(num_ctx=1024, num_parallel=1, flash_attn="off")),
-    ("small-f16", O(num_ctx=512, num_parallel=4)),
-    ("small-f16", O(num_ctx=2048, **Q8)),
-    ("small-f16", O(num_ctx=4096, num_parallel=1, flash_attn="off", num_gpu=0)),
-    ("small-f16", O(num_ctx=16384)),
-    ("small-f16", O(num_ctx=32768, num_parallel=1, num_ubatch=256)),
-    ("mid-q8_0", O(num_ctx=512, num_parallel=1)),
-    ("mid-q8_0", O(num_ctx=2048, num_parallel=4, **Q8)),
-    ("mid-q8_0", O(num_ctx=8192, num_gpu=0)),
-    ("mid-q8_0", O(num_ctx=32768, num_parallel=1, **Q8)),
-    ("mid-q8_0", O(num_ctx=2048, num_parallel=1, flash_attn="off", num_batch=1024, num_ubatch=1024)),
-    ("wide-q4_0", O(num_ctx=512)),
-    ("wide-q4_0", O(num_ctx=4096, num_parallel=1, **Q8)),
-    ("wide-q4_0", O(num_ctx=8192, num_parallel=4, num_gpu=0)),
-    ("wide-q4_0", O(num_ctx=32768, num_parallel=1)),
-    ("wide-q4_0", O(num_ctx=1024, num_parallel=1, cache_type_k="q8_0", flash_attn="off")),
-    ("ffn-f16", O(num_ctx=512, num_parallel=1)),
-    ("ffn-f16", O(num_ctx=2048, num_parallel=4)),
-    ("ffn-f16", O(num_ctx=8192, num_parallel=1, num_gpu=0, **Q8)),
-    ("ffn-f16", O(num_ctx=32768)),
-    ("ffn-f16", O(num_ctx=2048, num_parallel=1, flash_attn="off", num_batch=512)),
-    ("stories260K", O(num_ctx=512)),
+    ("tiny-f32", opt(num_ctx=512)),
+    ("tiny-f32", opt(num_ctx=2048, num_parallel=1)),
+    ("tiny-f32", opt(num_ctx=8192, num_parallel=4, num_gpu=0)),
+    ("tiny-f32", opt(num_ctx=32768, num_parallel=1, **Q8)),
+    ("tiny-f32", opt(num_ctx=1024, num_parallel=1, flash_attn="off")),
+    ("small-f16", opt(num_ctx=512, num_parallel=4)),
+    ("small-f16", opt(num_ctx=2048, **Q8)),
+    ("small-f16", opt(num_ctx=4096, num_parallel=1, flash_attn="off", num_gpu=0)),
+    ("small-f16", opt(num_ctx=16384)),
+    ("small-f16", opt(num_ctx=32768, num_parallel=1, num_ubatch=256)),
+    ("mid-q8_0", opt(num_ctx=512, num_parallel=1)),
+    ("mid-q8_0", opt(num_ctx=2048, num_parallel=4, **Q8)),
+    ("mid-q8_0", opt(num_ctx=8192, num_gpu=0)),
+    ("mid-q8_0", opt(num_ctx=32768, num_parallel=1, **Q8)),
+    ("mid-q8_0", opt(num_ctx=2048, num_parallel=1, flash_attn="off", num_batch=1024, num_ubatch=1024)),
+    ("wide-q4_0", opt(num_ctx=512)),
+    ("wide-q4_0", opt(num_ctx=4096, num_parallel=1, **Q8)),
+    ("wide-q4_0", opt(num_ctx=8192, num_parallel=4, num_gpu=0)),
+    ("wide-q4_0", opt(num_ctx=32768, num_parallel=1)),
+    ("wide-q4_0", opt(num_ctx=1024, num_parallel=1, cache_type_k="q8_0", flash_attn="off")),
+    ("ffn-f16", opt(num_ctx=512, num_parallel=1)),
+    ("ffn-f16", opt(num_ctx=2048, num_parallel=4)),
+    ("ffn-f16", opt(num_ctx=8192, num_parallel=1, num_gpu=0, **Q8)),
+    ("ffn-f16", opt(num_ctx=32768)),
+    ("ffn-f16", opt(num_ctx=2048, num_parallel=1, flash_attn="off", num_batch=512)),
+    ("stories260K", opt(num_ctx=512)),
     # head size 8: a q8_0 K cache works only without flash attention (llama.cpp checks the block size)
-    ("stories260K", O(num_ctx=2048, num_parallel=1, cache_type_k="q8_0", flash_attn="off")),
-    ("stories260K", O(num_ctx=1024, num_parallel=4, num_gpu=0)),
-    ("deep-f16", O(num_ctx=4096, num_parallel=1)),
-    ("deep-f16", O(num_ctx=2048)),
-    ("deep-f16", O(num_ctx=4096, num_parallel=1, flash_attn="off")),
-    ("deep-q4_0", O(num_ctx=8192, num_parallel=2, **Q8)),
-    ("deep-q4_0", O(num_ctx=2048, num_parallel=1, use_mmap=False)),
+    ("stories260K", opt(num_ctx=2048, num_parallel=1, cache_type_k="q8_0", flash_attn="off")),
+    ("stories260K", opt(num_ctx=1024, num_parallel=4, num_gpu=0)),
+    ("deep-f16", opt(num_ctx=4096, num_parallel=1)),
+    ("deep-f16", opt(num_ctx=2048)),
+    ("deep-f16", opt(num_ctx=4096, num_parallel=1, flash_attn="off")),
+    ("deep-q4_0", opt(num_ctx=8192, num_parallel=2, **Q8)),
+    ("deep-q4_0", opt(num_ctx=2048, num_parallel=1, use_mmap=False)),
 ]
 
 # Every family beyond Llama (its small model of synth.FAMILIES, in f32 and in q8_0), under the
@@ -153,14 +153,14 @@ for _i, _f in enumerate(FAMILY_NAMES):
     SHAPES[_f] = dataclasses.replace(FAMILIES[_f], ctx=65536, seed=11 + _i)
     SHAPES[f"{_f}-q8_0"] = dataclasses.replace(FAMILIES[_f], ctx=65536, type="q8_0", seed=21 + _i)
     CONFIGS += [
-        (_f, O(num_ctx=512, num_parallel=1)),
-        (_f, O(num_ctx=4096, num_parallel=4)),
-        (_f, O(num_ctx=2048, num_parallel=1, flash_attn="off")),
-        (_f, O(num_ctx=32768, num_parallel=1, **Q8)),
-        (_f, O(num_ctx=8192)),
-        (f"{_f}-q8_0", O(num_ctx=2048, num_parallel=2, num_ubatch=256)),
-        (f"{_f}-q8_0", O(num_ctx=1024, num_parallel=1, flash_attn="off", num_gpu=0)),
-        (f"{_f}-q8_0", O(num_ctx=4096, num_parallel=1, use_mmap=False, **Q8)),
+        (_f, opt(num_ctx=512, num_parallel=1)),
+        (_f, opt(num_ctx=4096, num_parallel=4)),
+        (_f, opt(num_ctx=2048, num_parallel=1, flash_attn="off")),
+        (_f, opt(num_ctx=32768, num_parallel=1, **Q8)),
+        (_f, opt(num_ctx=8192)),
+        (f"{_f}-q8_0", opt(num_ctx=2048, num_parallel=2, num_ubatch=256)),
+        (f"{_f}-q8_0", opt(num_ctx=1024, num_parallel=1, flash_attn="off", num_gpu=0)),
+        (f"{_f}-q8_0", opt(num_ctx=4096, num_parallel=1, use_mmap=False, **Q8)),
     ]
 
 QUICK = {0, 5, 10, 11, 15, 17, 21, 25, 28, 31} | _FAMILY_QUICK
@@ -248,7 +248,8 @@ def summarize(results: list[Result]) -> tuple[str, bool]:
                 continue
             a = [abs(e) for e in errs]
             lines.append(f"{est:<10} {part:<8} {len(a):>3} {statistics.mean(a):>9.2f} {statistics.median(a):>11.2f} "
-                         f"{max(a):>8.2f} {sum(x <= 5 for x in a) / len(a):>6.0%} {sum(x <= 10 for x in a) / len(a):>6.0%} "
+                         f"{max(a):>8.2f} {sum(x <= 5 for x in a) / len(a):>6.0%} "
+                         f"{sum(x <= 10 for x in a) / len(a):>6.0%} "
                          f"{statistics.mean(errs):>+8.2f}")
         lines.append("")
 
@@ -305,7 +306,8 @@ def summarize(results: list[Result]) -> tuple[str, bool]:
         for r in withheld:
             cause = ("the logits of a whole micro-batch" if "logits" in r.not_shown else
                      "the output buffer it leaves out" if "output buffer" in r.not_shown else
-                     "the repacked weights in llama-server's mapping of the file" if "maps the model" in r.not_shown else
+                     "the repacked weights in llama-server's mapping of the file"
+                     if "maps the model" in r.not_shown else
                      "its whole-MiB rounding" if "whole MiB" in r.not_shown else r.not_shown.splitlines()[0])
             causes[cause] = causes.get(cause, 0) + 1
         lines.append("         not shown where these could move a device's figure by more than 5%: "
@@ -437,16 +439,18 @@ async def family_workers(engine, quick: bool = False) -> bool:
                             rows.append((fam, f"{ba}/{bb}", ctx, kv, f"{act.layers_offloaded}/{act.layers_total}", name,
                                          av / MiB, pv / MiB, err_pct(pv, av) if av else 0.0))
                             if not good:
-                                stats["misses"].append(f"{fam} {ba}/{bb} MiB ctx {ctx} {kv}, {name}: {pv / MiB:.2f} MiB "
-                                                       f"for {av / MiB:.2f} ({_component_note(det, act, dev)}; "
+                                stats["misses"].append(f"{fam} {ba}/{bb} MiB ctx {ctx} {kv}, {name}: "
+                                                       f"{pv / MiB:.2f} MiB for {av / MiB:.2f} "
+                                                       f"({_component_note(det, act, dev)}; "
                                                        f"llama.cpp's fit: {where}): {_why(det, act, dev)}")
                         good = within(det.total(), act.total())
                         stats["totals"] += good
                         rows.append((fam, f"{ba}/{bb}", ctx, kv, "", "total", act.total() / MiB, det.total() / MiB,
                                      err_pct(det.total(), act.total()) or 0.0))
                         if not good:
-                            stats["misses"].append(f"{fam} {ba}/{bb} MiB ctx {ctx} {kv}, in total: {det.total() / MiB:.2f} "
-                                                   f"MiB for {act.total() / MiB:.2f} ({_component_note(det, act)})")
+                            stats["misses"].append(f"{fam} {ba}/{bb} MiB ctx {ctx} {kv}, in total: "
+                                                   f"{det.total() / MiB:.2f} MiB for {act.total() / MiB:.2f} "
+                                                   f"({_component_note(det, act)})")
     print(f"{'family':<10} {'budgets':>8} {'ctx':>5} {'kv':>5} {'layers':>6} {'device':>9} {'actual MiB':>10} "
           f"{'detailed':>9} {'error':>7}")
     for r in rows:
@@ -558,9 +562,11 @@ async def main_async(args) -> int:
                 print(f"{i:>3} {name:<14} {describe(options):<46} load failed: {r.error.splitlines()[0]}")
                 continue
 
-            def mib(src):
+            def mib(src, r=r):
                 rep = r.reports.get(src)
-                return f"{rep.total() / MiB:9.2f}" if rep else f"{'n/s' if src == LLAMA_CPP and r.not_shown else '-':>9}"
+                if rep:
+                    return f"{rep.total() / MiB:9.2f}"
+                return f"{'n/s' if src == LLAMA_CPP and r.not_shown else '-':>9}"
 
             print(row.format(i, name, describe(options), mib(ACTUAL), mib(COARSE), mib(DETAILED), mib(LLAMA_CPP),
                              f"{r.load_s:7.2f}"))

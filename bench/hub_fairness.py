@@ -115,7 +115,8 @@ def main(argv=None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="hub-fairness-") as tmp:
         root = Path(tmp)
-        gguf = write_synthetic(root / "shared.gguf", SynthShape(layers=4, embd=128, heads=4, kv_heads=2, ctx=2048, seed=7))
+        gguf = write_synthetic(root / "shared.gguf",
+                               SynthShape(layers=4, embd=128, heads=4, kv_heads=2, ctx=2048, seed=7))
         ModelStore(root / "models").create("shared", str(gguf))
         users = [f"user{i:02d}" for i in range(args.users)]
         quotas = {"default": {"concurrent": args.concurrent, "models": 1}}

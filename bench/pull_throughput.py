@@ -99,7 +99,8 @@ def bench_pull(work: Path, rounds: int, megabytes: float) -> dict:
     src.unlink()
     med = {k: statistics.median(v) for k, v in results.items()}
     print(f"pull: median curl {med['curl']:.0f} MB/s, pull(url) {med['url']:.0f} MB/s, pull(hf) {med['hf']:.0f} MB/s")
-    paired = {k: statistics.median(a / c for a, c in zip(results[k], results["curl"])) for k in ("url", "hf")}
+    paired = {k: statistics.median(a / c for a, c in zip(results[k], results["curl"], strict=True))
+              for k in ("url", "hf")}
     print(f"pull: ratio of medians pull(url)/curl = {med['url'] / med['curl']:.2f}, "
           f"pull(hf)/curl = {med['hf'] / med['curl']:.2f}; median of per-round ratios {paired['url']:.2f}, "
           f"{paired['hf']:.2f} (goal >= 0.9)")

@@ -188,8 +188,8 @@ async def speed(engine, model: str, a: LocalWorker, b: LocalWorker) -> bool:
     lr = statistics.median(ours_l) / statistics.median(bare_l)
     sr = statistics.median(ours_s) / statistics.median(bare_s)
     print(f"\nthe same flags both ways in each round (the last: {' '.join(tail)})")
-    print(f"load to ready: ours {statistics.median(ours_l) * 1000:.0f} ms, bare {statistics.median(bare_l) * 1000:.0f} ms"
-          f" (median of {ROUNDS}); ratio {lr:.2f} (goal <= 1.10)")
+    print(f"load to ready: ours {statistics.median(ours_l) * 1000:.0f} ms, "
+          f"bare {statistics.median(bare_l) * 1000:.0f} ms (median of {ROUNDS}); ratio {lr:.2f} (goal <= 1.10)")
     print(f"tokens/s:      ours {statistics.median(ours_s):.0f}, bare {statistics.median(bare_s):.0f}; "
           f"ratio {sr:.3f} (goal >= 0.95)")
     return lr <= 1.10 and sr >= 0.95

@@ -156,7 +156,8 @@ def main() -> None:
     print(summary("baseline", base))
     print(summary("flood", result))
     if base["times"] and result.get("times"):
-        print(f"flood median / baseline median: {statistics.median(result['times']) / statistics.median(base['times']):.2f}")
+        ratio = statistics.median(result['times']) / statistics.median(base['times'])
+        print(f"flood median / baseline median: {ratio:.2f}")
     print(f"log during the flood: {len(log_text)} bytes, {len(log_text.splitlines())} lines; "
           f"'Too many open files': {log_text.count('Too many open files')}")
     print(f"serve CPU during the flood: {cpu:.2f} s; descriptors open at the end: {fds} of {args.descriptors}")

@@ -336,8 +336,9 @@ async def run(args) -> int:
     stats = Stats()
     left: list[str] = []  # "PID program" of each process of the manager left, killed
     unrecorded: list[int] = []
-    print(f"soak: {args.minutes:g} min, {len(MODELS)} models, at most {args.max_loaded} loaded, {args.clients} clients, "
-          f"a runner killed every ~{args.kill_every:g}s; engine {engine.path}; store {store}", flush=True)
+    print(f"soak: {args.minutes:g} min, {len(MODELS)} models, at most {args.max_loaded} loaded, "
+          f"{args.clients} clients, a runner killed every ~{args.kill_every:g}s; engine {engine.path}; "
+          f"store {store}", flush=True)
     try:
         with FileHost({f"/p{i}.gguf": files / f"p{i}.gguf" for i in range(2)}) as host:
             async with httpx.AsyncClient(base_url=mgr.url, headers={"Authorization": f"token {mgr.token}"},
