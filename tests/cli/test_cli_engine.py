@@ -143,4 +143,4 @@ def test_the_client_is_the_packages_to_import():
 
     assert (LlamaClient, AsyncLlamaClient) == (L, A)
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
-        jupyter_llama.Nope
+        _ = jupyter_llama.Nope

@@ -103,7 +103,8 @@ def test_errors_and_exit_codes(manager, tmp_path):
     bad = cli(env, "run", "tiny2", "hi", "--keep-alive", "soon")
     assert bad.returncode in (1, 2) and "keep_alive" in bad.stderr
     idle = cli(env, "log", "nosuchmodel")
-    assert idle.returncode == 1 and 'model "nosuchmodel" is not loaded' in idle.stderr and "Traceback" not in idle.stderr
+    assert idle.returncode == 1
+    assert 'model "nosuchmodel" is not loaded' in idle.stderr and "Traceback" not in idle.stderr
     usage = cli(env, "run")
     assert usage.returncode == 2
     notgguf = tmp_path / "x.gguf"

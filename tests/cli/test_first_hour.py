@@ -15,7 +15,8 @@ from jupyter_llama.cli import TerminalFrontend, run
 @pytest.mark.parametrize("argv,said", [
     (["rnu"], "invalid choice: 'rnu' (did you mean run?)"),
     (["lsit"], "(did you mean list?)"),
-    (["run", "tiny", "hi", "--temprature", "0.3"], "unrecognized arguments: --temprature 0.3 (did you mean --temperature?)"),
+    (["run", "tiny", "hi", "--temprature", "0.3"],
+     "unrecognized arguments: --temprature 0.3 (did you mean --temperature?)"),
     (["run", "tiny", "hi", "--temprature=0.3", "--sed", "3"],
      "(did you mean --temperature for --temprature; --seed or --system for --sed?)"),
     (["ps", "--jsn"], "(did you mean --json?)"),

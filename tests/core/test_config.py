@@ -48,7 +48,8 @@ def test_one_parser_for_every_setting_whatever_its_source(monkeypatch):
     from jupyter_llama.scheduler import SchedulerSettings
     from jupyter_llama.server.app import LlamaExtension
 
-    assert [parse_bool(v, "x") for v in ("1", "YES", "on", "True", "0", "no", "Off", "false")] == [True] * 4 + [False] * 4
+    said = [parse_bool(v, "x") for v in ("1", "YES", "on", "True", "0", "no", "Off", "false")]
+    assert said == [True] * 4 + [False] * 4
     with pytest.raises(ConfigError, match="EVICT_PINNED: expected 1/0"):
         SchedulerSettings.from_env({"JUPYTER_LLAMA_EVICT_PINNED": "sometimes"})
     env = {"JUPYTER_LLAMA_KEEP_ALIVE": "90s", "JUPYTER_LLAMA_EVICT_PINNED": "on", "JUPYTER_LLAMA_NUM_PARALLEL": "2",
@@ -67,7 +68,8 @@ def test_one_parser_for_every_setting_whatever_its_source(monkeypatch):
     ext = LlamaExtension(keep_alive="2m")  # configuration wins over the environment
     assert ext.keep_alive == "2m" and ext.scheduler_settings("/x").keep_alive == 120
     # values every load or request would then fail on (in words blaming the request) are refused at start
-    for key, value, said in (("NUM_PARALLEL", "-2", "must be 0 (automatic) or 1 to 256 request slots per model, got -2"),
+    for key, value, said in (("NUM_PARALLEL", "-2",
+                              "must be 0 (automatic) or 1 to 256 request slots per model, got -2"),
                              ("LOAD_TIMEOUT", "0", "must be a duration above 0 (how long a loading model may stay "
                                                    "silent; -1 for never), got 0s")):
         with pytest.raises(ConfigError, match=re.escape(f"JUPYTER_LLAMA_{key} {said}")):

@@ -32,7 +32,8 @@ OPTS = LoadOptions(num_ctx=2048)
 def workers(engine):
     started: list[LocalWorker] = []
     if not engine.worker:
-        pytest.fail(f"the engine at {engine.path} has no ggml-rpc-server: rebuild it (jupyter-llama engine build --force)")
+        pytest.fail(f"the engine at {engine.path} has no ggml-rpc-server: "
+                    "rebuild it (jupyter-llama engine build --force)")
 
     def start(n: int = 2) -> list[LocalWorker]:
         ws = [LocalWorker(engine) for _ in range(n)]

@@ -33,7 +33,8 @@ def workers(engine):
     """Start ``n`` workers on free loopback ports; all are stopped after the test."""
     started: list[LocalWorker] = []
     if not engine.worker:
-        pytest.fail(f"the engine at {engine.path} has no ggml-rpc-server: rebuild it (jupyter-llama engine build --force)")
+        pytest.fail(f"the engine at {engine.path} has no ggml-rpc-server: "
+                    "rebuild it (jupyter-llama engine build --force)")
 
     def start(n: int = 2) -> list[LocalWorker]:
         ws = [LocalWorker(engine) for _ in range(n)]
@@ -161,7 +162,8 @@ async def test_num_gpu_exact_and_zero(workers, make_scheduler, model):
     assert sched.held_workers() == {}
 
 
-async def test_a_worker_serves_one_runner_and_a_second_model_takes_the_other(workers, make_scheduler, model, make_model):
+async def test_a_worker_serves_one_runner_and_a_second_model_takes_the_other(workers, make_scheduler, model,
+                                                                              make_model):
     a, b = workers(2)
     other = str(make_model("rpcmodel2", **{**SHAPE, "seed": 4}))
     sched = make_scheduler([a, b], {a.id: 80 * MiB, b.id: 80 * MiB})

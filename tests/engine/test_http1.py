@@ -49,8 +49,8 @@ class Answer(LocalServer):
 
     async def _serve(self, reader, writer):
         head = await reader.readuntil(b"\r\n\r\n")
-        length = next((int(ln.split(b":")[1]) for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")),
-                      0)
+        length = next((int(ln.split(b":")[1]) for ln in head.split(b"\r\n")
+                       if ln.lower().startswith(b"content-length")), 0)
         self.request = head + (await reader.readexactly(length) if length else b"")
         try:
             for p in self.pieces:
@@ -253,7 +253,8 @@ async def test_cancelling_the_relay_hangs_up_at_once():
 
 async def test_request_json_gets_and_posts():
     body = b'{"status":"ok"}'
-    async with Answer([b"HTTP/1.1 200 OK\r\nContent-Length: 15\r\nContent-Type: application/json\r\n\r\n" + body]) as srv:
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 15\r\nContent-Type: application/json\r\n\r\n"
+    async with Answer([head + body]) as srv:
         assert await http1.request_json(srv.port, "/health") == {"status": "ok"}
     assert srv.request.startswith(b"GET /health HTTP/1.1\r\n")
     async with Answer([b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 40\r\n\r\n"
@@ -309,7 +310,8 @@ async def test_a_request_is_on_the_wire_before_the_event_loop_turns():
         await asyncio.sleep(0)
         assert seen and seen[0] is not None, "no connection was made in the step that gave the request"
         request = seen[0]
-        assert request.startswith(b"POST /completion HTTP/1.1\r\n") and request.endswith(b'{"prompt": "x", "stream": true}')
+        assert request.startswith(b"POST /completion HTTP/1.1\r\n")
+        assert request.endswith(b'{"prompt": "x", "stream": true}')
         conn = conns[-1]
         conn.setblocking(True)
         conn.sendall(HEAD_CHUNKED + chunked(SSE, []))

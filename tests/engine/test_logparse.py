@@ -333,7 +333,8 @@ def test_oom_markers(line, oom):
 def test_oom_before_unrelated_retry_is_kept():
     # an OOM far back is not withdrawn by a later recoverable warning
     p = LogParser()
-    p.feed("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 8.00 MiB on device 0: cudaMalloc failed: out of memory")
+    p.feed("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 8.00 MiB on device 0: "
+           "cudaMalloc failed: out of memory")
     p.feed("llama_kv_cache:      CUDA0 KV buffer size =    64.00 MiB")
     p.feed("sched_reserve: compute buffer allocation failed, retrying without pipeline parallelism")
     assert p.oom
@@ -403,7 +404,8 @@ def test_a_serving_childs_blocks_are_kept_and_still_searched_for_failures():
     chatter = [f"slot get_availabl: id  {i} | task -1 |  - skipping, slot is empty" for i in range(8)]
     before = p.n_lines
     p.feed_lines(chatter + ["slot print_timing: id  7 | task 17 | n_ctx = 4096"])
-    assert p.n_lines == before + 9 and list(p.lines)[-9:] == chatter + ["slot print_timing: id  7 | task 17 | n_ctx = 4096"]
+    assert p.n_lines == before + 9
+    assert list(p.lines)[-9:] == chatter + ["slot print_timing: id  7 | task 17 | n_ctx = 4096"]
     assert p.n_ctx != 4096 and not p.errors and not p.oom_lines  # serving chatter is not read for figures
     p.feed_lines(chatter[:3] + ["ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size 9 MiB"]
                  + chatter[3:])

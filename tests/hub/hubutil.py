@@ -122,8 +122,8 @@ class Hub:
         psutil.wait_procs(alive, timeout=10)
 
 
-def start_hub(root: Path, *, engine_path: str, models_dir: Path, hub_config: str = "", service_config: dict | None = None,
-              service_env: dict | None = None, timeout: float = 120.0) -> Hub:
+def start_hub(root: Path, *, engine_path: str, models_dir: Path, hub_config: str = "",
+              service_config: dict | None = None, service_env: dict | None = None, timeout: float = 120.0) -> Hub:
     """Start JupyterHub in ``root`` with configurable-http-proxy and ``jupyter-llama serve`` as its
     managed service ``llama`` (its store ``models_dir``, its ``c.LlamaHub`` settings
     ``service_config``); users get the service's access scope through the Hub's ``user`` role.

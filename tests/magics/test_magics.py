@@ -122,7 +122,8 @@ def test_default_model_from_config(shell, registered):
 
 def test_user_mistakes_are_usage_errors_with_advice(shell, registered):
     with pytest.raises(UsageError, match=r'^model "magic-tinny" not found, try pulling it first \(did you mean '
-                                         r'"magic-tiny:latest"[^)]*\?\)\. `pull magic-tinny` downloads it from Ollama' "'s registry"):
+                                         r'"magic-tiny:latest"[^)]*\?\)\. '
+                                         r'`pull magic-tinny` downloads it from Ollama' "'s registry"):
         shell.run_line_magic("llama", "run magic-tinny hi")
     with pytest.raises(UsageError, match="required"):
         shell.run_line_magic("llama", "run")

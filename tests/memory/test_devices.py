@@ -85,7 +85,8 @@ def test_cgroup_v2_usage_over_limit_gives_zero_available(tmp_path):
 def test_cgroup_v2_inactive_file_cache_counts_as_available(tmp_path):
     root = make_root(tmp_path, files={"sys/fs/cgroup/memory.max": f"{4 * GiB}",
                                       "sys/fs/cgroup/memory.current": f"{3 * GiB}",
-                                      "sys/fs/cgroup/memory.stat": f"anon 123\ninactive_file {2 * GiB}\nactive_file 5\n"})
+                                      "sys/fs/cgroup/memory.stat":
+                                          f"anon 123\ninactive_file {2 * GiB}\nactive_file 5\n"})
     host = read_host_memory(root)
     assert host.available == 3 * GiB  # working set 1 GiB
     assert host.cgroup_usage == 3 * GiB  # reported raw
@@ -168,7 +169,8 @@ def test_missing_meminfo_under_fake_root_raises(tmp_path):
 
 
 def test_meminfo_without_memavailable_estimates_from_free_and_caches(tmp_path):
-    root = make_root(tmp_path, meminfo="MemTotal: 1048576 kB\nMemFree: 262144 kB\nBuffers: 1024 kB\nCached: 261120 kB\n")
+    root = make_root(tmp_path,
+                     meminfo="MemTotal: 1048576 kB\nMemFree: 262144 kB\nBuffers: 1024 kB\nCached: 261120 kB\n")
     host = read_host_memory(root)
     assert (host.total, host.available) == (1 * GiB, 512 * MiB)
 
@@ -320,7 +322,8 @@ def test_inventory_devices_apply_budgets_and_overhead():
 
 
 def test_format_inventory_fake_gpus_mentions_budgets_and_unknown_devices():
-    b = budgets_from_env({"JUPYTER_LLAMA_MEMORY_LIMIT": "cuda:0=20GiB,cuda:5=1GiB", "JUPYTER_LLAMA_GPU_OVERHEAD": "1GiB"})
+    b = budgets_from_env({"JUPYTER_LLAMA_MEMORY_LIMIT": "cuda:0=20GiB,cuda:5=1GiB",
+                          "JUPYTER_LLAMA_GPU_OVERHEAD": "1GiB"})
     text = format_inventory(_fake_inventory(b))
     assert "cuda:1" in text and "NVIDIA H200" in text and "20.00 GiB" in text
     assert "from JUPYTER_LLAMA_MEMORY_LIMIT" in text and "from JUPYTER_LLAMA_GPU_OVERHEAD" in text

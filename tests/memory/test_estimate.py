@@ -46,7 +46,8 @@ def make_info(*, layers=4, embd=256, heads=8, kv_heads=2, ff=512, vocab=1000, ct
         tensors += [
             TensorInfo(f"blk.{il}.attn_norm.weight", (embd,), "F32", embd, 100, il),
             TensorInfo(f"blk.{il}.attn_q.weight", (embd, heads * hk), wtype, embd * heads * hk, layer_bytes // 2, il),
-            TensorInfo(f"blk.{il}.ffn_up.weight", (embd, ff), wtype, embd * ff, layer_bytes - layer_bytes // 2 - 100, il),
+            TensorInfo(f"blk.{il}.ffn_up.weight", (embd, ff), wtype, embd * ff,
+                       layer_bytes - layer_bytes // 2 - 100, il),
         ]
     tensors.append(TensorInfo("output_norm.weight", (embd,), "F32", embd, 100, None))
     if not tied:

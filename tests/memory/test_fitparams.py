@@ -44,7 +44,7 @@ def test_argv_mirrors_server_options():
                     flash_attn="on", cache_type_k="q8_0", cache_type_v="q8_0", kv_unified=True, num_thread=3)
     argv = fp.fit_params_argv("/x/llama-fit-params", "/m/model.gguf", o)
     assert argv[:6] == ["/x/llama-fit-params", "--model", "/m/model.gguf", "--fit-print", "on", "--log-jsonl"]
-    pairs = dict(zip(argv[6::2], argv[7::2]))
+    pairs = dict(zip(argv[6::2], argv[7::2], strict=True))
     assert pairs == {"-c": "2048", "-np": "2", "-ngl": "10", "-mg": "1", "-b": "1024", "-ub": "256", "-fa": "on",
                      "-ctk": "q8_0", "-ctv": "q8_0"}
     # automatic options pass nothing (the tool has no -kvu; its default is one slot)

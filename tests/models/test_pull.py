@@ -82,9 +82,9 @@ def test_parse_other_sources(monkeypatch):
     s = parse_source("http://127.0.0.1:9/mirror/o/r/resolve/main/f.gguf")
     assert (s.kind, s.repo, s.file, s.endpoint) == ("hf", "o/r", "f.gguf", "http://127.0.0.1:9/mirror")
     assert parse_source("http://127.0.0.1:9/mirror/files/f.gguf").kind == "url"
-    for bad, msg in [("./llama3.gguf", "a file on this machine"), ("ftp://x/y.gguf", "cannot pull"), ("hf.co/o", "OWNER/REPO"),
-                     ("hf.co/o/r:", "empty quantisation"), ("hf.co/o/../r", "OWNER/REPO"), ("", "nothing to pull"),
-                     ("hf.co/o/r:Q4 K", "bad quantisation")]:
+    for bad, msg in [("./llama3.gguf", "a file on this machine"), ("ftp://x/y.gguf", "cannot pull"),
+                     ("hf.co/o", "OWNER/REPO"), ("hf.co/o/r:", "empty quantisation"), ("hf.co/o/../r", "OWNER/REPO"),
+                     ("", "nothing to pull"), ("hf.co/o/r:Q4 K", "bad quantisation")]:
         with pytest.raises(PullError, match=msg):
             parse_source(bad)
 
@@ -242,7 +242,8 @@ def test_pull_plain_url_and_reuse(hf, ggufs, tmp_path):
                for ev in events)
     sent = hf.sent("tiny-model.gguf")
     assert sent == os.path.getsize(ggufs["b"])
-    pull_mod.pull(hf.file_url("tiny-model.gguf"), name="again", store=store)  # unchanged on the server: not fetched again
+    # unchanged on the server: not fetched again
+    pull_mod.pull(hf.file_url("tiny-model.gguf"), name="again", store=store)
     assert hf.sent("tiny-model.gguf") == sent
     assert len(os.listdir(store.blobs_dir)) == 1
 
@@ -366,7 +367,8 @@ def test_pulls_in_two_processes_download_once(repo, ggufs, tmp_path):
         "print('ok')\n"
     )
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("e", pull_mod.pull("hf.co/owner/big-GGUF", name="here", store=store)))
+    t = threading.Thread(
+        target=lambda: result.setdefault("e", pull_mod.pull("hf.co/owner/big-GGUF", name="here", store=store)))
     t.start()
     deadline = time.monotonic() + 10
     while repo.repo_sent("owner/big-GGUF", "big-F32.gguf") == 0 and time.monotonic() < deadline:
@@ -566,8 +568,8 @@ def test_a_host_that_never_answers_is_said_to_be_retried(tmp_path):
     said: list[str] = []
     try:
         with pytest.raises(PullError, match=r"failed after 0 bytes: timed out \(tried 2 times\)"):
-            pull_mod.pull(f"http://127.0.0.1:{silent.getsockname()[1]}/m.gguf", None, lambda d: said.append(d["status"]),
-                          retries=1, backoff=0.01, timeout=0.3, store=store)
+            pull_mod.pull(f"http://127.0.0.1:{silent.getsockname()[1]}/m.gguf", None,
+                          lambda d: said.append(d["status"]), retries=1, backoff=0.01, timeout=0.3, store=store)
     finally:
         silent.close()
     assert said == ["pulling manifest", "download of m.gguf: timed out; trying again (try 2 of 2)"]
@@ -594,7 +596,8 @@ def test_a_url_pull_does_not_replace_a_model_of_the_same_name_from_elsewhere(hf,
     with pytest.raises(PullError, match=r"a model named tiny-model:latest already exists .*--name"):
         pull_mod.pull(hf.file_url("tiny-model.gguf"), store=store)
     assert store.resolve_sync("tiny-model").path.endswith(sha256(ggufs["a"])), "untouched"
-    assert pull_mod.pull(hf.file_url("tiny-model.gguf"), name="tiny-remote", store=store).display == "tiny-remote:latest"
+    pulled = pull_mod.pull(hf.file_url("tiny-model.gguf"), name="tiny-remote", store=store)
+    assert pulled.display == "tiny-remote:latest"
     store.remove_sync("tiny-model")
     pull_mod.pull(hf.file_url("tiny-model.gguf"), store=store)
     assert pull_mod.pull(hf.file_url("tiny-model.gguf"), store=store).display == "tiny-model:latest", \

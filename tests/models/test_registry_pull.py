@@ -53,7 +53,8 @@ def assert_clean(store: ModelStore, partials_allowed: bool = False):
     for d in (store.blobs_dir, store.manifests_dir, store.tmp_dir):
         assert not d.exists() or not any(d.rglob("*")), list(d.rglob("*"))
     if not partials_allowed:
-        assert not store.partial_dir.exists() or not list(store.partial_dir.iterdir()), list(store.partial_dir.iterdir())
+        left = list(store.partial_dir.iterdir()) if store.partial_dir.exists() else []
+        assert not left, left
     assert not store.locks_dir.exists() or not list(store.locks_dir.glob("dl-*"))
 
 
@@ -130,7 +131,8 @@ def test_pull_by_name_end_to_end(registry, ggufs, store):
     assert shown["preset"]["template"] == TEMPLATE and shown["preset"]["system"] == SYSTEM
     assert shown["preset"]["parameters"] == PARAMS and shown["preset"]["license"] == [LICENSE]
     body = oa.show_body(shown)
-    assert body["system"] == SYSTEM and body["template"] == TEMPLATE and body["parameters"].split("\n")[0].split() == ["temperature", "0.25"]
+    assert body["system"] == SYSTEM and body["template"] == TEMPLATE
+    assert body["parameters"].split("\n")[0].split() == ["temperature", "0.25"]
     req = oa.parse_generate({"model": "tiny:1b", "prompt": "hi"}, preset=store.preset_for("tiny:1b"))
     assert req.default_system == SYSTEM and req.template is not None
     assert req.sampling["temperature"] == 0.25 and req.sampling["stop"] == PARAMS["stop"]
@@ -416,7 +418,8 @@ def test_models_the_store_cannot_hold_are_refused_before_downloading(registry, g
 
 def test_a_params_layer_that_is_not_json_is_refused(registry, ggufs, store):
     registry.add_model("badparams", "latest", [(MODEL_MEDIA_TYPE, ggufs["a"]), (PARAMS_MEDIA_TYPE, b"temperature 1")])
-    with pytest.raises(BadManifest, match=r"badparams:latest \(params layer sha256:\w+\): the params layer is unreadable"):
+    with pytest.raises(BadManifest,
+                       match=r"badparams:latest \(params layer sha256:\w+\): the params layer is unreadable"):
         pull_mod.pull("badparams", store=store)
     assert not any(store.manifests_dir.rglob("*")) and not any(store.blobs_dir.iterdir())
 

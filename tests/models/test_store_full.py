@@ -97,7 +97,8 @@ def test_create_larger_than_the_free_space(fs, big_gguf, ggufs, fill_disk):
     # space freed: the same create works
     filler.unlink()
     e = store.create("big", big_gguf)
-    assert e.model_digest in blob_names(store) and store.resolve_sync("big").path == str(store.blob_path(e.model_digest))
+    assert e.model_digest in blob_names(store)
+    assert store.resolve_sync("big").path == str(store.blob_path(e.model_digest))
     assert_clean(store)
 
 

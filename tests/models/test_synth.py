@@ -34,7 +34,8 @@ def test_same_shape_and_seed_same_bytes(tmp_path):
 
 def test_defaults(tmp_path):
     s = SynthShape()
-    assert (s.layers, s.embd, s.heads, s.kv_heads, s.vocab, s.ctx, s.type, s.seed) == (4, 128, 4, 2, 512, 2048, "f32", 0)
+    shape = (s.layers, s.embd, s.heads, s.kv_heads, s.vocab, s.ctx, s.type, s.seed)
+    assert shape == (4, 128, 4, 2, 512, 2048, "f32", 0)
     assert s.n_ff == 352  # 8/3 * 128 rounded up to a multiple of 32
     info = read_gguf_info(write_synthetic(tmp_path / "d.gguf"))
     assert info.feed_forward_length == 352 and info.vocab_size == 512
@@ -297,7 +298,8 @@ def completion(srv: Server, **body) -> httpx.Response:
 
 
 def chat(srv: Server, **body) -> httpx.Response:
-    body.setdefault("messages", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, ünïcödé ✓"}])
+    body.setdefault("messages", [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "Hello there, ünïcödé ✓"}])
     return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
 
 

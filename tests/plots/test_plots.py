@@ -80,12 +80,12 @@ async def test_sweep_measured_by_loading_for_real(engine, make_model):
         budget = result.points[2].reports["actual"].total()
         fig = plot_sweep(result, budget=budget)
         ax = fig.axes[0]
-        measured = [l for l in ax.lines if l.get_label() == "actual (measured)"][0]
+        measured = [ln for ln in ax.lines if ln.get_label() == "actual (measured)"][0]
         # coarse carries llama-server's 2 GiB batch surcharge, so the axis may be in GiB
         scale = {"memory (MiB)": MiB, "memory (GiB)": 1024 * MiB}.get(ax.get_ylabel().replace("total ", ""), MiB)
         assert list(measured.get_xdata()) == [512, 1024, 2048, 4096]
         assert list(measured.get_ydata()) == pytest.approx([p.total("actual") / scale for p in result.points])
-        coarse = [l for l in ax.lines if l.get_label() == "coarse (predicted)"][0]
+        coarse = [ln for ln in ax.lines if ln.get_label() == "coarse (predicted)"][0]
         assert list(coarse.get_ydata()) == pytest.approx([p.total("coarse") / scale for p in result.points])
         assert any("budget" in t.get_text() for t in ax.texts)
         rows = result.rows()

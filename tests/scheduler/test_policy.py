@@ -44,7 +44,8 @@ def loaded(name: str, mib: float = 100, keep_alive: float = 300, refcount: int =
                           state, by_device)
 
 
-def prediction(layers: tuple[int, int] | None = None, sources=(DETAILED, COARSE), **mib: float) -> dict[str, MemoryReport]:
+def prediction(layers: tuple[int, int] | None = None, sources=(DETAILED, COARSE),
+               **mib: float) -> dict[str, MemoryReport]:
     """Both estimates of a load, the same bytes, as weights per device (``cpu=100``,
     ``rpc_a=40``); ``kv_cpu=...`` puts that much K/V cache on the host. ``layers``: (offloaded,
     in all), as the detailed estimate placed them."""
@@ -174,9 +175,11 @@ CASES = [
          inv=inventory(budgets={"cpu": 100}, workers={A: 4096}),
          said=("use a smaller quantisation of the model, or put more layers on devices (num_gpu)",)),
     Case("over a budget alone by its K/V cache", need={"cpu": 20, "kv_cpu": 180}, verdict="over_budget",
-         inv=inventory(budgets={"cpu": 100}), said=("180.0 MiB of it is the K/V cache: load it with a smaller context",)),
+         inv=inventory(budgets={"cpu": 100}),
+         said=("180.0 MiB of it is the K/V cache: load it with a smaller context",)),
     Case("the first model gets to try when the host is short", need={"cpu": 2048}, verdict="first",
-         inv=inventory(cpu_free=1024), said=("cpu needs 2.20 GiB (detailed+10%: 2.00 GiB by the estimate, 204.8 MiB its safety margin), "
+         inv=inventory(cpu_free=1024),
+         said=("cpu needs 2.20 GiB (detailed+10%: 2.00 GiB by the estimate, 204.8 MiB its safety margin), "
                "1.00 GiB available",)),
     Case("the user's other managers hold the rest of the budget", need={"cpu": 200}, verdict="peers",
          inv=inventory(budgets={"cpu": 500}),

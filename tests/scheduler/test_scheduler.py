@@ -190,12 +190,12 @@ async def test_concurrent_requests_for_a_loading_model_share_one_load(make_sched
     sched = make_scheduler()
     leases = await asyncio.gather(*(sched.acquire(small_models[1], OPTS) for _ in range(6)))
     try:
-        assert len({l.runner.pid for l in leases}) == 1
+        assert len({lease.runner.pid for lease in leases}) == 1
         assert kinds(sched).count("load") == 1
         assert sched.in_flight == 6
     finally:
-        for l in leases:
-            l.release()
+        for lease in leases:
+            lease.release()
     assert sched.in_flight == 0
 
 
@@ -308,8 +308,8 @@ async def test_queue_limit_gives_server_busy(make_scheduler, small_models):
     leases = [r for r in results if not isinstance(r, BaseException)]
     assert len(busy) == 4 and len(leases) == 2, results
     assert "server busy" in str(busy[0])
-    for l in leases:
-        l.release()
+    for lease in leases:
+        lease.release()
     assert "busy" in kinds(sched)
 
 

@@ -30,7 +30,8 @@ async def test_every_route_needs_auth(llama_url, token):
               ("POST", "api/chat"), ("POST", "api/show"), ("POST", "api/pull"), ("DELETE", "api/delete"),
               ("POST", "api/copy"), ("POST", "api/create"), ("POST", "api/embed"),
               ("HEAD", "api/blobs/sha256:" + "0" * 64), ("POST", "api/blobs/sha256:" + "0" * 64),
-              ("GET", "api/devices"), ("POST", "api/estimate"), ("GET", "api/events"), ("GET", "api/log"), ("GET", "v1/models"),
+              ("GET", "api/devices"), ("POST", "api/estimate"), ("GET", "api/events"), ("GET", "api/log"),
+              ("GET", "v1/models"),
               ("POST", "v1/chat/completions"), ("POST", "v1/completions"), ("POST", "v1/embeddings")]
     async with httpx.AsyncClient(base_url=llama_url + "/", trust_env=False) as c:
         for method, path in routes:
@@ -327,7 +328,8 @@ async def test_error_statuses(http):
                              ("dry_allowed_length", -1, "from 0 to 2147483647, got -1")):
         assert f"option {opt} must be a whole number {said}" in await err(
             "POST", "api/generate", 400, json=gen(options=dict(OPTS, **{opt: value})))
-    assert "keep_alive" in await err("POST", "api/chat", 400, json={"model": "tiny", "messages": [], "keep_alive": True})
+    said = await err("POST", "api/chat", 400, json={"model": "tiny", "messages": [], "keep_alive": True})
+    assert "keep_alive" in said
     assert "role" in await err("POST", "api/chat", 400, json={"model": "tiny", "messages": [{"content": "x"}]})
     for bad in ("sha256:xyz", "md5:" + "0" * 32, "sha256:" + "0" * 63, "..%2F..%2Fetc"):
         assert "digest" in await err("POST", f"api/blobs/{bad}", 400, content=b"data")

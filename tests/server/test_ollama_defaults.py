@@ -185,7 +185,8 @@ async def test_gemmas_embed_load_is_what_was_predicted(client, ext, llama_url, t
     # truncate false: a 400 that says so
     with pytest.raises(ollama.ResponseError) as e:
         await run(client.embed, model="gemma", input=long_text, truncate=False, options=ONE_THREAD)
-    assert e.value.status_code == 400 and f"longer than the batch of gemma:latest ({batch}:" in e.value.error, e.value.error
+    assert e.value.status_code == 400
+    assert f"longer than the batch of gemma:latest ({batch}:" in e.value.error, e.value.error
     # the openai client: truncated as Ollama's /v1/embeddings truncates
     c = openai.OpenAI(base_url=llama_url + "/v1", api_key=token)
     r = await run(c.embeddings.create, model="gemma", input=[long_text, "hello"])

@@ -143,7 +143,8 @@ async def test_what_the_fuzz_found_is_answered_as_described(http):
         r = await http.post("api/generate", json={"model": "tiny", "prompt": "hi", "stream": False,
                                                   "options": dict(opts, num_thread=1, num_predict=2)})
         assert r.status_code == 400 and word in r.json()["error"], r.text
-    r = await http.post("api/embed", json={"model": "tiny", "input": "hi", "options": {"num_ubatch": 2, "num_thread": 1}})
+    r = await http.post("api/embed",
+                        json={"model": "tiny", "input": "hi", "options": {"num_ubatch": 2, "num_thread": 1}})
     assert r.status_code == 400 and "num_ubatch 2" in r.json()["error"], r.text
     r = await http.post("api/embed", json={"model": "tiny", "input": "hi",
                                            "options": {"num_ubatch": 2, "num_parallel": 1, "num_thread": 1}})

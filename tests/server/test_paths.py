@@ -35,7 +35,8 @@ async def test_http_clients_cannot_probe_or_load_server_files(http, make_model):
     assert len(set(answers.values())) == 1  # the same answer whether or not the file exists
     for route, body in (("api/embed", {"model": "/etc/passwd", "input": "x"}),
                         ("api/create", {"model": "stolen", "from": "/etc/passwd"}),
-                        ("v1/chat/completions", {"model": "/etc/passwd", "messages": [{"role": "user", "content": "x"}]}),
+                        ("v1/chat/completions",
+                         {"model": "/etc/passwd", "messages": [{"role": "user", "content": "x"}]}),
                         ("api/show", {"model": "/etc/passwd"})):
         r = await http.post(route, json=body)
         assert r.status_code == 400 and "file path" in r.text, (route, r.status_code, r.text)

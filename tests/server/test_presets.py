@@ -212,7 +212,8 @@ async def test_a_preset_applies_on_the_openai_and_anthropic_routes(client, llama
     hello = [{"role": "user", "content": "Hello"}]
     luigi = await run(oa.chat.completions.create, model="luigi", messages=hello)
     assert luigi.usage.completion_tokens == 3  # the preset's num_predict
-    assert (await run(oa.chat.completions.create, model="luigi", messages=hello, max_tokens=1)).usage.completion_tokens == 1
+    done = await run(oa.chat.completions.create, model="luigi", messages=hello, max_tokens=1)
+    assert done.usage.completion_tokens == 1
     with_system = await run(oa.chat.completions.create, model="tiny", max_tokens=1,
                             messages=[{"role": "system", "content": "You are Luigi"}, *hello])
     plain = await run(oa.chat.completions.create, model="tiny", max_tokens=1, messages=hello)

@@ -203,8 +203,9 @@ def test_a_setting_the_extension_cannot_read_stops_serve_with_its_sentence(tmp_p
     env = dict(_serve_env(tmp_path, engine), JUPYTER_LLAMA_MODELS=str(tmp_path / "afile"))
     done = subprocess.run([sys.executable, "-m", "jupyter_llama.server.serve", "--port", str(free_port()),
                            "--allow-root", "--no-browser"], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1 and (f"jupyter-llama serve: LlamaExtension.models_dir (JUPYTER_LLAMA_MODELS): "
-                                     f"{tmp_path / 'afile'} is a file, not a folder") in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 1
+    assert (f"jupyter-llama serve: LlamaExtension.models_dir (JUPYTER_LLAMA_MODELS): "
+            f"{tmp_path / 'afile'} is a file, not a folder") in done.stderr, done.stderr[-2000:]
     # a default context it cannot read: said at start, not by every load
     env = dict(_serve_env(tmp_path, engine), JUPYTER_LLAMA_CONTEXT_LENGTH="lots")
     done = subprocess.run([sys.executable, "-m", "jupyter_llama.server.serve", "--port", str(free_port()),

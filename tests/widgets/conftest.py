@@ -21,7 +21,8 @@ import pytest
 
 from jupyter_llama.procs import child_pids, process_alive
 
-TINY = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=32768, seed=3)  # (trained long: a context that outgrows the budget)
+# (trained long: a context that outgrows the budget)
+TINY = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=32768, seed=3)
 OTHER = dict(layers=2, embd=64, heads=4, kv_heads=2, ctx=4096, seed=4)
 BUDGET = "cpu=32MiB"
 START_TIMEOUT = 120.0

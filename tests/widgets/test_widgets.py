@@ -344,7 +344,7 @@ def test_picker_estimate_load_run_unload(client):
         assert picker.last_response and picker.last_response["done"] is True
         assert picker.updates >= 3 and len(seen) >= 4  # "thinking", then chunk by chunk
         texts = [v for v in seen if "<pre" in v]
-        assert len(texts) >= 3 and all(len(a) < len(b) for a, b in zip(texts, texts[1:]))
+        assert len(texts) >= 3 and all(len(a) < len(b) for a, b in zip(texts, texts[1:], strict=False))
         assert picker.answer and "tokens" in picker.answer_html.value
         assert not picker.run_button.disabled
 
@@ -466,7 +466,7 @@ async def test_panel_live_loop_updates_without_blocking(manager, client, monkeyp
             await await_until(lambda: panel.row("tiny") is None, timeout=8.0)
             assert "unloaded tiny:latest" in panel.events_html.value
         assert sync_calls == []
-        gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+        gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
         assert gaps and max(gaps) < 1.0, f"the event loop stalled for {max(gaps):.2f}s"
 
         updates = panel.updates
