@@ -12,7 +12,7 @@ comma  := ,
 PYSUM  := $(shell cksum < pyproject.toml | cut -d' ' -f1)
 STAMP  := $(VENV)/.installed-$(PYSUM)-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: lab test venv engine system-deps demo clean bench labext ui-deps ai-kernel hub-deps
+.PHONY: lab test lint venv engine system-deps demo clean bench labext ui-deps ai-kernel hub-deps
 
 # The JupyterLab extension (TypeScript in labextension/, built into jupyter_llama/labextension/).
 LABEXT_DIR  := labextension
@@ -120,8 +120,12 @@ $(HUB_DIR)/node_modules/.package-lock.json: $(HUB_DIR)/package-lock.json $(HUB_D
 
 hub-deps: $(HUB_DIR)/node_modules/.package-lock.json
 
+# The linter first (seconds, and it needs no engine): settings in pyproject.toml's [tool.ruff].
+lint: venv
+	@$(BIN)/ruff check jupyter_llama tests bench || { echo "ruff found the problems above: make test stops here"; exit 1; }
+
 # pytest's exit code 5 means "no tests collected": that must fail, not pass.
-test: engine labext ui-deps ai-kernel hub-deps
+test: lint engine labext ui-deps ai-kernel hub-deps
 	@JUPYTER_LLAMA_REQUIRE_ENGINE=1 JUPYTER_LLAMA_REQUIRE_UI=1 $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
