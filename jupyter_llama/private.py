@@ -68,6 +68,7 @@ def trusted_folder(path: str | os.PathLike, *, secret: bool = False, make: bool 
         except FileExistsError:  # (made by someone meanwhile: checked below)
             pass
     st = os.lstat(p)
+    why: str | None
     if stat.S_ISLNK(st.st_mode):
         why = f"{p} is a link, not a folder of yours"
     elif not stat.S_ISDIR(st.st_mode):

@@ -67,7 +67,7 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     fields = _stat(pid)
-    return bool(fields) and fields[0] != "Z"
+    return fields is not None and len(fields) > 0 and fields[0] != "Z"
 
 
 def start_time(pid: int) -> int | None:

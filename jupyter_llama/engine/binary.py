@@ -533,7 +533,7 @@ def build_engine(backend: str = "cpu", *, force: bool = False, jobs: int | None 
     extra: dict = {}
     variant = ""
     if backend == "cuda":
-        from .cuda import CudaError, choose_toolkit, cuda_archs
+        from .cuda import CudaError, choose_toolkit, cuda_archs, leading
 
         try:
             choice = choose_toolkit(toolkit, progress)
@@ -541,7 +541,7 @@ def build_engine(backend: str = "cpu", *, force: bool = False, jobs: int | None 
         except CudaError as e:
             raise BuildError(str(e)) from None
         tk = choice.toolkit
-        numbers = "-".join(re.match(r"\d+[af]?", a).group() for a in arch_list)
+        numbers = "-".join(leading(r"\d+[af]?", a) for a in arch_list)
         variant = f"cu{'.'.join(tk.version.split('.')[:2])}-sm{numbers}"
         progress(f"CUDA toolkit: {choice.reason}; GPU architectures {';'.join(arch_list)} ({arch_source})")
         extra = {"cuda_toolkit": tk.to_dict(), "cuda_archs": arch_list, "cuda_archs_source": arch_source,

@@ -732,11 +732,13 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
         if ly.n_expert and embed and not last and il + 1 not in here:
             # the host's last layer: the device after it weights and sums the experts' outputs
             down, left = moe(il, ly, rows, norm, hand_off=True)
+            assert down is not None and left is not None  # handed off: the outputs and the weights
             handed_on = [down, left, ffn_inp]
             break
         if ly.n_expert:
             down, left = moe(il, ly, rows, norm)
             if down is None:  # the next device weights and sums the experts' outputs
+                assert left is not None  # (moe returns the weights where it returns no sum)
                 add(Tensor("to_next_device", 0, "EXPORT", [left, ffn_inp]))
                 break
         else:

@@ -307,11 +307,11 @@ def _cgroup_limit(root: Path) -> tuple[int, int | None, int] | None:
 
     v1_base = root / "sys/fs/cgroup/memory"
     for d in _candidate_dirs(v1_base, v1_rel):
-        limit = _read_int(d / "memory.limit_in_bytes")
-        if limit is None or limit >= _CGROUP_UNLIMITED:
+        cap = _read_int(d / "memory.limit_in_bytes")
+        if cap is None or cap >= _CGROUP_UNLIMITED:
             continue
-        if best is None or limit < best[0]:
-            best = (limit, _read_int(d / "memory.usage_in_bytes"),
+        if best is None or cap < best[0]:
+            best = (cap, _read_int(d / "memory.usage_in_bytes"),
                     _inactive_file(d / "memory.stat", ("total_inactive_file", "inactive_file")))
     return best
 
@@ -435,8 +435,8 @@ class Budgets:
             return ({ALL_DEVICES: 0, HOST: 1, ALL_GPUS: 2}.get(k, 3), k)
 
         if self.limits:
-            limits = sorted(self.limits.items(), key=lambda kv: order(kv[0]))
-            parts = ", ".join(f"{_limit_label(k)} {format_bytes(v)}" for k, v in limits)
+            ordered = sorted(self.limits.items(), key=lambda kv: order(kv[0]))
+            parts = ", ".join(f"{_limit_label(k)} {format_bytes(v)}" for k, v in ordered)
             limits = f"memory budgets: {parts}" + (f" (from {self.limits_source})" if self.limits_source else "")
         else:
             limits = f"memory budgets: none (set {MEMORY_LIMIT_VAR}, e.g. 8GiB or cuda:0=20GiB,cpu=6GiB)"

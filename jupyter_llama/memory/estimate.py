@@ -453,6 +453,7 @@ def partial_layers(info: GGUFInfo, gpus: list[str], split: Sequence[float] | Non
         il0 += int(float(s)) - getattr(s, "partial", 0)
         for k in range(getattr(s, "partial", 0)):
             il = il0 + k
+            assert isinstance(s, Share)  # only a Share has partial layers
             if k == 0 and s.overflow != "moe":
                 out[il] = (s.overflow, gpus[i + 1] if s.to_next and i + 1 < len(gpus) else HOST)
             else:
@@ -574,7 +575,7 @@ def fit_layers(info: GGUFInfo, options: LoadOptions, rooms: Sequence[tuple[str, 
         if all(use(i, default) <= room for i, (_, room) in enumerate(rooms)):
             return default
     if gpus and any(info.is_expert_tensor(t.name) for t in info.tensors):
-        return _fit_experts(info, options, rooms, free)
+        return list(_fit_experts(info, options, rooms, free))
 
     remaining = n_total
     for i in range(len(gpus) - 1, -1, -1):
@@ -1087,7 +1088,7 @@ def _estimate_detailed(info: GGUFInfo, options: LoadOptions, gpus: list[str],
             lb = info.layer_bytes()
             eb = {il: sum(x.n_bytes for x in info.tensors if x.layer == il and info.is_expert_tensor(x.name))
                   for il in experts}
-            main = max(local, key=used_gpus.get)
+            main = max(local, key=lambda d: used_gpus[d])
             rep.add(main, COMPUTE, max([lb.get(il, 0) for il in host_layers] + list(eb.values())))
     rep.add(HOST, OUTPUT, output_bytes(info, plan))
 

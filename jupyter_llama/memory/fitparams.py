@@ -390,7 +390,8 @@ def run_fit_params(binary: str | os.PathLike, model: str | os.PathLike, options:
                    timeout: float = DEFAULT_TIMEOUT, info=None) -> FitParamsResult:
     """Fit as llama-server would, then project that placement (blocking; ``info``: the
     model's header, read from ``model`` when not given). Never raises."""
-    fitted, note = [], None
+    fitted: list[str] = []
+    note: str | None = None
     argv = fit_argv(binary, model, options)
     if argv is not None:
         ran = _run(argv, timeout)
@@ -405,7 +406,8 @@ async def run_fit_params_async(binary: str | os.PathLike, model: str | os.PathLi
                                timeout: float = DEFAULT_TIMEOUT, info=None) -> FitParamsResult:
     """:func:`run_fit_params` on the event loop (the child is killed on timeout or
     cancellation). Never raises, except the cancellation itself."""
-    fitted, note = [], None
+    fitted: list[str] = []
+    note: str | None = None
     argv = fit_argv(binary, model, options)
     if argv is not None:
         ran = await _run_async(argv, timeout)

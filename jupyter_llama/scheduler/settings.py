@@ -23,6 +23,12 @@ def format_margin(margin: float) -> str:
     return f"{margin * 100:.3g}%"
 
 
+def _text(value: object) -> str | None:
+    """A text setting as given, None where it is not: its traits and variables are strings."""
+    assert value is None or isinstance(value, str), value
+    return value
+
+
 def parse_margin(value, what: str = SAFETY_MARGIN_VAR) -> float:
     """A safety margin from ``10%`` or ``0.1`` (a number is taken as it is); the range is
     checked by :meth:`SchedulerSettings.validate`."""
@@ -95,9 +101,9 @@ class SchedulerSettings:
             s.evict_pinned = config.parse_bool(given["evict_pinned"], label("evict_pinned"))
         if "safety_margin" in given:
             s.safety_margin = parse_margin(given["safety_margin"], labels["safety_margin"])
-        s.budgets = devmod.budgets_from(given.get("memory_limit"), given.get("gpu_overhead"),
+        s.budgets = devmod.budgets_from(_text(given.get("memory_limit")), _text(given.get("gpu_overhead")),
                                         label("memory_limit"), label("gpu_overhead"))
-        s.rpc_workers = rpc.parse_workers(given.get("rpc_workers"), label("rpc_workers"))
+        s.rpc_workers = rpc.parse_workers(_text(given.get("rpc_workers")), label("rpc_workers"))
         for k, v in overrides.items():
             setattr(s, k, v)
         s.validate(lambda k: labels.get(k) or label(k))

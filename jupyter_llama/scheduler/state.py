@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # (types only: the state is not the engine's)
     from ..engine.runner import Runner
     from ..errors import JupyterLlamaError
     from .loop import Scheduler
+    from .users import Gate
 
 class ModelState(enum.StrEnum):
     """Where a loaded model is in its life (``Loaded.state``; ``ps`` shows it)."""
@@ -305,7 +306,7 @@ class Lease:
                  again: tuple | None = None, who=None):
         self._scheduler = scheduler
         self.who = who  # the person whose request holds it (a shared manager's), else None
-        self._gate = None  # the slot it holds on a shared manager's fair queue (scheduler.users)
+        self._gate: Gate | None = None  # the slot it holds on a shared manager's fair queue (scheduler.users)
         self._finished = False  # its request has counted out of the shared manager's books
         self.loaded = loaded
         self._runner: Runner = loaded.runner  # type: ignore[assignment]
@@ -426,7 +427,7 @@ class LeasedRunner:
     def __repr__(self) -> str:
         return f"<leased {self._lease._runner!r}>"
 
-    async def __aenter__(self) -> "Lease":
+    async def __aenter__(self) -> "LeasedRunner":
         return self
 
     async def __aexit__(self, *exc) -> None:

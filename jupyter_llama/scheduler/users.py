@@ -122,7 +122,7 @@ class UserBook:
         self.requests: collections.Counter[tuple[str, str]] = collections.Counter()  # (model, person)
         self.refusals: collections.Counter[tuple[str, str]] = collections.Counter()  # (person, quota)
         self.tokens: collections.Counter[tuple[str, str]] = collections.Counter()  # (model, person)
-        self.token_seconds: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.token_seconds: collections.defaultdict[tuple[str, str], float] = collections.defaultdict(float)
         self.last_rate: dict[str, float] = {}  # model -> tokens/s of its latest answer
 
     def quota(self, who: Who):

@@ -323,8 +323,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # (the server binds its socket as it is made: an address this machine does not have)
         if not isinstance(e, socket.gaierror) and e.errno not in (errno.EADDRNOTAVAIL, errno.EADDRINUSE, errno.EACCES):
             raise
-        advice = {errno.EADDRINUSE: "give another --port (0 takes any free one)",
-                  errno.EACCES: "a port below 1024 needs privileges: give another --port"}.get(
+        advices: dict[int | None, str] = {
+            errno.EADDRINUSE: "give another --port (0 takes any free one)",
+            errno.EACCES: "a port below 1024 needs privileges: give another --port"}
+        advice = advices.get(
             e.errno, "give --ip an address of this machine (127.0.0.1, the default, for this machine alone; "
                      "0.0.0.0 for every interface)")
         print(f"jupyter-llama serve: cannot listen on {args.ip or 'the address asked for'}"
