@@ -349,7 +349,7 @@ class LogParser:
             desc = (description or "").strip()
             if _ENDPOINT_RE.match(desc):
                 endpoint = desc.lower()
-                index = sum(1 for v in self._rpc_names.values() if (rpc.split_id(v) or ("", 0))[0] == endpoint)
+                index = sum(1 for v in self._rpc_names.values() if rpc.endpoint_of(v) == endpoint)
                 dev = rpc.device_id(endpoint, index)
                 self._rpc_names[name] = dev
                 return dev

@@ -95,6 +95,13 @@ def split_id(dev: str) -> tuple[str, int] | None:
     return m.group("endpoint").lower(), int(m.group("index") or 0)
 
 
+def endpoint_of(dev: str) -> str:
+    """The worker endpoint of ``dev``, which the caller knows to be an RPC device id."""
+    parts = split_id(dev)
+    assert parts is not None, dev
+    return parts[0]
+
+
 def is_rpc(dev: str) -> bool:
     return dev.lower().startswith(PREFIX)
 

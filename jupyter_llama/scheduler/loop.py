@@ -411,6 +411,7 @@ class Scheduler:
                 inv.held = {ep: who for ep, who in inv.held.items() if ep not in (lo.options.rpc or ())}
         peers = await asyncio.to_thread(self.peer_holdings)
         if same:
+            assert lo is not None  # (same is said of a loaded model only)
             opts, estimates, actual = lo.options, dict(lo.predictions), lo.actual
         else:
             opts, planned = await asyncio.to_thread(self.plan, ref, opts, inv, used, peermod.usage(peers))
@@ -437,6 +438,7 @@ class Scheduler:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.peers is not None:
             await asyncio.wrap_future(self._board_write(self.peers.close))  # after the writes before it
+            assert self._board is not None  # (made with the peers' board)
             self._board.shutdown(wait=False)
             self._board, self.peers = None, None  # off the board: nothing is published after this
 
@@ -718,20 +720,20 @@ class Scheduler:
             if self.loaded.get(ref.key) is lo:
                 self.loaded.pop(ref.key)
             # a stopped load fails with the reason it was stopped, not with how its child ended
-            e = cancelled if cancelled is not None and isinstance(exc, Exception) else exc
-            if isinstance(e, LoadStopped):  # (stopped by someone other than this loop: still no crash)
-                e = cancelled = LoadCancelled(f"the load of {ref.name} was stopped before it was ready; send the "
+            error = cancelled if cancelled is not None and isinstance(exc, Exception) else exc
+            if isinstance(error, LoadStopped):  # (stopped by someone other than this loop: still no crash)
+                error = cancelled = LoadCancelled(f"the load of {ref.name} was stopped before it was ready; send the "
                                               "request again")
-            if isinstance(e, Exception) and cancelled is None and lo.runner is not None \
+            if isinstance(error, Exception) and cancelled is None and lo.runner is not None \
                     and lo.runner.parser.n_lines:  # (not a cancel)
                 self.failed[ref.key] = lo
                 while len(self.failed) > 8:  # (the newest few: a log is up to 2,000 lines)
                     self.failed.pop(next(iter(self.failed)))
-            err = e if isinstance(e, JupyterLlamaError) else LoadFailed(
-                f"failed to load {ref.name}: {e}") if isinstance(e, EngineError) else e
-            if isinstance(e, Exception):
+            err = error if isinstance(error, JupyterLlamaError) else LoadFailed(
+                f"failed to load {ref.name}: {error}") if isinstance(error, EngineError) else error
+            if isinstance(error, Exception):
                 self.events.emit(EventKind.ERROR, ref.name, ("load stopped: " if cancelled is not None else
-                                                             "load failed: ") + str(e).splitlines()[0])
+                                                             "load failed: ") + str(error).splitlines()[0])
             if not lo.ready.done():
                 lo.ready.set_exception(err)
                 lo.ready.exception()  # mark retrieved: waiters re-raise it themselves
@@ -742,6 +744,7 @@ class Scheduler:
         lo.loaded_at = time.time()
         self.failed.pop(ref.key, None)  # (a load that failed before is no longer what `log` should show)
         actual = lo.actual
+        assert lo.runner is not None  # (ready: its runner started)
         self.events.emit(EventKind.LOADED, ref.name, _loaded_message(lo, actual),
                          load_seconds=round(lo.load_duration, 3), pid=lo.runner.pid,
                          predicted={k: v.total() for k, v in preds.items()},
@@ -879,6 +882,7 @@ class Scheduler:
             fit_source = plan.fit_source
             if not quota_checked:
                 quota_checked = True
+                assert user is not None  # (checked above: a person on a shared manager)
                 self._check_quota(user, ref, self._need(preds, fit_source).by_device())
             numbers = {d: {k: n[k] for k in ("need", "estimate", "available", "in_use", "budget")}
                        for d, n in plan.devices.items()}
@@ -954,6 +958,7 @@ class Scheduler:
             count += 1
             for d, n in lo.charge.by_device().items():
                 held[d] += n
+        assert self.users is not None  # (quotas are a shared manager's)
         self.users.check_load(user, ref.name, need, dict(held), count)
 
     def _fair_choice(self, snaps: list[LoadedSnapshot], key: str) -> tuple[LoadedSnapshot, str] | None:

@@ -185,7 +185,7 @@ def placement(info, options: LoadOptions, inv: devmod.Inventory, used: Mapping[s
         accel = [accel[i] for i in kept]
     elif accel:
         split = [float(max(d.free, 1)) for d in accel]
-    workers = tuple(dict.fromkeys(rpc.split_id(d.id)[0] for d in accel if d.kind == "rpc"))
+    workers = tuple(dict.fromkeys(rpc.endpoint_of(d.id) for d in accel if d.kind == "rpc"))
     options = options.replace(rpc=workers or None, fit_target_mib=margins if accel else None)
     return Placement(options, tuple(d.id for d in accel), tuple(split) if accel and split is not None else None,
                      rooms)
@@ -367,7 +367,9 @@ def fit_plan(model: str, key: str, placed: LoadOptions, preds: Mapping[str, Memo
 
     devices = rows(used)
     det = preds.get(DETAILED)
-    layers = (det.layers_offloaded, det.layers_total) if det is not None and det.layers_total else None
+    layers = None
+    if det is not None and det.layers_total and det.layers_offloaded is not None:
+        layers = (det.layers_offloaded, det.layers_total)
     plan = FitPlan(model, source, needed.source, devices, cap, len(others), "fits",
                    workers=list(placed.rpc or ()), margin=safety, layers=layers)
     if not plan.short and not plan.over_cap:
@@ -378,7 +380,8 @@ def fit_plan(model: str, key: str, placed: LoadOptions, preds: Mapping[str, Memo
         plan.verdict = "over_budget" if over else "peers" if taken else "first"
         plan.peers = [p.describe(taken[0]) for p in peers or [] if taken and p.by_device().get(taken[0])]
         return plan
-    usage, returned, count = dict(used), collections.Counter(), len(others)
+    usage, count = dict(used), len(others)
+    returned: collections.Counter[str] = collections.Counter()
     for victim in eviction_order(loaded, key, settings.evict_pinned):
         plan.evict.append(victim.name)
         for d, n in victim.by_device.items():
