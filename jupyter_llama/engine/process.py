@@ -28,7 +28,7 @@ class ChildProcess:
     StreamReader of its merged stdout and stderr), :meth:`wait`, and :meth:`close` for the
     pipe and pidfd once it has been reaped."""
 
-    def __init__(self, popen: subprocess.Popen, stdout: asyncio.StreamReader, transport: asyncio.BaseTransport):
+    def __init__(self, popen: subprocess.Popen, stdout: asyncio.StreamReader, transport: asyncio.ReadTransport):
         self._popen = popen
         self.pid = popen.pid
         self.stdout = stdout
@@ -50,19 +50,21 @@ class ChildProcess:
         (bench/history/2026-12-01-to-06-wire-speed.md has the probes)."""
         popen = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, env=env, process_group=0, preexec_fn=preexec_fn)
+        out = popen.stdout
+        assert out is not None  # (stdout=PIPE)
         try:  # room for a while of output between reads (hold_output): the default pipe holds 64 KiB
-            fcntl.fcntl(popen.stdout.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+            fcntl.fcntl(out.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         except (AttributeError, OSError):  # not Linux, or over /proc/sys/fs/pipe-max-size
             pass
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=limit, loop=loop)
         try:
             transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
-                                                        popen.stdout)
+                                                        out)
         except BaseException:
             popen.kill()
             popen.wait()
-            popen.stdout.close()
+            out.close()
             raise
         return cls(popen, reader, transport)
 
@@ -78,8 +80,10 @@ class ChildProcess:
 
     def output_waiting(self) -> int:
         """Bytes of the child's output in the pipe, not read yet (0 where that cannot be asked)."""
+        out = self._popen.stdout
+        assert out is not None  # (stdout=PIPE)
         try:
-            return int.from_bytes(fcntl.ioctl(self._popen.stdout.fileno(), termios.FIONREAD, b"\0\0\0\0"),
+            return int.from_bytes(fcntl.ioctl(out.fileno(), termios.FIONREAD, b"\0\0\0\0"),
                                   sys.byteorder)
         except (OSError, ValueError):  # closed, or no FIONREAD here
             return 0
@@ -106,12 +110,16 @@ class ChildProcess:
         except (AttributeError, OSError):  # no pidfd here: a thread of its own waits for the exit
             import threading
 
-            threading.Thread(target=lambda: (self._popen.wait(), self._settle()), daemon=True,
-                             name=f"wait-{self.pid}").start()
+            def wait() -> None:
+                self._popen.wait()
+                self._settle()
+
+            threading.Thread(target=wait, daemon=True, name=f"wait-{self.pid}").start()
             return
         loop.add_reader(self._pidfd, self._on_pidfd)
 
     def _on_pidfd(self) -> None:
+        assert self._pidfd is not None  # (called by the reader _watch added on it)
         asyncio.get_running_loop().remove_reader(self._pidfd)
         self._popen.wait()  # it has exited: this reaps at once
         self._settle()
