@@ -85,6 +85,12 @@ def child_error(status: int, body: str) -> RequestError:
     """The child's error answer as ours: its message, and its status, but for a 500 that is
     one of llama-server's request-checking errors (:data:`_REQUEST_MISTAKES`), which is a 400."""
     message = error_text(body, status)
+    if status >= 500 and message.startswith("Context size has been exceeded"):
+        # (an answer that filled the slot's context: llama-server stops it with a 500 of no cause of its own)
+        return RequestError(400, "the prompt and the answer filled the context the model was loaded with, so the "
+                                 "answer stopped: ask for fewer tokens (max_tokens, num_predict), send a shorter "
+                                 "prompt, or load the model with a larger context (num_ctx)",
+                            "exceed_context_size_error")
     if message.startswith("Failed to initialize samplers"):  # its words, with no reason given
         return RequestError(400, "llama-server could not set up sampling for this request (\"" + message + "\"): "
                                  "check its grammar and its format or response_format (a JSON schema it cannot turn "

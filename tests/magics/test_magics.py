@@ -186,7 +186,8 @@ def test_background_manager_in_plain_ipython(engine, tmp_path, monkeypatch):
 
     for k in ("JUPYTER_LLAMA_URL", "JUPYTER_LLAMA_TOKEN", "JPY_PARENT_PID", "OLLAMA_HOST", "OLLAMA_API_KEY",
               "OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY"):
-        monkeypatch.delenv(k, raising=False)  # (and restored after: %load_ext sets some of them)
+        monkeypatch.setenv(k, "")  # (recorded, so restored after: %load_ext sets some of them)
+        monkeypatch.delenv(k)
     monkeypatch.setenv("JUPYTER_LLAMA_MODELS", str(tmp_path / "models"))
     monkeypatch.setenv("JUPYTER_LLAMA_SERVER", engine.path)
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))

@@ -17,6 +17,7 @@ The test checks them, renders the executed notebook to tests/artifacts/notebooks
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -28,7 +29,6 @@ from nbclient.exceptions import CellExecutionError
 
 from jupyter_llama.client import LlamaClient
 from jupyter_llama.demo import gemma_path
-
 
 
 def notebook_test(func):
@@ -183,7 +183,7 @@ def run_notebook(request, engine, monkeypatch, tmp_path, notebook_timings):
     def run(name: str):
         nb, elapsed, managers = execute(name, lasting)
         with LlamaClient(start=False) as c:  # the manager the kernel used: the notebook left its list as it was
-            left = [m["name"] for m in c.tags()["models"] if m["name"].startswith("nb")]
+            left = [m["name"] for m in c.tags()["models"] if re.match(r"nb\d", m["name"])]
         assert not left, f"{name} left models registered: {left}"
         label = name if request.param == "server" else f"{name} ({request.param})"
         notebook_timings[label] = elapsed
@@ -230,7 +230,8 @@ def test_02_who_decides_gpu_layers(run_notebook):
     assert r["auto_within_budget"] and r["forced_within_budget"]
     assert set(r["workers"]) <= set(r["auto_by_device"]), "the automatic fit used both workers"
     assert r["forced"] == [3, M]
-    for placed, predicted in ((r["auto_by_device"], r["auto_predicted"]), (r["forced_by_device"], r["forced_predicted"])):
+    for placed, predicted in ((r["auto_by_device"], r["auto_predicted"]),
+                              (r["forced_by_device"], r["forced_predicted"])):
         for dev in r["workers"]:
             if placed.get(dev, 0) > MiB:  # a worker with layers on it, not just an empty compute buffer
                 assert abs(predicted[dev] - placed[dev]) / placed[dev] < 0.10, (dev, predicted, placed)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from jupyter_llama.engine.launch import BARE_PROMPT_CHAT_TEMPLATE
 from jupyter_llama.engine.runner import LoadError
 from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.memory import devices as devmod
@@ -55,7 +56,9 @@ async def test_the_runner_comes_from_the_factory_and_its_failure_is_the_loads(tm
             await sched.load("m", LoadOptions(num_ctx=256))
         (path, options, kw), = RefusingRunner.made
         assert path == str(model) and options.num_ctx == 256
-        assert kw == {"binary": "/nonexistent/llama-server", "name": "m", "load_timeout": 7.0}
+        # (the model carries no chat template: its child gets Ollama's default one, the bare prompt)
+        assert kw == {"binary": "/nonexistent/llama-server", "name": "m", "load_timeout": 7.0,
+                      "extra_args": ["--chat-template", BARE_PROMPT_CHAT_TEMPLATE]}
         assert sched.loaded == {} and [e.kind for e in sched.events.history] == ["fit", "load", "error"]
     finally:
         await sched.shutdown()
