@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_llama.engine.worker import LocalWorker
 from jupyter_llama.errors import DoesNotFit
 from jupyter_llama.load_options import LoadOptions
-from jupyter_llama.memory import devices as devmod
 from jupyter_llama.memory.report import DETAILED, HOST, MiB
-from jupyter_llama.procs import process_alive
-from jupyter_llama.scheduler import EventKind, Scheduler, SchedulerSettings
+from jupyter_llama.scheduler import EventKind
 
 pytestmark = pytest.mark.engine
 
@@ -26,44 +23,6 @@ pytestmark = pytest.mark.engine
 # on the last worker and 2 on the first, and the last one ended 13 MiB over its budget.
 WIDE = dict(layers=8, embd=1024, heads=16, kv_heads=4, vocab=32000, ctx=4096, type="q4_0", seed=4)
 OPTS = LoadOptions(num_ctx=2048)
-
-
-@pytest.fixture
-def workers(engine):
-    started: list[LocalWorker] = []
-    if not engine.worker:
-        pytest.fail(f"the engine at {engine.path} has no ggml-rpc-server: "
-                    "rebuild it (jupyter-llama engine build --force)")
-
-    def start(n: int = 2) -> list[LocalWorker]:
-        ws = [LocalWorker(engine) for _ in range(n)]
-        started.extend(ws)
-        return ws
-
-    yield start
-    for w in started:
-        w.stop()
-        assert not w.alive
-
-
-@pytest.fixture
-async def make_scheduler(engine):
-    made: list[Scheduler] = []
-
-    def make(ws: list[LocalWorker], budgets: dict[str, int]) -> Scheduler:
-        s = SchedulerSettings(binary=engine.path, rpc_workers=tuple(w.endpoint for w in ws),
-                              budgets=devmod.Budgets(limits=dict(budgets)), keep_alive=60.0)
-        sched = Scheduler(s)
-        made.append(sched)
-        return sched
-
-    yield make
-    for sched in made:
-        await sched.shutdown()
-        for ev in sched.events.history:
-            pid = ev.data.get("pid")
-            if pid:
-                assert not process_alive(pid)
 
 
 @pytest.fixture

@@ -20,51 +20,12 @@ from jupyter_llama.memory import fitparams as fp
 from jupyter_llama.memory import rpc
 from jupyter_llama.memory.report import DETAILED, HOST, MiB
 from jupyter_llama.procs import process_alive
-from jupyter_llama.scheduler import ModelState, Scheduler, SchedulerSettings
+from jupyter_llama.scheduler import ModelState
 
 pytestmark = pytest.mark.engine
 
 SHAPE = dict(layers=4, embd=512, heads=8, kv_heads=8, ctx=2048, seed=3)  # 24 MB f16, 5 layers with the output
 OPTS = LoadOptions(num_ctx=512, num_parallel=1)
-
-
-@pytest.fixture
-def workers(engine):
-    """Start ``n`` workers on free loopback ports; all are stopped after the test."""
-    started: list[LocalWorker] = []
-    if not engine.worker:
-        pytest.fail(f"the engine at {engine.path} has no ggml-rpc-server: "
-                    "rebuild it (jupyter-llama engine build --force)")
-
-    def start(n: int = 2) -> list[LocalWorker]:
-        ws = [LocalWorker(engine) for _ in range(n)]
-        started.extend(ws)
-        return ws
-
-    yield start
-    for w in started:
-        w.stop()
-        assert not w.alive
-
-
-@pytest.fixture
-async def make_scheduler(engine):
-    made: list[Scheduler] = []
-
-    def make(ws: list[LocalWorker], budgets: dict[str, int] | None = None, **settings) -> Scheduler:
-        s = SchedulerSettings(binary=engine.path, rpc_workers=tuple(w.endpoint for w in ws),
-                              budgets=devmod.Budgets(limits=dict(budgets or {})), keep_alive=60.0, **settings)
-        sched = Scheduler(s)
-        made.append(sched)
-        return sched
-
-    yield make
-    for sched in made:
-        await sched.shutdown()
-        for ev in sched.events.history:
-            pid = ev.data.get("pid")
-            if pid:
-                assert not process_alive(pid)
 
 
 @pytest.fixture

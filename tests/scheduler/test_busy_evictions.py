@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
+from schedutil import wait_for
 
 from jupyter_llama.engine.runner import Runner
 from jupyter_llama.load_options import LoadOptions
@@ -23,13 +23,6 @@ pytestmark = pytest.mark.engine
 OPTS = LoadOptions(num_ctx=256, num_parallel=1)
 BUSY = LoadOptions(num_ctx=512, num_parallel=2)
 
-
-async def wait_for(cond, timeout: float = 60.0) -> None:
-    """Poll ``cond()`` until it holds (a liveness bound, not a speed check)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met"
-        await asyncio.sleep(0.01)
 
 
 def held_load(gate: asyncio.Event, path: str):

@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+from schedutil import wait_for
 
 from jupyter_llama.engine.runner import RunnerCrashed
 from jupyter_llama.load_options import LoadOptions
@@ -20,13 +21,6 @@ pytestmark = pytest.mark.engine
 
 OPTS = LoadOptions(num_ctx=256, num_parallel=1)
 
-
-async def wait_for(cond, timeout: float = 60.0) -> None:
-    """Poll ``cond()`` until it holds (a liveness bound, not a speed check)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met"
-        await asyncio.sleep(0.01)
 
 
 def kill_and_see_it_dead(pid: int) -> None:

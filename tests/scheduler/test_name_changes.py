@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import pytest
+from schedutil import wait_for
 
 from jupyter_llama.engine import runner as runner_module
 from jupyter_llama.engine.process import ChildProcess
@@ -25,13 +25,6 @@ pytestmark = pytest.mark.engine
 
 OPTS = LoadOptions(num_ctx=256, num_parallel=1)
 
-
-async def wait_for(cond, timeout: float = 60.0) -> None:
-    """Poll ``cond()`` until it holds (a liveness bound, not a speed check)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met"
-        await asyncio.sleep(0.005)
 
 
 class Names:
