@@ -161,11 +161,6 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def env_int(name: str, default: int) -> int:
-    value = env(name)
-    return default if value is None else parse_int(value, ENV_PREFIX + name)
-
-
 def parse_bool(value, what: str) -> bool:
     """The one way a setting says yes or no: 1/0, true/false, yes/no, on/off (any case)."""
     if isinstance(value, bool):
@@ -185,11 +180,6 @@ def parse_int(value, what: str) -> int:
         return int(str(value).strip())
     except ValueError:
         raise ConfigError(f"{what}: expected a whole number, got {shown(value)}") from None
-
-
-def env_bool(name: str, default: bool = False) -> bool:
-    value = env(name)
-    return default if value is None else parse_bool(value, ENV_PREFIX + name)
 
 
 def cache_dir() -> Path:

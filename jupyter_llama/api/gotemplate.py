@@ -456,10 +456,6 @@ def _go_string(text: str, it: _Action) -> str:
 # ----------------------------------------------------------------------------- running
 
 
-class _Cut(Exception):
-    pass
-
-
 class _Break(Exception):
     pass
 

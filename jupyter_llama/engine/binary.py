@@ -129,16 +129,6 @@ def cached_builds(backend: str) -> list[Path]:
     return [d for d in found if _complete(d)]
 
 
-def cached_build(backend: str | None = None) -> Path | None:
-    """Our cached build's directory for this machine, or None. Without ``backend``, prefer
-    a GPU build when there is one (:func:`find_engine` also checks that its GPU is here)."""
-    for b in [backend] if backend else ["cuda", "vulkan", "cpu"]:
-        builds = cached_builds(b)
-        if builds:
-            return builds[0]
-    return None
-
-
 def check_runnable(path: str | os.PathLike, timeout: float = 20.0) -> str:
     """Run ``--version``; return its output or raise :class:`EngineBroken` saying why."""
     path = str(path)
