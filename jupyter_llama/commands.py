@@ -788,10 +788,7 @@ def _conversation(args, fe: Frontend) -> RunResult:
         if not line.strip():
             continue
         messages = history + [{"role": "user", "content": line}]
-        result = _generate(args, fe, lambda asked=messages: client.chat(
-            args.model, asked, stream=True, options=_options(args) or None, keep_alive=args.keep_alive,
-            format=args.format, default_options=_length_default(args)),
-                           lambda c: (c.get("message") or {}).get("content", ""))
+        result = _chat_turn(args, fe, client, messages)
         history = messages + [{"role": "assistant", "content": result.text}]
 
 
@@ -810,13 +807,17 @@ def cmd_chat(args, fe: Frontend, body: str | None = None) -> RunResult:
         {"role": "user", "content": prompt}]
     client = fe.client()
     _say_if_no_chat_template(fe, client, args.model)
-    result = _pulled_if_missing(args, fe, lambda: _generate(
-        args, fe, lambda: client.chat(args.model, messages, stream=True, options=_options(args) or None,
-                                      keep_alive=args.keep_alive, format=args.format,
-                                      default_options=_length_default(args)),
-        lambda c: (c.get("message") or {}).get("content", "")))
+    result = _pulled_if_missing(args, fe, lambda: _chat_turn(args, fe, client, messages))
     convo[:] = messages + [{"role": "assistant", "content": result.text}]
     return result
+
+
+def _chat_turn(args, fe: Frontend, client, messages: list[dict]) -> RunResult:
+    """One answer to ``messages``, streamed as ``chat`` and a terminal's conversation show it."""
+    return _generate(args, fe, lambda: client.chat(args.model, messages, stream=True, options=_options(args) or None,
+                                                   keep_alive=args.keep_alive, format=args.format,
+                                                   default_options=_length_default(args)),
+                     lambda c: (c.get("message") or {}).get("content", ""))
 
 
 def cmd_load(args, fe: Frontend):

@@ -91,6 +91,25 @@ class BadRequest(JupyterLlamaError):
     status = 400
 
 
+# On a manager shared by many people (scheduler.fairness): a person's quotas and rights.
+class QuotaExceeded(SchedulerError):
+    """A person's requests at once, or in the last minute, are at their quota: try again later."""
+
+    status = 429
+
+
+class OverMemoryQuota(DoesNotFit):
+    """A load would take this person past their memory or loaded-model quota."""
+
+    status = 507
+
+
+class Forbidden(JupyterLlamaError):
+    """The person may not do this (change the shared library, stop another person's model)."""
+
+    status = 403
+
+
 class EngineError(RuntimeError):
     """Something went wrong with a llama-server child; the message is for the user."""
 

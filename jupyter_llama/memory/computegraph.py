@@ -540,12 +540,9 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
             out = add(Tensor("moe_out", E * rows * F32, "CONT", [out]))
         return out
 
-    def moe(il: int, ly: LayerShape, rows: int, norm: Tensor,
-            hand_off: bool = False) -> tuple[Tensor | None, Tensor | None]:
-        """``build_moe_ffn``: the router's soft-max, the top experts, their weights normalised,
-        then gate, up and down for each chosen expert of each token, weighted and summed.
-        Returns (the sum, None), or (None, the weights) when the sum runs on the next device,
-        or with ``hand_off`` (the experts' outputs, the weights): the next device sums them."""
+    def router(ly: LayerShape, rows: int, norm: Tensor) -> tuple[Tensor, Tensor]:
+        """The router of ``build_moe_ffn``: its soft-max, the top experts of each token, and
+        their weights normalised. Returns (the top experts' ids, the weights)."""
         X, k = ly.n_expert, ly.n_expert_used
         logits = add(Tensor("moe_logits", X * rows * F32, "MUL_MAT", [weight("gate_inp"), norm]))
         probs = add(Tensor("moe_probs", X * rows * F32, "SOFT_MAX", [logits]))
@@ -555,7 +552,16 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
         w2 = view(w)
         wsum = add(Tensor("moe_weights_sum", rows * F32, "SUM_ROWS", [w2]))
         wsum = add(Tensor("moe_weights_sum_clamped", rows * F32, "CLAMP", [wsum]))
-        w = add(Tensor("moe_weights_norm", k * rows * F32, "DIV", [w2, wsum]))
+        return topk, add(Tensor("moe_weights_norm", k * rows * F32, "DIV", [w2, wsum]))
+
+    def moe(il: int, ly: LayerShape, rows: int, norm: Tensor,
+            hand_off: bool = False) -> tuple[Tensor | None, Tensor | None]:
+        """``build_moe_ffn``: the router (:func:`router`), then gate, up and down for each
+        chosen expert of each token, weighted and summed. Returns (the sum, None), or (None,
+        the weights) when the sum runs on the next device, or with ``hand_off`` (the experts'
+        outputs, the weights): the next device sums them."""
+        k = ly.n_expert_used
+        topk, w = router(ly, rows, norm)
         if hand_off:
             return experts_ffn(ly, rows, view(norm), topk), view(w)
         if il not in experts:
@@ -595,16 +601,8 @@ def build_llama_graph(plan: GraphPlan, n_tokens: int, n_outputs: int, *, layers:
         if kind != "up" or not ly.n_expert:
             residual = add(Tensor("ffn_inp(copy)", E * rows * F32, "COPY_IN"))
         if ly.n_expert:
-            X, k = ly.n_expert, ly.n_expert_used
-            logits = add(Tensor("moe_logits", X * rows * F32, "MUL_MAT", [weight("gate_inp"), x]))
-            probs = add(Tensor("moe_probs", X * rows * F32, "SOFT_MAX", [logits]))
-            order = add(Tensor("moe_argsort", X * rows * 4, "ARGSORT", [probs]))
-            topk = view(order)
-            w = add(Tensor("moe_weights", k * rows * F32, "GET_ROWS", [view(probs), topk]))
-            w2 = view(w)
-            wsum = add(Tensor("moe_weights_sum", rows * F32, "SUM_ROWS", [w2]))
-            wsum = add(Tensor("moe_weights_sum_clamped", rows * F32, "CLAMP", [wsum]))
-            w = add(Tensor("moe_weights_norm", k * rows * F32, "DIV", [w2, wsum]))
+            k = ly.n_expert_used
+            topk, w = router(ly, rows, x)
             if kind == "up":  # the up projection and the activation run with the layer, in between
                 F = ly.n_ff_exp
                 gate = add(Tensor("moe_gate", F * k * rows * F32, "MUL_MAT_ID", [weight("gate_exps"), x3, topk]))

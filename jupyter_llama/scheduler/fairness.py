@@ -30,11 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..config import ConfigError, parse_size
-from ..errors import DoesNotFit, JupyterLlamaError, SchedulerError
 from ..memory.report import format_bytes
 
 __all__ = [
-    "Who", "Quota", "QuotaTable", "QuotaExceeded", "OverMemoryQuota", "Forbidden",
+    "Who", "Quota", "QuotaTable",
     "parse_quotas", "quota_for", "rate_refusal", "concurrent_refusal", "load_refusal",
     "round_robin", "private_namespace", "private_owner", "fair_eviction_order", "over_share", "Holding",
     "ANY_DEVICE",
@@ -43,24 +42,6 @@ __all__ = [
 
 ANY_DEVICE = "*"  # a memory quota's key that applies on every device without one of its own
 RATE_WINDOW_S = 60.0  # "requests a minute" counts the requests of the last so many seconds
-
-
-class QuotaExceeded(SchedulerError):
-    """Too many requests at once, or too many in the last minute: try again later."""
-
-    status = 429
-
-
-class OverMemoryQuota(DoesNotFit):
-    """A load would take this person past their memory or loaded-model quota."""
-
-    status = 507
-
-
-class Forbidden(JupyterLlamaError):
-    """The person may not do this (change the shared library, stop another person's model)."""
-
-    status = 403
 
 
 @dataclass(frozen=True)

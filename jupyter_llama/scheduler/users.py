@@ -26,9 +26,8 @@ import collections
 import time
 from typing import TYPE_CHECKING, Callable
 
+from ..errors import OverMemoryQuota, QuotaExceeded
 from .fairness import (
-    OverMemoryQuota,
-    QuotaExceeded,
     QuotaTable,
     Who,
     concurrent_refusal,

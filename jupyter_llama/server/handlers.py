@@ -67,14 +67,13 @@ from ..api.ollama import ndjson
 from ..api.options import split_options
 from ..config import ConfigError
 from ..engine.runner import EngineError, RequestError, RunnerCrashed, reserve_for
-from ..errors import JupyterLlamaError, NoSuchRoute, NotLoaded, NotSupported
+from ..errors import Forbidden, JupyterLlamaError, NoSuchRoute, NotLoaded, NotSupported
 from ..load_options import LoadOptionsError
 from ..models.gguf_info import GGUFError, read_arrays, read_gguf_info
 from ..models.names import plainly_a_path, same_model
 from ..models.pull import PullError, derive_name, pull_stream
 from ..models.store import LOCAL_KEY_FILE_HEADER, LOCAL_KEY_HEADER, PathNotAllowed, local_caller
 from ..scheduler import BadRequest, ModelNotFound
-from ..scheduler.fairness import Forbidden
 
 if TYPE_CHECKING:
     from .app import LlamaExtension

