@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .commands import EXIT_USAGE, CommandError, Frontend, RunResult, _HelpShown, build_parser, execute
+
+if TYPE_CHECKING:
+    from .client import LlamaClient
 
 EXIT_INTERRUPTED = 130  # (128 + SIGINT, as a shell reports a command that Ctrl-C stopped)
 
@@ -44,8 +47,8 @@ class TerminalFrontend(Frontend):
     def __init__(self, url: str | None = None, token: str | None = None):
         self.url, self.token = url, token
         self.namespace = None
-        self._conversations: dict | None = None
-        self._client = None
+        self._conversations: dict[str, list[dict]] | None = None
+        self._client: LlamaClient | None = None
 
     # A shell's conversations outlive each command (`chat --conversation NAME`), in a file of
     # this user's beside the background manager's state (a notebook's live in its kernel).
@@ -56,7 +59,7 @@ class TerminalFrontend(Frontend):
         return state_dir() / "jupyter-llama-conversations.json"
 
     @property
-    def conversations(self) -> dict:
+    def conversations(self) -> dict[str, list[dict]]:
         if self._conversations is None:
             import json
 
@@ -66,6 +69,10 @@ class TerminalFrontend(Frontend):
                 data = {}
             self._conversations = data if isinstance(data, dict) else {}
         return self._conversations
+
+    @conversations.setter
+    def conversations(self, value: dict[str, list[dict]]) -> None:
+        self._conversations = value
 
     def save_conversations(self, touched: str | None) -> None:
         """Write conversation ``touched`` back, when a command has changed it: into the file

@@ -82,7 +82,7 @@ def _chunks(pieces, final=None, delay=0.0, interrupt_after=None):
 
 @pytest.fixture
 def no_placement(monkeypatch):
-    monkeypatch.setattr(commands, "_placement", lambda fe, model: "")  # (it asks a manager; there is none here)
+    monkeypatch.setattr(commands.run, "_placement", lambda fe, model: "")  # (it asks a manager; there is none here)
 
 
 def test_a_load_is_said_only_when_one_happened(no_placement, capsys):

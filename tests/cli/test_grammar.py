@@ -74,7 +74,7 @@ def test_a_shell_is_told_when_an_answer_waits_for_its_model_to_load(monkeypatch,
     from jupyter_llama import commands
     from jupyter_llama.cli import TerminalFrontend
 
-    monkeypatch.setattr(commands, "LOADING_NOTE_AFTER", 0.05)
+    monkeypatch.setattr(commands.run, "LOADING_NOTE_AFTER", 0.05)
     args = argparse.Namespace(model="slow", raw=False, stats=False)
 
     def chunks(delay):
@@ -84,7 +84,7 @@ def test_a_shell_is_told_when_an_answer_waits_for_its_model_to_load(monkeypatch,
             yield {"response": "", "done": True, "eval_count": 1}
         return gen
 
-    monkeypatch.setattr(commands, "_placement", lambda fe, model: "")  # (it asks a manager; there is none here)
+    monkeypatch.setattr(commands.run, "_placement", lambda fe, model: "")  # (it asks a manager; there is none here)
     fe = TerminalFrontend()
     result = commands._generate(args, fe, chunks(0.4), lambda c: c.get("response", ""))
     err = capsys.readouterr().err

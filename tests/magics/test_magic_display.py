@@ -31,7 +31,7 @@ def magics(shell):
 
 
 def test_the_stop_button_leaves_the_text_and_one_line(shell, magics, monkeypatch, capsys):
-    monkeypatch.setattr(commands, "_placement", lambda fe, model: "")  # (it asks a manager; there is none here)
+    monkeypatch.setattr(commands.run, "_placement", lambda fe, model: "")  # (it asks a manager; there is none here)
     magics.update_interval = 3600  # (only the first piece is shown as it comes: the stop must show the rest)
     closed = []
 
