@@ -113,7 +113,11 @@ def test_an_embedded_manager_is_found_by_no_other_tool_and_counts_only_itself(al
 def test_the_background_manager_exits_by_itself_when_idle(alone):
     env = dict(alone, JUPYTER_LLAMA_MANAGER_IDLE="1s")
     assert cli(env, "ps").returncode == 0  # (starts it: status only looks)
-    pid = status(env)["pid"]
+    # Its PID from the state file, which outlives it: asking `status` takes a second Python
+    # start, by which time a manager idle for 1 s may already be gone.
+    from jupyter_llama.background import STATE_NAME
+
+    pid = json.loads((Path(env["JUPYTER_LLAMA_MANAGER_DIR"]) / STATE_NAME).read_text())["pid"]
     deadline = time.monotonic() + 60
     while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)

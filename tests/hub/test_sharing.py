@@ -3,7 +3,6 @@ who holds what (ps, events, /metrics), each as the Hub's users see it."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -90,16 +89,29 @@ def test_requests_over_their_quotas(hub):
         r = generate(dave, "tiny")
         assert r.status_code == 429, r.text
         assert "quota 'per_minute' (user dave) allows (3)" in r.json()["error"]
-    with hub.client("erin") as erin:  # concurrent 1: a second request while her first streams
-        with erin.stream("POST", "api/generate", json={"model": "tiny", "prompt": "hi",
-                                                       "options": {"num_predict": 64, "num_ctx": 256}}) as first:
-            assert first.status_code == 200
-            lines = first.iter_lines()
-            assert json.loads(next(lines))["done"] is False
+    # erin's concurrent 1: a second request while her first is in flight. The first is held
+    # there by stopping the model's child (a short answer may otherwise end before the second
+    # is sent), as in test_turns_go_round_the_users.
+    with hub.client("admin") as admin:
+        pid = by_name(admin.get("api/ps").json())["tiny:latest"]["pid"]
+    first: list[int] = []
+
+    def ask_first() -> None:
+        with hub.client("erin") as c:
+            first.append(generate(c, "tiny").status_code)
+
+    with hub.client("erin") as erin:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            holder = threading.Thread(target=ask_first)
+            holder.start()
+            _until(lambda: erin.get("api/me").json()["in_flight"] == 1)
             r = generate(erin, "tiny")
-            assert r.status_code == 429 and "quota 'concurrent' (user erin)" in r.json()["error"]
-            for _ in lines:
-                pass
+            assert r.status_code == 429 and "quota 'concurrent' (user erin)" in r.json()["error"], r.text
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        holder.join(120)
+        assert first == [200]
         assert generate(erin, "tiny").status_code == 200  # her first has finished
     with hub.client("erin") as erin:
         me = erin.get("api/me").json()
