@@ -32,7 +32,7 @@ import errno
 import json
 import re
 import socket
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncGenerator, Awaitable, Callable
 
 from ..errors import RequestError
 
@@ -41,8 +41,9 @@ __all__ = ["BadResponse", "post", "post_lines", "request_json", "relay_sse", "ss
 CONNECT_TIMEOUT_S = 5.0
 
 # What a line callback gets (complete lines, without line ends; no lines at all, once, when an
-# answer of status below 400 has begun and none of its lines came with its head) and may return.
-LineSink = Callable[[list[bytes]], "Awaitable | None"]
+# answer of status below 400 has begun and none of its lines came with its head) and may return
+# (a future that, while pending, pauses reading).
+LineSink = Callable[[list[bytes]], "asyncio.Future | None"]
 
 
 class BadResponse(ValueError):
@@ -151,11 +152,12 @@ class _LineProtocol(asyncio.Protocol):
         if self.request:  # what the socket did not take in send_now
             transport.write(self.request)
 
-    def send_now(self) -> None:
-        """Write the request to the connected socket now, before the transport exists; what
+    def send_now(self, sock: socket.socket) -> None:
+        """Write the request to ``sock``, connected, now, before the transport exists; what
         it does not take, the transport writes once made."""
+        self.sock = sock
         try:
-            sent = self.sock.send(self.request)
+            sent = sock.send(self.request)
         except OSError:  # a full buffer, or a broken connection, which the transport then reports
             sent = 0
         self.request = self.request[sent:]
@@ -288,6 +290,7 @@ class _LineProtocol(asyncio.Protocol):
         if waiting.done():
             self._resume(waiting, reading=True)
             return
+        assert self.transport is not None  # (lines come only once the connection is made)
         self.transport.pause_reading()  # the sink's reader is behind: wait for it
         waiting.add_done_callback(self._resume)
 
@@ -299,6 +302,7 @@ class _LineProtocol(asyncio.Protocol):
             self._fail(exc)
             return
         if not reading:
+            assert self.transport is not None  # (reading paused in _deliver, on this transport)
             self.transport.resume_reading()
 
     def hang_up(self) -> None:
@@ -319,6 +323,7 @@ class _LineProtocol(asyncio.Protocol):
             self._fail(e)
             return
         self.done.set_result(None)
+        assert self.transport is not None  # (the body ended on it)
         self.transport.close()
 
     def _fail(self, exc: BaseException) -> None:
@@ -359,8 +364,7 @@ def _connect(proto: _LineProtocol, host: str, port: int) -> asyncio.Task:
     sock = _connect_now(host, port)
     if sock is None:
         return loop.create_task(loop.create_connection(lambda: proto, host, port))
-    proto.sock = sock
-    proto.send_now()
+    proto.send_now(sock)
     task = loop.create_task(loop.create_connection(lambda: proto, sock=sock))
     task.add_done_callback(proto.close_unused_socket)
     return task
@@ -383,7 +387,7 @@ async def post(port: int, path: str, body: bytes | None, headers: dict[str, str]
         raise
 
 
-def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"], named: bool = False) -> LineSink:
+def sse_sink(on_data: LineSink, named: bool = False) -> LineSink:
     """A line sink that passes on the data of each server-sent event (JSON bytes, untouched)
     and raises RequestError for an error event; ``[DONE]`` and other lines are dropped. The
     answer's beginning (a batch of no lines) goes on as an empty batch of data.
@@ -396,7 +400,7 @@ def sse_sink(on_data: Callable[[list[bytes]], "Awaitable | None"], named: bool =
 
     def sink(lines: list[bytes]):
         nonlocal name
-        data = []
+        data: list[bytes] = []
         for line in lines:
             if line.startswith(b"data: "):
                 d = line[6:]
@@ -443,7 +447,7 @@ def sse_request(payload: dict, api_key: str) -> tuple[bytes, dict[str, str]]:
 
 
 async def relay_sse(port: int, path: str, payload: dict, api_key: str,
-                    on_data: Callable[[list[bytes]], "Awaitable | None"], named: bool = False) -> None:
+                    on_data: LineSink, named: bool = False) -> None:
     """POST ``payload`` (with ``stream: true``) to a llama-server on 127.0.0.1:``port``; each
     batch of events' data goes to ``on_data`` as it arrives (see the module's docstring);
     ``named``: events with their names (see :func:`sse_sink`)."""
@@ -451,7 +455,7 @@ async def relay_sse(port: int, path: str, payload: dict, api_key: str,
     await post(port, path, body, headers, sse_sink(on_data, named))
 
 
-async def _iterate(start: Callable[[LineSink], Awaitable[None]], backlog: int = 256) -> AsyncIterator[bytes]:
+async def _iterate(start: Callable[[LineSink], Awaitable[None]], backlog: int = 256) -> AsyncGenerator[bytes, None]:
     """An async iterator over what a callback-fed request delivers. Reading from the
     connection pauses while more than ``backlog`` items wait for the consumer."""
     queue: collections.deque[bytes] = collections.deque()
@@ -513,17 +517,17 @@ async def request_json(port: int, path: str, payload=None, headers: dict[str, st
 
 
 def post_lines(port: int, path: str, body: bytes, headers: dict[str, str] | None = None,
-               host: str = "127.0.0.1") -> AsyncIterator[bytes]:
+               host: str = "127.0.0.1") -> AsyncGenerator[bytes, None]:
     """:func:`post` as an async iterator of the answer's lines."""
     return _iterate(lambda sink: post(port, path, body, headers, sink, host))
 
 
-def sse_data(port: int, path: str, payload: dict, api_key: str = "") -> AsyncIterator[bytes]:
+def sse_data(port: int, path: str, payload: dict, api_key: str = "") -> AsyncGenerator[bytes, None]:
     """:func:`relay_sse` as an async iterator of each event's data (JSON bytes, untouched)."""
     return _iterate(lambda sink: relay_sse(port, path, payload, api_key, sink))
 
 
-async def sse_events(port: int, path: str, payload: dict, api_key: str = "") -> AsyncIterator[dict]:
+async def sse_events(port: int, path: str, payload: dict, api_key: str = "") -> AsyncGenerator[dict, None]:
     """:func:`sse_data`, each event's JSON object parsed."""
     events = sse_data(port, path, payload, api_key)
     try:

@@ -28,7 +28,7 @@ import socket
 import time
 import weakref
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncGenerator, Awaitable, overload
 
 from ..errors import BadRequest, EngineError, RequestError
 from ..load_options import LoadOptions
@@ -199,6 +199,12 @@ class Runner:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def _child_port(self) -> int:
+        """The port of the child: only asked for once a child was started (``_spawn`` sets it)."""
+        assert self.port is not None, "the runner has not started a child"
+        return self.port
 
     @property
     def serving(self) -> bool:
@@ -386,7 +392,7 @@ class Runner:
 
     async def _health_ok(self, timeout: float = HEALTH_TIMEOUT_S) -> bool:
         try:
-            body = await http1.request_json(self.port, "/health", None, self._headers(), timeout=timeout)
+            body = await http1.request_json(self._child_port, "/health", None, self._headers(), timeout=timeout)
         except (RequestError, ValueError, *_TRANSPORT_ERRORS):
             return False
         return isinstance(body, dict) and body.get("status") == "ok"
@@ -461,14 +467,15 @@ class Runner:
         RequestError; a broken connection says whether the child is gone."""
         self._check_ready()
         try:
-            return await self._watched(http1.request_json(self.port, path, self._windows(payload), self._headers()))
+            return await self._watched(http1.request_json(self._child_port, path, self._windows(payload),
+                                                          self._headers()))
         except _TRANSPORT_ERRORS as e:  # (answered whole or not at all: nothing went to the caller)
             raise await self._after_transport_error(e, answered=False) from None
         except ValueError as e:  # not the JSON llama-server answers with
             raise EngineError(f"llama-server for {self.name} answered {path} with something that is not JSON "
                               f"({e})") from None
 
-    def stream_sse(self, path: str, payload: dict) -> AsyncIterator[dict]:
+    def stream_sse(self, path: str, payload: dict) -> AsyncGenerator[dict, None]:
         """POST with ``stream: true``; yield each server-sent event's JSON object.
 
         Closing the iterator (or cancelling its consumer) closes the connection, which
@@ -479,7 +486,13 @@ class Runner:
         more CPU than the rest of the relay together (bench/api_overhead.py; the CPU it takes
         is taken from the child, which uses every core).
         """
-        return self._guarded(sse_events(self.port, path, self._windows(payload), self.api_key))
+        return self._guarded(path, self._windows(payload))
+
+    @overload
+    def _windows(self, payload: dict) -> dict: ...
+
+    @overload
+    def _windows(self, payload: None) -> None: ...
 
     def _windows(self, payload: dict | None) -> dict | None:
         """``payload`` with a penalty window of -1 (Ollama's "the whole context", for
@@ -494,8 +507,11 @@ class Runner:
             return {k: v for k, v in payload.items() if not (k in windows and v == -1)}
         return {**payload, **{k: n_ctx for k in windows if payload.get(k) == -1}}
 
-    async def _guarded(self, events: AsyncIterator) -> AsyncIterator:
+    async def _guarded(self, path: str, payload: dict) -> AsyncGenerator[dict, None]:
+        """:func:`.http1.sse_events`, once the child is known to be ready; a broken connection
+        says whether the child is gone."""
         self._check_ready()
+        events = sse_events(self._child_port, path, payload, self.api_key)
         answered = False
         try:  # closing this iterator closes the child's connection at once, not at garbage collection
             async with contextlib.aclosing(events) as evs:
@@ -523,8 +539,8 @@ class Runner:
             return on_data(batch)
 
         try:
-            await self._watched(http1.relay_sse(self.port, path, self._windows(payload), self.api_key, progressing,
-                                                named), last)
+            await self._watched(http1.relay_sse(self._child_port, path, self._windows(payload), self.api_key,
+                                                progressing, named), last)
         except _TRANSPORT_ERRORS as e:
             raise await self._after_transport_error(e, answered[0]) from None
 
@@ -542,6 +558,7 @@ class Runner:
         loop = asyncio.get_running_loop()
         last = last if last is not None else [loop.time()]
         task = asyncio.current_task()
+        assert task is not None  # (a coroutine awaited in the event loop runs in a task)
         verdict: list[RunnerCrashed] = []
         cancelled: list[bool] = []  # the watch cancelled the request (and so may take it back)
         waiting = True  # still in ``await coro`` (the watch may cancel only that)
@@ -569,6 +586,8 @@ class Runner:
             if waiting:
                 cancelled.append(True)
                 task.cancel()
+
+        timer: asyncio.TimerHandle  # the check that is due next (set below, moved on by due)
 
         def due() -> None:
             nonlocal timer, watch
@@ -664,9 +683,10 @@ class Runner:
         else:
             if not n_ctx:
                 return prompt
-            tokens = await self._tokens_over(prompt, most)
-            if tokens is None:
+            over = await self._tokens_over(prompt, most)
+            if over is None:
                 return prompt
+            tokens = over
             what = "the prompt is"
         if not truncate:
             raise BadRequest(f"{what} {len(tokens)} tokens, longer than the context of {self.name} "
@@ -714,19 +734,19 @@ class Runner:
             return [], 0
         # the longest input: the request's context, and the micro-batch, which takes an input whole
         n_ctx, n_batch = self._request_ctx(), self.parser.n_ubatch
-        most = min(n_ctx, n_batch) if n_ctx and n_batch else n_ctx or n_batch
+        most = (min(n_ctx, n_batch) if n_ctx and n_batch else n_ctx or n_batch) or 0  # (0: neither is known)
         content: list = list(inputs)
         for i, text in enumerate(inputs if most else ()):
-            tokens = await self._tokens_over(text, most)
-            if tokens is None:
+            over = await self._tokens_over(text, most)
+            if over is None:
                 continue
             if not truncate:
                 what = (f"the context of {self.name} ({most})" if most == n_ctx else f"the batch of {self.name} "
                         f"({most}: an input is embedded in one batch, no longer than the context)")
-                raise BadRequest(f"input {i} is {len(tokens)} tokens, longer than {what}; split it, load the model "
+                raise BadRequest(f"input {i} is {len(over)} tokens, longer than {what}; split it, load the model "
                                  f"with a larger {'num_ctx' if most == n_ctx else 'num_ctx or num_batch'}, or allow "
                                  "truncate")
-            content[i] = tokens[:most]
+            content[i] = over[:most]
         try:
             res = await self.post("/embedding", {"content": content})
         except RequestError as e:
@@ -749,13 +769,13 @@ class Runner:
                 break
         return vectors, tokens
 
-    def completion(self, prompt: str | list, **params) -> AsyncIterator[dict]:
+    def completion(self, prompt: str | list, **params) -> AsyncGenerator[dict, None]:
         """Stream llama-server's native ``/completion`` chunks (``content``, ``stop``, ``timings``); the
         prompt is text, or token ids (a prompt cut to the context), or ids then a text (see
         :meth:`fit_to_context`)."""
         return self.stream_sse("/completion", {"prompt": prompt, **params})
 
-    def chat(self, messages: list[dict], **params) -> AsyncIterator[dict]:
+    def chat(self, messages: list[dict], **params) -> AsyncGenerator[dict, None]:
         """Stream OpenAI-style ``/v1/chat/completions`` chunks."""
         return self.stream_sse("/v1/chat/completions", {"messages": messages, **params})
 
