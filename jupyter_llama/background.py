@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import httpx
 
@@ -42,7 +42,7 @@ class Manager(NamedTuple):
     """Where the background manager is (``client.find_server`` makes a ServerInfo of it)."""
 
     url: str  # its API root, ending in "llama/"
-    token: str
+    token: str | None  # (as its state file has it; a manager it started has one)
     pid: int
     source: str  # in words, for `jupyter-llama status`
     unlike: str | None = None  # how its settings differ from this process's (see settings_unlike)
@@ -91,6 +91,14 @@ def _state_path() -> Path:
 
 def _where() -> str:
     return "JUPYTER_LLAMA_MANAGER_DIR" if env("MANAGER_DIR") else "Jupyter's runtime folder (JUPYTER_RUNTIME_DIR)"
+
+
+@overload
+def _state_folder(make: Literal[True]) -> Path: ...
+
+
+@overload
+def _state_folder(make: bool) -> Path | None: ...
 
 
 def _state_folder(make: bool) -> Path | None:

@@ -483,6 +483,17 @@ def _local_key(r: httpx.Response) -> str | None:
         return None
 
 
+def _prove_local(headers: httpx.Headers, r: httpx.Response) -> bool:
+    """Asked to prove this client runs as the server's user: send the key from now on (in
+    ``headers``, its HTTP client's)."""
+    from .models.store import LOCAL_KEY_HEADER
+
+    key = None if LOCAL_KEY_HEADER in headers else _local_key(r)
+    if key:
+        headers[LOCAL_KEY_HEADER] = key
+    return key is not None
+
+
 def _unreachable(url: str, e: Exception) -> ServerNotFound:
     return ServerNotFound(f"cannot reach the jupyter-llama server at {url}: {e}; {HOW_TO_START}")
 
@@ -532,15 +543,6 @@ class LlamaClient(_Routes):
     def _do(self, call: _Call):
         return self._stream(call) if call.stream else self._json(call)
 
-    def _prove_local(self, r: httpx.Response) -> bool:
-        """Asked to prove this client runs as the server's user: send the key from now on."""
-        from .models.store import LOCAL_KEY_HEADER
-
-        key = None if LOCAL_KEY_HEADER in self._http.headers else _local_key(r)
-        if key:
-            self._http.headers[LOCAL_KEY_HEADER] = key
-        return key is not None
-
     def _json(self, call: _Call, again: bool = True):
         try:
             r = self._http.request(call.method, call.path, json=call.body, params=call.params)
@@ -548,7 +550,7 @@ class LlamaClient(_Routes):
             if again and self._found_again():
                 return self._json(call, again=False)
             raise _unreachable(self.url, e) from None
-        if r.status_code == 400 and self._prove_local(r):
+        if r.status_code == 400 and _prove_local(self._http.headers, r):
             return self._json(call, again)
         if r.status_code >= 400:
             raise _error(r.status_code, _message_of(r.content, r.status_code))
@@ -557,7 +559,7 @@ class LlamaClient(_Routes):
     def _stream(self, call: _Call, again: bool = True) -> Iterator[dict]:
         try:
             with self._http.stream(call.method, call.path, json=call.body, params=call.params) as r:
-                proven = r.status_code == 400 and self._prove_local(r)
+                proven = r.status_code == 400 and _prove_local(self._http.headers, r)
                 if not proven and r.status_code >= 400:
                     raise _error(r.status_code, _message_of(r.read(), r.status_code))
                 if not proven:
@@ -640,8 +642,6 @@ class AsyncLlamaClient(_Routes):
     def _do(self, call: _Call):
         return self._stream(call) if call.stream else self._json(call)
 
-    _prove_local = LlamaClient._prove_local
-
     async def _json(self, call: _Call, again: bool = True):
         try:
             r = await self._http.request(call.method, call.path, json=call.body, params=call.params)
@@ -649,7 +649,7 @@ class AsyncLlamaClient(_Routes):
             if again and await self._found_again():
                 return await self._json(call, again=False)
             raise _unreachable(self.url, e) from None
-        if r.status_code == 400 and self._prove_local(r):
+        if r.status_code == 400 and _prove_local(self._http.headers, r):
             return await self._json(call, again)
         if r.status_code >= 400:
             raise _error(r.status_code, _message_of(r.content, r.status_code))
@@ -658,7 +658,7 @@ class AsyncLlamaClient(_Routes):
     async def _stream(self, call: _Call, again: bool = True) -> AsyncIterator[dict]:
         try:
             async with self._http.stream(call.method, call.path, json=call.body, params=call.params) as r:
-                proven = r.status_code == 400 and self._prove_local(r)
+                proven = r.status_code == 400 and _prove_local(self._http.headers, r)
                 if not proven and r.status_code >= 400:
                     raise _error(r.status_code, _message_of(await r.aread(), r.status_code))
                 if not proven:

@@ -36,9 +36,12 @@ def main() -> None:
         store.synth("demo", layers=4, embd=256, heads=4, kv_heads=2, ctx=4096, seed=7)
     if STORIES.is_file() and not store.exists("stories"):
         store.create("stories", STORIES)
-    gemma = store.exists(GEMMA) or gemma_path()
-    if gemma and not store.exists(GEMMA):
-        store.create(GEMMA, gemma)
+    gemma = store.exists(GEMMA)
+    if not gemma:
+        path = gemma_path()
+        if path:
+            store.create(GEMMA, path)
+            gemma = True
     names = ", ".join(e.display for e in store.list())
     print(f"demo models in {store.root}: {names}")
     if gemma:

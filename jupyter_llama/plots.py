@@ -14,6 +14,7 @@ are shown in MiB or GiB, whichever reads better for the data.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
@@ -108,11 +109,11 @@ def plot_memory(reports: Mapping[str, MemoryReport], *, title: str | None = None
             rep = reports[src]
             x = di + (si - (len(sources) - 1) / 2) * width
             bottom = 0.0
-            top = ceiling / scale if ceiling is not None else None
+            top = ceiling / scale if ceiling is not None else math.inf
             # A bar beyond the axis is drawn to scale and cut at the axis's top, but its last
             # part keeps the top band of the bar, so it stays in sight (on the coarse estimate,
             # the batch allowance the note explains, above its cut KV cache).
-            cut = top is not None and totals[(src, dev)] / scale > top
+            cut = totals[(src, dev)] / scale > top
             parts = [c for c in comps if rep.get(dev, c)]
             for c in comps:
                 v = rep.get(dev, c) / scale
@@ -256,16 +257,17 @@ def plot_sweep(result: SweepResult, *, budget: int | None = None, sources: Seque
     if not result.points:
         raise ValueError("the sweep has no points")
     sources = list(sources or _ordered_sources(result.points[0].reports))
-    numeric = all(isinstance(p.value, (int, float)) for p in result.points)
-    xs = [p.value for p in result.points] if numeric else list(range(len(result.points)))
+    numbers = [p.value for p in result.points if isinstance(p.value, (int, float))]
+    numeric = len(numbers) == len(result.points)
+    xs: Sequence[float] = numbers if numeric else list(range(len(result.points)))
     peak = max([p.total(s) or 0 for p in result.points for s in sources] + [budget or 0])
-    values = [p.total(s) for p in result.points for s in sources if p.total(s)]
+    values = [t for p in result.points for s in sources if (t := p.total(s))]
     log_y = bool(values) and max(values) / min(values) > 50  # e.g. coarse's 2 GiB beside a few MiB measured
     scale, unit = unit_for(min(values + [budget] if budget else values) if log_y else peak)
     fig = _figure(figsize)
     ax = fig.add_subplot()
     for src in sources:
-        ys = [(p.total(src) / scale) if p.total(src) is not None else None for p in result.points]
+        ys = [(t / scale) if (t := p.total(src)) is not None else None for p in result.points]
         pts = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
         if not pts:
             continue

@@ -30,7 +30,7 @@ import datetime as _dt
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import BadRequest
 
@@ -89,6 +89,7 @@ def _tokens(body: str, where: int) -> list[_Tok]:
         if m is None:
             raise TemplateSyntaxError(f"template: unexpected {body[i]!s} in action at character {where + i}")
         kind = m.lastgroup
+        assert kind is not None  # every alternative of _TOKEN is a named group
         if kind == "varchain":
             kind = "var"
         text = m.group(0)
@@ -272,7 +273,7 @@ class _Parser:
         self.i = 0
         self.loops = 0
 
-    def fail(self, act: _Action, msg: str):
+    def fail(self, act: _Action, msg: str) -> NoReturn:
         raise TemplateSyntaxError(f"template (line {act.line}): {msg}")
 
     def parse_list(self, stop: tuple[str, ...]) -> tuple[list, _Action | None]:
@@ -581,7 +582,7 @@ def _call(name: str, args: list):
 
 
 class _Run:
-    def __init__(self, root):
+    def __init__(self, root: Any) -> None:
         self.out: list[str] = []
         self.root = root
         self.scopes: list[dict] = [{"$": root}]
@@ -768,7 +769,7 @@ def _prints_response(n) -> bool:
 def _cut(nodes: list, state: list[bool]) -> list:
     """The nodes up to and including the first action that prints ``.Response``, in the order
     they are written (Ollama's cut of the last exchange: the answer follows it)."""
-    out = []
+    out: list = []
     for n in nodes:
         if state[0]:
             break
@@ -834,7 +835,7 @@ class GoTemplate:
     def parse(cls, text: str) -> "GoTemplate":
         parser = _Parser(_split(text))
         nodes, _ = parser.parse_list(())
-        names = set()
+        names: set[str] = set()
         for p in _pipes(nodes):
             for op in _pipe_fields(p):
                 names.update(x.lower() for x in op.chain)

@@ -486,7 +486,7 @@ class UsageMend(Mend):
 
     _USAGE = b'"usage":'  # (only a chunk with a usage has it: in a text, the quotes are escaped)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.usages: list[dict] = []
         self.last: dict = {}
 

@@ -223,7 +223,7 @@ def split_options(options: dict | None) -> SplitOptions:
         elif name in LOAD_OPTIONS:
             if value is None:
                 continue
-            v = _option_value(name, parameter_kind(name), value)
+            v = _option_value(name, _load_kind(name), value)
             if name == "kv_cache_type":
                 out.load.setdefault("cache_type_k", v)
                 out.load.setdefault("cache_type_v", v)
@@ -291,8 +291,13 @@ def parameter_kind(name: str) -> str | None:
     if name in SAMPLING_OPTIONS:
         return SAMPLING_OPTIONS[name][1]
     if name in LOAD_OPTIONS:
-        return _LOAD_KINDS.get(name, "int")
+        return _load_kind(name)
     return None
+
+
+def _load_kind(name: str) -> str:
+    """The kind of a load option's value (one of :data:`LOAD_OPTIONS`): ``int`` unless it says otherwise."""
+    return _LOAD_KINDS.get(name, "int")
 
 
 def _unknown_parameter(name: str, where: str) -> BadRequest:
@@ -303,6 +308,11 @@ def _unknown_parameter(name: str, where: str) -> BadRequest:
     hint = f' (did you mean "{close[0]}"?)' if close else ""
     return BadRequest(f'{where}: unknown parameter "{name}"{hint}; the parameters a model can carry are '
                       f"{', '.join(known)}")
+
+
+def _wrong_parameter(where: str, name: str, value: Any) -> Callable[[str], BadRequest]:
+    """The error for a parameter whose value is not of its kind, given what was expected."""
+    return lambda expected: BadRequest(f"{where}: parameter {name} must be {expected}, not {shown(value)}")
 
 
 def parse_parameters(raw, where: str = "parameters") -> dict:
@@ -321,8 +331,7 @@ def parse_parameters(raw, where: str = "parameters") -> dict:
         kind = parameter_kind(name)
         if kind is None:
             raise _unknown_parameter(name, where)
-        out[name] = _checked(kind, value, lambda expected, name=name, value=value: BadRequest(
-            f"{where}: parameter {name} must be {expected}, not {shown(value)}"))
+        out[name] = _checked(kind, value, _wrong_parameter(where, name, value))
     try:  # the ranges requests are held to (num_ctx at least 16, ...), checked now rather than at first use
         split_options(out).load_options()
     except BadRequest as e:

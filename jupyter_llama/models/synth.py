@@ -73,6 +73,7 @@ import itertools
 import math
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,7 +228,7 @@ def _pieces():
         i += 1
 
 
-def _vocabulary(n: int, extra: list[tuple[str, TokenType]] = (), newline: bool = False,
+def _vocabulary(n: int, extra: Sequence[tuple[str, TokenType]] = (), newline: bool = False,
                 ) -> tuple[list[str], list[float], list[int]]:
     """``n`` tokens; the ``extra`` ones (tool and fill-in-the-middle tokens) take the last ids;
     with ``newline``, a plain ``"\n"`` piece comes first among the pieces."""
@@ -554,8 +555,10 @@ def _norm_weight(n: int) -> np.ndarray:
 
 _QUANTIZED_KINDS = frozenset({"embd", "output", "in", "out"})  # kinds stored in the shape's type
 
+_Planned = tuple[str, tuple[int, ...], str]  # a tensor's name, numpy shape and kind (see _tensor_plan)
 
-def _tensor_plan(s: SynthShape):
+
+def _tensor_plan(s: SynthShape) -> list[_Planned]:
     """(name, numpy shape (..., rows, cols), kind) in file order. Kinds: ``embd``, ``output``,
     ``in`` (reads the residual or another activation), ``out`` (writes the residual: row 0
     and the channels' rows are zero), ``norm`` (ones, f32), ``post_norm`` (fours, f32),
@@ -564,16 +567,16 @@ def _tensor_plan(s: SynthShape):
     hd = s.head_dim
     q = s.heads * hd
     kv = s.kv_heads * hd
-    plan = [("token_embd.weight", (V, E), "embd")]
+    plan: list[_Planned] = [("token_embd.weight", (V, E), "embd")]
 
-    def attention(b: str, qk_norm: bool) -> list:
-        out = [(b + "attn_q.weight", (q, E), "in"), (b + "attn_k.weight", (kv, E), "in"),
+    def attention(b: str, qk_norm: bool) -> list[_Planned]:
+        out: list[_Planned] = [(b + "attn_q.weight", (q, E), "in"), (b + "attn_k.weight", (kv, E), "in"),
                (b + "attn_v.weight", (kv, E), "in"), (b + "attn_output.weight", (E, q), "out")]
         if qk_norm:
             out += [(b + "attn_k_norm.weight", (hd,), "norm"), (b + "attn_q_norm.weight", (hd,), "norm")]
         return out
 
-    def ffn(b: str) -> list:
+    def ffn(b: str) -> list[_Planned]:
         return [(b + "ffn_gate.weight", (F, E), "in"), (b + "ffn_up.weight", (F, E), "in"),
                 (b + "ffn_down.weight", (E, F), "out")]
 

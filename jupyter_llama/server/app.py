@@ -31,11 +31,13 @@ import contextlib
 import os
 import time
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
 
+import traitlets
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.utils import url_path_join
 from tornado.ioloop import IOLoop, PeriodicCallback
-from traitlets import Bool, Float, Int, Type, Undefined, Unicode, default, validate
+from traitlets import Float, Type, Undefined, Unicode, default, validate
 
 from .. import config
 from .._version import __version__
@@ -44,6 +46,9 @@ from ..config import ConfigError
 from ..errors import JupyterLlamaError
 from ..private import UntrustedFile, trusted_folder
 from ..scheduler import Scheduler, SchedulerSettings
+
+if TYPE_CHECKING:
+    from jupyter_server.serverapp import ServerApp
 
 URL_ENV = "JUPYTER_LLAMA_URL"
 ACTIVITY_KEY = "jupyter_llama"
@@ -86,6 +91,7 @@ class CachedResolver:
 
     def _resolve_with_stamps(self, name: str):
         """((the resolution, the preset), the stamps to keep them by, or None not to keep them)."""
+        manifest: str | None  # (None: not a named model)
         try:  # the manifest's stamp before the read: a change while it is read is not kept
             manifest = str(self.store.entry(name).manifest_path)
             before = self._stamps([manifest])
@@ -182,6 +188,8 @@ class _FromEnv:
     Configuration (``c.LlamaExtension.keep_alive = ...``, the command line) wins over both."""
 
     class _Mixin:
+        default_value: Any  # (Undefined here: the trait's default is made when asked, below)
+
         def __init__(self, env: str, fallback, parse, **kw):
             super().__init__(**kw)
             self.env_name, self.fallback, self.parse = env, fallback, parse
@@ -195,13 +203,13 @@ class _FromEnv:
             return f"${config.ENV_PREFIX}{self.env_name}, else {self.fallback!r}"
 
     # Named as the traits they extend, which is what --help-all prints for them.
-    class Unicode(_Mixin, Unicode):
+    class Unicode(_Mixin, traitlets.Unicode):
         pass
 
-    class Int(_Mixin, Int):
+    class Int(_Mixin, traitlets.Int):
         pass
 
-    class Bool(_Mixin, Bool):
+    class Bool(_Mixin, traitlets.Bool):
         pass
 
     @classmethod
@@ -349,7 +357,7 @@ class LlamaExtension(ExtensionApp):
             return SchedulerSettings.from_values(
                 values, lambda k: f"LlamaExtension.{k} ({config.ENV_PREFIX}{k.upper()})", binary=binary,
                 # this user's managers on this machine see each other here (memory.peers)
-                peers_dir=str(self.serverapp.runtime_dir),
+                peers_dir=str(self._server.runtime_dir),
                 # a scheduler made once the server listens (an engine found later) knows it at once
                 manager_url=self.url if self._started else "")
         except (ConfigError, ValueError) as e:
@@ -457,7 +465,7 @@ class LlamaExtension(ExtensionApp):
         client that sends it back runs as this user on this machine (see store.local_caller)."""
         import secrets
 
-        folder = self.serverapp.runtime_dir
+        folder = self._server.runtime_dir
         path = os.path.join(folder, f"jupyter-llama-local-{os.getpid()}-{secrets.token_hex(4)}.key")
         key = secrets.token_urlsafe(32)
         try:
@@ -476,9 +484,16 @@ class LlamaExtension(ExtensionApp):
         return bool(sent and self.local_key and hmac.compare_digest(sent, self.local_key))
 
     @property
+    def _server(self) -> ServerApp:
+        """The Jupyter server this extension runs in; AttributeError before it is linked to one."""
+        if self.serverapp is None:
+            raise AttributeError("the jupyter-llama extension is not linked to a Jupyter server yet")
+        return self.serverapp
+
+    @property
     def url(self) -> str:
         """This extension's root URL (non-secret): server URL + base_url + ``llama/``."""
-        return url_path_join(self.serverapp.connection_url, "llama/")
+        return url_path_join(self._server.connection_url, "llama/")
 
     def export_url(self) -> None:
         """Export where this API is for the kernels the server starts (they inherit its
@@ -552,7 +567,7 @@ class LlamaExtension(ExtensionApp):
 
     def stamp_activity(self) -> None:
         try:
-            times = self.serverapp.web_app.settings.setdefault("last_activity_times", {})
+            times = self._server.web_app.settings.setdefault("last_activity_times", {})
         except AttributeError:  # no web app (yet)
             return
         times[ACTIVITY_KEY] = datetime.now(timezone.utc)

@@ -86,16 +86,17 @@ def model_rows(tags: Mapping | None, ps: Mapping | None = None) -> list[dict]:
     for m in (tags or {}).get("models") or []:
         name = m.get("name") or m.get("model") or ""
         det = m.get("details") or {}
+        size = int(m.get("size") or 0)
         row = {
             "name": name,
-            "size": int(m.get("size") or 0),
+            "size": size,
             "quantization": det.get("quantization_level") or "",
             "parameters": det.get("parameter_size") or "",
             "family": det.get("family") or "",
             "loaded": name in loaded,
             "state": (loaded.get(name) or {}).get("state"),
         }
-        bits = [name, format_bytes(row["size"])]
+        bits = [name, format_bytes(size)]
         if row["quantization"]:
             bits.append(row["quantization"])
         if row["parameters"]:

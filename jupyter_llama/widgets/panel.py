@@ -66,7 +66,7 @@ class RunningPanel(W.VBox, _Actions):
         self._events: list[dict] = []  # the latest decisions, as the last poll saw them
         self._last_seq = 0
         self._rows: dict[str, _ModelRow] = {}
-        self._task: asyncio.Task | None = None
+        self._task = None
         self._wake: asyncio.Event | None = None
         self.updates = 0  # completed refreshes (tests read it)
         self.last_rows: list[dict] = []
@@ -166,8 +166,8 @@ class RunningPanel(W.VBox, _Actions):
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Task:
         """Start the live loop as a task on ``loop`` (default: the running one)."""
-        if self.running:
-            return self._task  # type: ignore[return-value]
+        if self._task is not None and not self._task.done():  # (running)
+            return self._task
         loop = loop or _running_loop()
         if loop is None:
             raise RuntimeError("RunningPanel.start() needs a running asyncio event loop (a Jupyter kernel has one); "
@@ -253,7 +253,7 @@ class RunningPanel(W.VBox, _Actions):
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 60.0)
 
-    _task = None
+    _task: asyncio.Task | None = None
     _rows: dict = {}
 
     def close(self) -> None:
@@ -278,7 +278,7 @@ class PullProgress(W.VBox):
     While a file downloads the label says its speed and the time left, measured from the
     bytes completed over time (:class:`~.model.TransferRate`)."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: Any) -> None:
         self.bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, description="pull",
                                    layout=W.Layout(width="60%"))
         self.label = W.HTML()

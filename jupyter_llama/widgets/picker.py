@@ -41,7 +41,7 @@ class ModelPicker(W.VBox, _Actions):
         self.updates = 0  # answer updates in the latest run (tests read it)
         self.last_summary: dict | None = None
         self.last_response: dict | None = None
-        self._run_task: asyncio.Task | None = None
+        self._run_task = None
 
         wide_label = {"description_width": "initial"}
         self.model_select = W.Dropdown(description="model", options=[], layout=W.Layout(width="auto", flex="1"))
@@ -362,7 +362,7 @@ class ModelPicker(W.VBox, _Actions):
         if self._run_task is not None and not self._run_task.done():
             self._run_task.get_loop().call_soon_threadsafe(self._run_task.cancel)
 
-    _run_task = None
+    _run_task: asyncio.Task | None = None
 
     def close(self) -> None:
         self._cancel_tasks()
