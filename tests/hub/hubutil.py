@@ -94,13 +94,35 @@ class Hub:
         return httpx.Client(base_url=self.service_url, headers=headers, timeout=kw.pop("timeout", 120),
                             trust_env=False, **kw)
 
+    def start_server(self, user: str, timeout: float = 180.0) -> None:
+        """Have the Hub start ``user``'s own Jupyter server (its spawner) and wait until it is ready."""
+        r = self.api("POST", f"users/{user}/server")
+        assert r.status_code in (201, 202), r.text
+        self._wait_server(user, lambda server: bool(server and server.get("ready")), timeout,
+                          f"{user}'s server did not start")
+
+    def stop_server(self, user: str, timeout: float = 120.0) -> None:
+        """Have the Hub stop ``user``'s server, and wait until the Hub says it is gone."""
+        r = self.api("DELETE", f"users/{user}/server")
+        assert r.status_code in (202, 204, 400), r.text  # (400: it was not running)
+        self._wait_server(user, lambda server: not server, timeout, f"{user}'s server did not stop")
+
+    def _wait_server(self, user: str, done, timeout: float, failure: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            model = self.api("GET", f"users/{user}").json()
+            if done((model.get("servers") or {}).get("")):
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"{failure} in {timeout:.0f}s:\n{self.read_log()[-4000:]}")
+
     def read_log(self) -> str:
         """The Hub's log, which has its service's and its proxy's lines too."""
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def stop(self) -> None:
         """Stop the Hub (it stops its service and its proxy), then anything of theirs left, by pid."""
-        import psutil
+        import psutil  # type: ignore[import-untyped]  # (psutil ships no types; types-psutil is not installed)
 
         try:
             kids = psutil.Process(self.proc.pid).children(recursive=True)

@@ -1,0 +1,182 @@
+"""The JupyterLab panel of a Hub user's server, in a real browser (issue 57).
+
+A real JupyterHub with jupyter-llama as its service (conftest.py's ``hub``) starts alice's
+server (``jupyterhub-singleuser`` serving JupyterLab with the labextension). ``drive_hub.mjs``
+(Debian's Chromium driven by tests/ui's playwright-core) logs in as alice with the Hub's login
+form and lands in her JupyterLab, where:
+
+* the panel shows ``tiny``, which bob loaded through the service's API with his token: the
+  shared manager's ps, through alice's relay (her server's ``llama/`` routes);
+* alice loads ``other`` with its Load button and sees its memory card; the service says her
+  request loaded it; her Unload of bob's ``tiny`` is refused with the reason, as a
+  notification, and the model stays;
+* bob's own model ``bob/mine`` (``api/copy``) is not in her panel;
+* every ``llama/`` request of the page goes to her own server's relay.
+
+Screenshot: ``tests/artifacts/hub-panel.png``. Needs what tests/hub needs (JupyterHub,
+configurable-http-proxy) and what tests/ui needs (the built labextension, Node.js,
+``tests/ui/node_modules``, Chromium); skips saying which is missing, or fails where
+``JUPYTER_LLAMA_REQUIRE_UI=1`` (``make test``) promises them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(480)]
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+UI = ROOT / "tests" / "ui"
+ARTIFACTS = ROOT / "tests" / "artifacts"
+BUILT = ROOT / "jupyter_llama" / "labextension" / "package.json"
+USER, OTHER = "alice", "bob"
+SHARED, TO_LOAD, PRIVATE = "tiny:latest", "other:latest", "bob/mine:latest"
+DRIVER_TIMEOUT = 300
+
+
+def _need(ok: bool, why: str) -> None:
+    """Skip, or fail where `make test` promises the tool (JUPYTER_LLAMA_REQUIRE_UI=1)."""
+    if ok:
+        return
+    if os.environ.get("JUPYTER_LLAMA_REQUIRE_UI") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+def _chromium() -> str | None:
+    env = os.environ.get("JUPYTER_LLAMA_CHROMIUM")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    for name in ("chromium", "chromium-browser"):
+        p = shutil.which(name)
+        if p:
+            return p
+    return None
+
+
+def _installed_labextension() -> Path | None:
+    """Where JupyterLab (the users' servers run from this environment) finds ours, if it does."""
+    from jupyter_core.paths import jupyter_path
+
+    for folder in jupyter_path("labextensions"):
+        if (Path(folder) / "jupyter-llama" / "package.json").is_file():
+            return Path(folder) / "jupyter-llama"
+    return None
+
+
+@pytest.fixture(scope="module")
+def driver_deps() -> dict:
+    """Node.js, Chromium, tests/ui's playwright-core and the labextension, or a skip (a failure
+    under JUPYTER_LLAMA_REQUIRE_UI=1) that says which is missing. Module-scoped, and asked for
+    before ``hub``, so a skip starts no Hub."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    _need(bool(node), "Node.js is needed for the browser test")
+    chromium = _chromium()
+    _need(chromium is not None, "no Chromium: apt-get install chromium (or set JUPYTER_LLAMA_CHROMIUM)")
+    _need(importlib.util.find_spec("jupyterlab") is not None,
+          "JupyterLab is not installed: the users' servers would serve no JupyterLab")
+    _need(BUILT.is_file(), "the labextension is not built: run `make labext`")
+    _need(_installed_labextension() is not None,
+          "JupyterLab does not find the jupyter-llama labextension: run `make labext`")
+    playwright = UI / "node_modules" / "playwright-core" / "package.json"
+    if not playwright.is_file() and npm:  # (tests/ui's own test installs it on demand the same way)
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=UI, check=True, timeout=300)
+    _need(playwright.is_file(), "tests/ui/node_modules has no playwright-core: run `npm ci` in tests/ui")
+    return {"node": node, "chromium": chromium}
+
+
+def _quiet_lab(home: Path) -> None:
+    """No news or update toasts over the screenshot: the user's JupyterLab settings."""
+    folder = home / ".jupyter" / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+
+
+def test_the_panel_through_the_hub(driver_deps: dict, hub, tmp_path: Path) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    for name in ("hub-panel.png", "hub-panel-failure.png"):
+        (ARTIFACTS / name).unlink(missing_ok=True)
+    _quiet_lab(hub.root / "homes" / USER)
+    transcript: list[str] = []
+    rc = None
+    hub.start_server(USER)
+    try:
+        with hub.client(OTHER) as bob, hub.client("admin") as admin:
+            # bob's own model, and the shared one loaded by his request (an empty prompt loads)
+            r = bob.post("api/copy", json={"source": "other", "destination": "bob/mine"})
+            assert r.status_code == 200, r.text
+            r = bob.post("api/generate", json={"model": "tiny", "stream": False})
+            assert r.status_code == 200, r.text
+            loaded = {m["name"]: m for m in admin.get("api/ps").json()["models"]}
+            assert loaded[SHARED]["loaded_by"] == OTHER, loaded
+            assert PRIVATE in [m["name"] for m in admin.get("api/tags").json()["models"]]
+
+            def do(op: str) -> None:
+                if op == "check_loaded_by_user":  # the panel's load was alice's, at the shared manager
+                    models = {m["name"]: m for m in admin.get("api/ps").json()["models"]}
+                    assert models[TO_LOAD]["loaded_by"] == USER, models
+                else:
+                    raise ValueError(op)
+
+            env = dict(os.environ, HUB_URL=hub.url + "/", HUB_USER=USER, OTHER_USER=OTHER,
+                       SHARED_MODEL=SHARED, LOAD_MODEL=TO_LOAD, PRIVATE_MODEL=PRIVATE,
+                       ARTIFACTS=str(ARTIFACTS), CHROMIUM=driver_deps["chromium"],
+                       PROFILE=str(tmp_path / "chromium-profile"))
+            rc = _drive(driver_deps["node"], env, do, transcript)
+    finally:
+        print("\n".join(transcript))
+        hub.stop_server(USER)
+        if rc not in (0, None):
+            print("---- hub.log (tail) ----\n" + hub.read_log()[-6000:], file=sys.stderr)
+
+    assert rc == 0, "the browser check failed:\n" + "\n".join(transcript[-15:])
+    assert any(t.endswith("STEP done") for t in transcript)
+    assert (ARTIFACTS / "hub-panel.png").stat().st_size > 5_000
+
+
+def _drive(node: str, env: dict, do: Callable[[str], None], transcript: list[str]) -> int:
+    """Run drive_hub.mjs, answering its CALL lines with ``do(op)``; returns its exit status."""
+    drv = subprocess.Popen([node, str(HERE / "drive_hub.mjs")], cwd=HERE, env=env, text=True,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    timer = threading.Timer(DRIVER_TIMEOUT, lambda: os.killpg(drv.pid, signal.SIGKILL))
+    timer.start()
+    started = time.monotonic()
+    try:
+        assert drv.stdout is not None and drv.stdin is not None
+        for line in drv.stdout:
+            line = line.rstrip("\n")
+            transcript.append(f"{time.monotonic() - started:6.1f}s {line}")
+            if line.startswith("CALL "):
+                try:
+                    do(json.loads(line[5:])["op"])
+                    drv.stdin.write("OK\n")
+                except Exception as e:  # noqa: BLE001 - reported to the driver, which fails
+                    drv.stdin.write(f"ERR {e!r}\n")
+                drv.stdin.flush()
+        return drv.wait(30)
+    finally:
+        timer.cancel()
+        if drv.poll() is None:
+            os.killpg(drv.pid, signal.SIGKILL)
+            drv.wait(10)
+        for pipe in (drv.stdin, drv.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:  # the driver is gone: nothing to flush into
+                    pass
