@@ -209,7 +209,9 @@ class Scheduler:
         asked = options or LoadOptions()
         names_seen = self._name_changes
         ref = await self.resolver(name)
-        options = within_training(asked, ref.info)  # (what a load of it would have)
+        # What a load of it would have: the configured slots too, so that another name of a
+        # loaded file, asking for nothing, matches a runner that got them from the settings.
+        options = self.effective_options(asked, ref)
         # (a lease whose child is found dead asks again, once: Lease)
         again = (name, options, keep_alive) if user is None else (name, options, keep_alive, user)
         lo = self.loaded.get(ref.key)
@@ -246,15 +248,13 @@ class Scheduler:
                         # file the name meant before under it.
                         names_seen = self._name_changes
                         ref = await self.resolver(name)
-                        options = within_training(asked, ref.info)
+                        options = self.effective_options(asked, ref)
                         continue
                     lo = self.loaded.get(ref.key)
                     if lo is not None and lo.state == ModelState.READY and not lo.unload_when_idle \
                             and not lo.differences(options, ref.name) and await self._healthy(lo):
                         continue  # someone loaded it while we waited for the lock
-                    if lo is not None:
-                        await self._retire_for_reload(lo, options, ref.name)
-                    lo = await self._load(ref, options, ka, user)
+                    lo = await self._load(ref, options, ka, user, replacing=lo)
                 return self._lease(lo, ka, time.monotonic() - t0, ref, again, user)
         finally:
             self._pending -= 1
@@ -682,8 +682,10 @@ class Scheduler:
         return policy.need(preds, fit_source, self.settings.safety_margin)
 
     async def _load(self, ref: ModelRef, options: LoadOptions, keep_alive: float | None,
-                    user: Who | None = None) -> Loaded:
+                    user: Who | None = None, replacing: Loaded | None = None) -> Loaded:
         """Called with the lock held: make room, start the runner, retry on OOM as Ollama does.
+        ``replacing``: the model's runner now (other options, unhealthy, or being unloaded),
+        stopped once the load is allowed (see :meth:`_make_room`).
 
         A load the scheduler stops meanwhile (:meth:`_stop_runner`: its name changed, a
         delete, shutdown) fails with the error the stop gave it (``Loaded.cancelled``), once its
@@ -691,7 +693,7 @@ class Scheduler:
         if not os.path.isfile(ref.path):  # deleted while this request waited: as if it never was
             raise ModelNotFound(ref.name, "it was deleted while this request waited")
         options = self.effective_options(options, ref)
-        options, preds, fit_source = await self._make_room(ref, options, user)
+        options, preds, fit_source = await self._make_room(ref, options, user, replacing)
         ka = self.settings.keep_alive if keep_alive is None else keep_alive
         lo = Loaded(ref=ref, options=options, keep_alive=ka, predictions=preds, fit_source=fit_source,
                     loaded_by=user.name if user is not None and self.users is not None else None)
@@ -861,13 +863,14 @@ class Scheduler:
         order = policy.eviction_order(self.snapshot(), ref.key, self.settings.evict_pinned)
         return [self.loaded[s.key] for s in order]
 
-    async def _make_room(self, ref: ModelRef, options: LoadOptions,
-                         user: Who | None = None) -> tuple[LoadOptions, dict[str, MemoryReport], str]:
+    async def _make_room(self, ref: ModelRef, options: LoadOptions, user: Who | None = None,
+                         replacing: Loaded | None = None) -> tuple[LoadOptions, dict[str, MemoryReport], str]:
         """Evict until the load fits (or refuse); returns the placed options, the predictions
         and the estimator that decided. The placement is planned again after each eviction:
         an evicted model may free an RPC worker the new one can use. On a shared manager, a
         load that would take ``user`` past their memory or loaded-model quota is refused
-        first (a 507), before anything is evicted for it."""
+        first (a 507), before anything is evicted or ``replacing`` (the model's own runner,
+        which may be another user's) is stopped for it."""
         again: tuple[devmod.Inventory, list[peermod.Peer]] | None = None
         quota_checked = user is None or self.users is None
         while True:
@@ -884,6 +887,10 @@ class Scheduler:
                 quota_checked = True
                 assert user is not None  # (checked above: a person on a shared manager)
                 self._check_quota(user, ref, self._need(preds, fit_source).by_device())
+            if replacing is not None:  # (planned again without it: what it held is free)
+                await self._retire_for_reload(replacing, options, ref.name)
+                replacing = None
+                continue
             numbers = {d: {k: n[k] for k in ("need", "estimate", "available", "in_use", "budget")}
                        for d, n in plan.devices.items()}
             if plan.fits:

@@ -130,6 +130,31 @@ def test_requests_over_their_quotas(hub):
         assert r.status_code == 403 and "only this service's admins" in r.json()["error"]
 
 
+def test_a_copy_shares_the_runner_and_a_refusal_unloads_nothing(hub):
+    """Another name of a loaded file, asking for no options, shares its runner (the service's
+    configured slots are no difference); a request over its quota that would reload another
+    user's runner (other options) is refused before that runner is stopped."""
+    with hub.client("admin") as admin, hub.client("carol") as carol, hub.client("erin") as erin:
+        for name in by_name(admin.get("api/ps").json()):
+            assert unload(admin, name).status_code == 200
+        assert generate(carol, "other").status_code == 200
+        pid = by_name(admin.get("api/ps").json())["other:latest"]["pid"]
+        since = max([e["seq"] for e in admin.get("api/events").json()["events"]] or [0])
+        assert erin.post("api/copy", json={"source": "other", "destination": "erin/mine"}).status_code == 200
+        assert generate(erin, "erin/mine").status_code == 200
+        ps = by_name(admin.get("api/ps").json())
+        assert list(ps) == ["other:latest"] and ps["other:latest"]["pid"] == pid
+        assert ps["other:latest"]["used_by"] == ["carol", "erin"]
+        assert generate(erin, "tiny").status_code == 200  # her one model (quota 'models' 1)
+        r = generate(erin, "erin/mine", options={"num_predict": 2, "num_ctx": 512})  # (a reload of carol's)
+        assert r.status_code == 507 and "quota 'models'" in r.json()["error"], r.text
+        assert by_name(admin.get("api/ps").json())["other:latest"]["pid"] == pid
+        events = admin.get("api/events", params={"since": since}).json()["events"]
+        assert not [e for e in events if e["kind"] in ("reload", "unload") and e["model"] == "other:latest"], events
+        for name in ("other", "tiny"):
+            assert unload(admin, name).status_code == 200
+
+
 def test_turns_go_round_the_users(hub):
     """One slot (num_parallel 1), held while alice queues six requests and then bob one: bob's
     waits behind at most one of hers, measured by the order of the service's turn events (the
