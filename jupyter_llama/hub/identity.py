@@ -25,6 +25,8 @@ Only public APIs of jupyter_server (``IdentityProvider``) and of JupyterHub's se
 from __future__ import annotations
 
 import urllib.parse
+import weakref
+from typing import Any, Callable, TypeVar
 
 from jupyter_server.auth.identity import IdentityProvider, User
 from jupyter_server.base.handlers import JupyterHandler
@@ -33,10 +35,14 @@ from tornado import web
 from tornado.httputil import url_concat
 from traitlets import Instance, default
 
+from ..server.identity import refuse
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
 try:
     from jupyter_server.auth.decorator import allow_unauthenticated
 except ImportError:  # jupyter_server before 2.13
-    def allow_unauthenticated(method):
+    def allow_unauthenticated(method: _F) -> _F:
         return method
 
 __all__ = ["HubIdentityProvider", "HubUser"]
@@ -109,6 +115,11 @@ class HubIdentityProvider(IdentityProvider):
     hub_auth = Instance(HubOAuth)
     token_generated = False
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # Who each request in progress is (None: nobody), asked of the Hub once a request.
+        self._asked: weakref.WeakKeyDictionary[web.RequestHandler, HubUser | None] = weakref.WeakKeyDictionary()
+
     @default("hub_auth")
     def _default_hub_auth(self) -> HubOAuth:
         return HubOAuth(parent=self)  # (the Hub's service variables configure it)
@@ -120,10 +131,9 @@ class HubIdentityProvider(IdentityProvider):
         return ""
 
     async def get_user(self, handler: web.RequestHandler) -> HubUser | None:
-        cached = getattr(handler, "_llama_hub_user", False)
-        if cached is not False:
-            return cached
-        handler._llama_hub_user = None
+        if handler in self._asked:  # (jupyter_server may ask more than once a request)
+            return self._asked[handler]
+        self._asked[handler] = None
         model = await self.hub_auth.get_user(handler, sync=False)
         if model is None:
             return None
@@ -136,9 +146,9 @@ class HubIdentityProvider(IdentityProvider):
                         f"{', '.join(sorted(self.hub_auth.access_scopes))}; ask the Hub's admin to grant it "
                         "(docs/hub.md says how)")
             self.log.warning("jupyter-llama: %s", sentence)
-            handler._llama_refused = sentence
+            refuse(handler, sentence)
             raise web.HTTPError(403, sentence)
-        user = handler._llama_hub_user = HubUser(model)
+        user = self._asked[handler] = HubUser(model)
         return user
 
     def get_handlers(self) -> list[tuple]:

@@ -20,12 +20,16 @@ import asyncio
 import contextlib
 import json
 import os
+from typing import TYPE_CHECKING, cast
 
 import httpx
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
 from tornado.iostream import StreamClosedError
+
+if TYPE_CHECKING:
+    from ..server.app import LlamaExtension
 
 __all__ = ["RelayHandler", "relay_handlers", "relay_token"]
 
@@ -44,13 +48,20 @@ def relay_token(environ=None) -> str:
 class RelayHandler(ExtensionHandlerMixin, APIHandler):
     """Any method of ``llama/<path>``: sent on to the shared manager (see the module's docstring)."""
 
+    @property
+    def shared_url(self) -> str:
+        return cast("LlamaExtension", self.extensionapp).shared_url
+
     def initialize(self, name: str, *args, **kwargs) -> None:
         super().initialize(name, *args, **kwargs)
         self._body: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
         self._gone = False
+        self._sent = False  # some of the answer has gone out: an error now can only end it
+        self._prepared = False  # (see check_xsrf_cookie)
 
     async def prepare(self):
+        self._prepared = True
         await super().prepare()
         if self.current_user is None:
             raise web.HTTPError(403)
@@ -72,7 +83,7 @@ class RelayHandler(ExtensionHandlerMixin, APIHandler):
             yield chunk
 
     async def _relay(self, path: str) -> None:
-        base = self.extensionapp.shared_url
+        base = self.shared_url
         url = base.rstrip("/") + "/" + path
         if self.request.query:
             url += "?" + self.request.query
@@ -93,6 +104,7 @@ class RelayHandler(ExtensionHandlerMixin, APIHandler):
                         self.set_header(k, v)
                 async for chunk in r.aiter_raw():
                     self.write(chunk)
+                    self._sent = True
                     await self.flush()
             finally:
                 await r.aclose()
@@ -106,10 +118,13 @@ class RelayHandler(ExtensionHandlerMixin, APIHandler):
         try:
             await self._task
         except httpx.HTTPError as e:
-            if not self._finished:
+            if self._sent:  # (cut off mid-answer: the client sees its end, as the manager's own would)
+                self.finish()
+            else:
+                self.clear()
                 self.set_status(502)
                 self.set_header("Content-Type", "application/json")
-                self.finish(json.dumps({"error": f"the shared jupyter-llama manager at {self.extensionapp.shared_url} "
+                self.finish(json.dumps({"error": f"the shared jupyter-llama manager at {self.shared_url} "
                                                  f"did not answer ({type(e).__name__}: {e}); ask the Hub's admin"}))
         except (asyncio.CancelledError, StreamClosedError):
             if not self._gone:
@@ -140,8 +155,8 @@ class RelayHandler(ExtensionHandlerMixin, APIHandler):
         await self._answer()
 
     def check_xsrf_cookie(self) -> None:
-        """jupyter_server's check, once the user is known (see handlers.LlamaHandler)."""
-        if not hasattr(self, "_jupyter_current_user"):
+        """jupyter_server's check, from ``prepare`` on (see handlers.LlamaHandler)."""
+        if not self._prepared:
             return None
         return super().check_xsrf_cookie()
 

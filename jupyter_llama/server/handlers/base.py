@@ -40,6 +40,7 @@ from ...load_options import LoadOptionsError
 from ...models.gguf_info import GGUFError
 from ...models.store import LOCAL_KEY_FILE_HEADER, LOCAL_KEY_HEADER, ModelStore, PathNotAllowed, local_caller
 from ...scheduler import BadRequest, ModelNotFound
+from ..identity import refusal
 
 if TYPE_CHECKING:
     from ...hub.settings import LlamaHub
@@ -152,6 +153,7 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         self._answered = False  # finish() has been called
         self._leased_name: str | None = None  # the loaded model a lease was given for (see acquire)
         self._who: Who | None = None  # (see who)
+        self._prepared = False  # prepare has begun (see check_xsrf_cookie)
 
     @property
     def ext(self) -> LlamaExtension:
@@ -188,16 +190,17 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
         return self._who
 
     def check_xsrf_cookie(self) -> None:
-        """jupyter_server's XSRF check, made once the user is known (in ``prepare``), never
-        before: Tornado asks for it before ``prepare`` too, when jupyter_server's own check
-        waits, but a JupyterHub service's check (which JupyterHub's HubOAuth puts in
-        jupyter_server's place) would refuse a token-authenticated POST there, before the
-        token was read."""
-        if not hasattr(self, "_jupyter_current_user"):
+        """jupyter_server's XSRF check, made from ``prepare`` on (where jupyter_server makes
+        it once the user is known), never before: Tornado asks for it before ``prepare`` too,
+        when jupyter_server's own check waits, but a JupyterHub service's check (which
+        JupyterHub's HubOAuth puts in jupyter_server's place) would refuse a
+        token-authenticated POST there, before the token was read."""
+        if not self._prepared:
             return None
         return super().check_xsrf_cookie()
 
     async def prepare(self):
+        self._prepared = True
         # Anthropic's clients send their key as x-api-key: it is the Jupyter token, as a Bearer would be.
         key = self.request.headers.get("x-api-key")
         if key and "Authorization" not in self.request.headers:
@@ -335,7 +338,7 @@ class LlamaHandler(ExtensionHandlerMixin, APIHandler):
             self.set_header("Allow", ", ".join(allowed))
             message = (f"{self.request.method} is not a method of {self.request.path}: "
                        f"use {' or '.join(allowed)}" if allowed else message)
-        refused = getattr(self, "_llama_refused", None)  # (the Hub knows the user, who may not use this service)
+        refused = refusal(self)  # (the Hub knows the user, who may not use this service)
         if status_code == 403 and refused:
             message = refused
         elif status_code == 403 and not self._authenticated() and not self.check_host():
