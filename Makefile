@@ -120,9 +120,11 @@ $(HUB_DIR)/node_modules/.package-lock.json: $(HUB_DIR)/package-lock.json $(HUB_D
 
 hub-deps: $(HUB_DIR)/node_modules/.package-lock.json
 
-# The linter first (seconds, and it needs no engine): settings in pyproject.toml's [tool.ruff].
+# The linters first (seconds, and they need no engine): settings in pyproject.toml's [tool.ruff]
+# and [tool.mypy].
 lint: venv
 	@$(BIN)/ruff check jupyter_llama tests bench || { echo "ruff found the problems above: make test stops here"; exit 1; }
+	@$(BIN)/mypy || { echo "mypy found the problems above: make test stops here"; exit 1; }
 
 # pytest's exit code 5 means "no tests collected": that must fail, not pass.
 test: lint engine labext ui-deps ai-kernel hub-deps
