@@ -8,6 +8,7 @@ import { ServerConnection } from '@jupyterlab/services';
 import {
   IDevices,
   IEvent,
+  IMe,
   IPs,
   IPullStatus,
   IShow,
@@ -99,6 +100,12 @@ export class LlamaApi {
 
   devices(): Promise<IDevices> {
     return this.get<IDevices>('api/devices');
+  }
+
+  /** Who this page's user is to the manager (``GET api/me``: on a shared one, whether they
+   * administer it). */
+  me(): Promise<IMe> {
+    return this.get<IMe>('api/me');
   }
 
   async events(limit = 20): Promise<IEvent[]> {

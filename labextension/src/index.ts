@@ -14,7 +14,7 @@ import { IStatusBar } from '@jupyterlab/statusbar';
 
 import { LlamaApi } from './api';
 import { llamaIcon } from './icon';
-import { modelRows } from './model';
+import { modelRows, peopleOf } from './model';
 import { LlamaPanel } from './panel';
 import { LlamaState } from './state';
 import { LlamaStatusItem } from './statusbar';
@@ -105,9 +105,17 @@ const plugin: JupyterFrontEndPlugin<void> = {
       execute: async args => {
         let name = args['model'] as string | undefined;
         if (!name) {
-          const loaded = (state.ps?.models ?? []).map(m => m.name || m.model || '').filter(Boolean);
-          if (!loaded.length) {
+          const models = (state.ps?.models ?? []).filter(m => m.name || m.model);
+          if (!models.length) {
             Notification.info('No model is loaded.', { autoClose: 4000 });
+            return;
+          }
+          // on a shared manager, only what the manager lets this user unload
+          const loaded = models.filter(m => peopleOf(m, state.me)?.mayUnload !== false).map(m => m.name || m.model || '');
+          if (!loaded.length) {
+            Notification.info('No loaded model is yours to unload: other users loaded them or are using them.', {
+              autoClose: 4000
+            });
             return;
           }
           const res = await InputDialog.getItem({ title: 'Unload a model', items: loaded });

@@ -83,6 +83,19 @@ export interface IPsModel {
   layers_total?: number | null;
   pid?: number | null;
   memory?: { [source: string]: IMemoryReport | null } | null;
+  // On a manager shared through a JupyterHub (absent on a single user's): who loaded and
+  // uses the model, as the viewer may see it. An admin sees every name; anyone else sees
+  // themselves, and how many others there are.
+  /** The user whose request loaded it; null when no user's did, or (to a non-admin) another's. */
+  loaded_by?: string | null;
+  /** Requests in flight per user (to a non-admin: their own only). */
+  users?: { [user: string]: number };
+  /** The users whose requests have used it (to a non-admin: at most themselves). */
+  used_by?: string[];
+  /** Requests waiting for a turn per user (to a non-admin: their own only). */
+  waiting?: { [user: string]: number };
+  /** How many other users use it, hold it or wait for it (to a non-admin only). */
+  other_users?: number;
 }
 
 export interface IPs {
@@ -125,6 +138,15 @@ export interface IDevices {
     overhead_source?: string;
   };
   gpu_error?: string | null;
+}
+
+/** ``GET api/me``: who this page's user is to the manager (the fields the panel reads). */
+export interface IMe {
+  name?: string;
+  /** True on a manager shared through a JupyterHub. */
+  shared?: boolean;
+  /** Whether they administer the shared manager (may unload any model). */
+  admin?: boolean;
 }
 
 /** One scheduler decision from ``GET api/events``. */
@@ -273,6 +295,100 @@ export function reportByDevice(report: IMemoryReport | null | undefined): {
   return out;
 }
 
+// ---------------------------------------------------------------- who holds a model
+
+/** Who loaded and uses a loaded model, in words, and whether this viewer may unload it. */
+export interface IPeople {
+  /** ``loaded by another user · used by you and 2 others``; '' when there is nobody to name. */
+  text: string;
+  /** The pieces of ``text`` (joined with `` · ``), so a view can keep each on one line. */
+  parts: string[];
+  /** The tooltip of that line: what the viewer is shown of the others. */
+  title: string;
+  /** Whether the manager lets this viewer unload the model. */
+  mayUnload: boolean;
+  /** Why it does not, for the Unload button's tooltip; null when it does. */
+  refusal: string | null;
+}
+
+/** Whether a ``ps`` entry says who holds the model: only a manager shared through a JupyterHub
+ * adds those fields. */
+export function hasPeople(m: IPsModel | null | undefined): boolean {
+  return !!m && typeof m === 'object' && ('loaded_by' in m || 'used_by' in m);
+}
+
+/** The refusal of a non-admin's unload of a model another user's request loaded. */
+export const LOADED_BY_ANOTHER =
+  "another user's request loaded it; only they or an admin can unload it " +
+  '(it unloads by itself once idle for its keep_alive)';
+
+/** The refusal of a non-admin's unload while other users' requests are in flight on it. */
+export const IN_USE_BY_OTHERS =
+  'other users are using it now; it unloads by itself once idle for its keep_alive';
+
+/**
+ * Who loaded and uses the model of ``ps`` entry ``m``, as the manager lets the viewer see it,
+ * and whether it lets them unload it; null on a single user's manager (no such fields).
+ *
+ * An admin (``me.admin``; before ``me`` is known, an entry without ``other_users``, which the
+ * manager gives non-admins only) sees names, ``loaded by bob · used by alice, bob``, and may
+ * unload any model. Anyone else sees themselves and a count: ``loaded by another user · used
+ * by you and 2 others``, ``loaded by you``. The manager refuses a non-admin's unload when
+ * another user's request loaded the model, or while other users' requests are in flight on
+ * it (``refcount`` beyond their own ``users``), so the Unload button says so before a click.
+ * ``loaded_by`` null with no other user means no user's request loaded it: theirs to unload.
+ */
+export function peopleOf(m: IPsModel, me?: IMe | null): IPeople | null {
+  if (!hasPeople(m)) {
+    return null;
+  }
+  const admin = typeof me?.admin === 'boolean' ? me.admin : !('other_users' in m);
+  const loadedBy = typeof m.loaded_by === 'string' && m.loaded_by ? m.loaded_by : null;
+  const usedBy = Array.isArray(m.used_by) ? m.used_by.filter(u => typeof u === 'string' && u) : [];
+  const parts: string[] = [];
+  if (admin) {
+    if (loadedBy !== null) {
+      parts.push(`loaded by ${loadedBy}`);
+    }
+    if (usedBy.length) {
+      parts.push(`used by ${usedBy.join(', ')}`);
+    }
+    return {
+      text: parts.join(' · '),
+      parts,
+      title: 'Who loaded this model and whose requests have used it (you administer this manager: you see every user)',
+      mayUnload: true,
+      refusal: null
+    };
+  }
+  const others = Math.max(0, Math.trunc(Number(m.other_users) || 0));
+  const mine = usedBy.length > 0; // (to a non-admin, used_by names at most themselves)
+  const byAnother = loadedBy === null && others > 0;
+  if (loadedBy !== null) {
+    parts.push('loaded by you');
+  } else if (byAnother) {
+    parts.push('loaded by another user');
+  }
+  if (mine && others) {
+    parts.push(`used by you and ${others} other${others === 1 ? '' : 's'}`);
+  } else if (mine && loadedBy === null) {
+    parts.push('used by you');
+  } else if (others && !(byAnother && others === 1)) {
+    // (one other user who loaded it: "loaded by another user" said it)
+    parts.push(`used by ${plural(others, 'other user')}`);
+  }
+  const ownInFlight = Object.values(m.users ?? {}).reduce((s, n) => s + (Number(n) || 0), 0);
+  const othersInFlight = (Number(m.refcount) || 0) - ownInFlight > 0;
+  const refusal = byAnother ? LOADED_BY_ANOTHER : othersInFlight && others ? IN_USE_BY_OTHERS : null;
+  return {
+    text: parts.join(' · '),
+    parts,
+    title: 'Who loaded and uses this model on the shared manager: you see yourself; other users are counted, not named',
+    mayUnload: refusal === null,
+    refusal
+  };
+}
+
 // ---------------------------------------------------------------- registry
 
 export interface IModelRow {
@@ -287,6 +403,8 @@ export interface IModelRow {
   state: string | null;
   /** The model's preset in short (system, parameters, ...), null without one or not yet known. */
   preset: IPresetSummary | null;
+  /** Who holds it, when loaded on a manager shared through a JupyterHub (see ``peopleOf``). */
+  people: IPeople | null;
 }
 
 /** A registered model's preset, for its row: the short line and its tooltip. */
@@ -399,15 +517,18 @@ export function sameModel(name: string, other: string): boolean {
   return norm(name) === norm(other);
 }
 
-/** One row per registered model, with whether it is loaded (and its preset, from ``presets``). */
+/** One row per registered model, with whether it is loaded (and its preset, from ``presets``;
+ * who holds it, as ``me`` may see it, on a shared manager). */
 export function modelRows(
   tags: ITags | null | undefined,
   ps?: IPs | null,
-  presets?: PresetLookup
+  presets?: PresetLookup,
+  me?: IMe | null
 ): IModelRow[] {
   const loaded = (ps?.models ?? []).map(m => ({
     name: m.name || m.model || '',
-    state: m.state ?? 'ready'
+    state: m.state ?? 'ready',
+    people: peopleOf(m, me)
   }));
   return (tags?.models ?? [])
     .map(m => {
@@ -423,7 +544,8 @@ export function modelRows(
         family: m.details?.family ?? '',
         loaded: hit !== undefined,
         state: hit ? hit.state : null,
-        preset: (presets && name ? presets(name, m.digest ?? '') : null) ?? null
+        preset: (presets && name ? presets(name, m.digest ?? '') : null) ?? null,
+        people: hit ? hit.people : null
       };
     })
     .sort((a, b) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0));
@@ -530,6 +652,8 @@ export interface ILoadedRow {
   keepAlive: IKeepAlive;
   devices: IDeviceMemory[];
   hasActual: boolean;
+  /** Who holds it, on a manager shared through a JupyterHub (see ``peopleOf``). */
+  people: IPeople | null;
 }
 
 /** Per device: total, free, budget, what loaded models use, what is left to plan with. */
@@ -668,11 +792,13 @@ function clampPct(v: number): number {
 }
 
 /** One row per loaded model of ``api/ps``: memory per device (actual, predictions), layers,
- * context, requests in flight, keep-alive. */
+ * context, requests in flight, keep-alive; on a shared manager, who holds it as ``me`` may
+ * see it. */
 export function loadedRows(
   ps: IPs | null | undefined,
   devices: IDevices | null | undefined,
-  now: number
+  now: number,
+  me?: IMe | null
 ): ILoadedRow[] {
   const room = deviceRoom(devices);
   const rows: ILoadedRow[] = [];
@@ -775,7 +901,8 @@ export function loadedRows(
       pinned: !!m.pinned,
       keepAlive: keepAlive(m, now),
       devices: perDevice,
-      hasActual: !!actualReport
+      hasActual: !!actualReport,
+      people: peopleOf(m, me)
     });
   }
   // One scale for every bar (see memoryScale): a bar's length is bytes, across models and devices.

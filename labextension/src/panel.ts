@@ -15,6 +15,7 @@ import {
   IDeviceRow,
   ILoadedRow,
   IModelRow,
+  IPeople,
   LLAMA_CPP,
   clockText,
   countdownText,
@@ -41,6 +42,16 @@ const SOURCE_LABEL: { [src: string]: string } = {
   [COARSE]: 'coarse prediction',
   [LLAMA_CPP]: "llama.cpp's projection"
 };
+
+/** Whether the manager lets this page's user unload a loaded model (always, on a single user's). */
+function mayUnload(people: IPeople | null): boolean {
+  return people === null || people.mayUnload;
+}
+
+/** An Unload button's tooltip: ``title``, or why this user may not unload the model. */
+function unloadTitle(name: string, people: IPeople | null, title: string): string {
+  return people?.refusal ? `You cannot unload ${name}: ${people.refusal}.` : title;
+}
 
 export class LlamaPanel extends Widget {
   constructor(readonly state: LlamaState) {
@@ -196,13 +207,13 @@ export class LlamaPanel extends Widget {
     const devs = deviceRows(s.devices);
     this._section(this._devices, devs, () => this._renderDevices(devs));
 
-    const loaded = loadedRows(s.ps, s.devices, now);
+    const loaded = loadedRows(s.ps, s.devices, now, s.me);
     this._loadedTitle.textContent = `Loaded models (${loaded.length})`;
     // The countdown ticks on its own; the rest only re-renders when it changed.
     const loadedKey = loaded.map(r => ({ ...r, keepAlive: r.keepAlive.expiresAt ?? r.keepAlive.text, busy: s.busy.get(r.name) ?? null }));
     this._section(this._loaded, loadedKey, () => this._renderLoaded(loaded));
 
-    const models = modelRows(s.tags, s.ps, (name, digest) => s.presets.get(name, digest));
+    const models = modelRows(s.tags, s.ps, (name, digest) => s.presets.get(name, digest), s.me);
     const modelsKey = models.map(m => ({ ...m, busy: s.busy.get(m.name) ?? null }));
     this._section(this._models, modelsKey, () => this._renderModels(models));
 
@@ -297,13 +308,20 @@ export class LlamaPanel extends Widget {
             {
               class: 'jp-Llama-button jp-Llama-right',
               'data-action': 'unload',
-              disabled: !!busy || r.state === 'unloading',
-              title: `Unload ${r.name} (keep_alive 0)`,
+              disabled: !!busy || r.state === 'unloading' || !mayUnload(r.people),
+              title: unloadTitle(r.name, r.people, `Unload ${r.name} (keep_alive 0)`),
               onclick: () => void this.state.unload(r.name)
             },
             busy === 'unloading' ? 'Unloading…' : 'Unload'
           )
         ),
+        r.people?.text
+          ? h(
+              'div',
+              { class: 'jp-Llama-small jp-Llama-muted jp-Llama-people', title: r.people.title },
+              ...r.people.parts.flatMap((part, i) => [i ? ' · ' : null, h('span', { class: 'jp-Llama-nowrap' }, part)])
+            )
+          : null,
         facts,
         ...r.devices.map(d => this._renderDeviceMemory(d))
       );
@@ -411,8 +429,8 @@ export class LlamaPanel extends Widget {
           {
             class: `jp-Llama-button${m.loaded ? '' : ' jp-mod-accent'}`,
             'data-action': action,
-            disabled: !!busy || m.state === 'unloading' || m.state === 'loading',
-            title: m.loaded ? `Unload ${m.name}` : `Load ${m.name} with the default options`,
+            disabled: !!busy || m.state === 'unloading' || m.state === 'loading' || (m.loaded && !mayUnload(m.people)),
+            title: m.loaded ? unloadTitle(m.name, m.people, `Unload ${m.name}`) : `Load ${m.name} with the default options`,
             onclick: () => void (m.loaded ? this.state.unload(m.name) : this.state.load(m.name))
           },
           label

@@ -13,10 +13,12 @@ import {
   ErrorGate,
   IDevices,
   IEvent,
+  IMe,
   IPs,
   IPullProgress,
   ITags,
   TransferRate,
+  hasPeople,
   pollFrequency,
   pullErrorText,
   pullProgress
@@ -56,6 +58,9 @@ export class LlamaState {
   tags: ITags | null = null;
   devices: IDevices | null = null;
   events: IEvent[] = [];
+  /** Who this page's user is to a manager shared through a JupyterHub (``api/me``), read once
+   * the first ``ps`` entry says who holds it; null before, and on a single user's manager. */
+  me: IMe | null = null;
   /** The latest failure to reach the API, shown in the panel while it lasts. */
   error: string | null = null;
   /** Epoch seconds of the latest successful update. */
@@ -187,6 +192,12 @@ export class LlamaState {
         this.api.events(20).catch(() => this.events), // the panel works without them
         readTags ? this.api.tags() : Promise.resolve(this.tags)
       ]);
+      if (!this._meAsked && (ps.models ?? []).some(hasPeople)) {
+        // A shared manager: whether this user administers it decides what they may unload.
+        // Asked once; without an answer the ps entries' own shape tells (see peopleOf).
+        this._meAsked = true;
+        this.me = await this.api.me().catch(() => null);
+      }
       if (this._disposed) {
         return;
       }
@@ -220,5 +231,6 @@ export class LlamaState {
   private _gate = new ErrorGate();
   private _wantTags = false;
   private _tagsStale = true;
+  private _meAsked = false;
   private _disposed = false;
 }

@@ -56,6 +56,36 @@ async function call(what) {
 const panel = '#jupyter-llama-panel';
 const card = name => `${panel} .jp-Llama-card[data-loaded-model="${name}"]`;
 const row = name => `${panel} .jp-Llama-model[data-model="${name}"]`;
+const REFUSAL = "another user's request loaded it; only they or an admin can unload it";
+
+/** The line of a loaded model's card that says who holds it comes to read ``text``. */
+async function peopleLine(page, name, text) {
+  const line = page.locator(`${card(name)} .jp-Llama-people`);
+  const deadline = Date.now() + 20000;
+  let now = '';
+  while (Date.now() < deadline) {
+    now = (await line.count()) ? (await line.innerText()).trim() : '(no such line)';
+    if (now === text) {
+      return;
+    }
+    await page.waitForTimeout(200);
+  }
+  throw new Error(`the card of ${name} says who holds it as "${now}", not "${text}"`);
+}
+
+/** Both Unload buttons of ``name`` (its card's, its registered row's) are off, saying why. */
+async function unloadIsOff(page, name) {
+  for (const where of [card(name), row(name)]) {
+    const button = page.locator(`${where} button[data-action="unload"]`);
+    if (!(await button.isDisabled())) {
+      throw new Error(`the Unload button of ${name} (${where}) is on: the service would refuse it`);
+    }
+    const title = (await button.getAttribute('title')) ?? '';
+    if (!title.includes(REFUSAL)) {
+      throw new Error(`the Unload button of ${name} does not say why it is off: "${title}"`);
+    }
+  }
+}
 
 async function main() {
   const context = await chromium.launchPersistentContext(process.env.PROFILE, {
@@ -124,6 +154,16 @@ async function main() {
     await page.locator(`${row(shared)}[data-loaded="true"]`).waitFor();
     await page.locator(`${row(toLoad)}[data-loaded="false"] button[data-action="load"]`).waitFor();
 
+    log(`its card says another user loaded it, and its Unload buttons are off, saying why`);
+    await peopleLine(page, shared, 'loaded by another user');
+    await unloadIsOff(page, shared);
+
+    log(`${user} uses ${shared} (her own request, as her kernel would): the card counts her and the other`);
+    await call({ op: 'use_shared_as_user' });
+    await page.locator(`${panel} button[aria-label="refresh"]`).click();
+    await peopleLine(page, shared, 'loaded by another user · used by you and 1 other');
+    await unloadIsOff(page, shared);
+
     log(`${otherUser}'s own model ${privateModel} is not in the list`);
     const listed = await page.locator(`${panel} .jp-Llama-model`).evaluateAll(els => els.map(el => el.dataset.model));
     if (listed.includes(privateModel) || !listed.includes(shared) || !listed.includes(toLoad)) {
@@ -150,18 +190,13 @@ async function main() {
       throw new Error(`the actual-memory bar of ${toLoad} is ${width}px wide`);
     }
     await call({ op: 'check_loaded_by_user' });
-
-    log(`${user} may not unload ${shared} (${otherUser}'s load): the refusal is a notification, the card stays`);
-    await page.locator(`${card(shared)} button[data-action="unload"]`).click();
-    const refusal = page.locator('.Toastify__toast', { hasText: `Unload of ${shared} failed` }).first();
-    await refusal.waitFor({ timeout: 30000 });
-    const refusalText = await refusal.innerText();
-    if (!refusalText.includes("another user's request loaded it")) {
-      throw new Error(`the refusal does not say why: ${refusalText}`);
+    log(`the card of ${toLoad} says ${user} loaded it, and its Unload button is on`);
+    await peopleLine(page, toLoad, 'loaded by you');
+    if (await page.locator(`${card(toLoad)} button[data-action="unload"]`).isDisabled()) {
+      throw new Error(`the Unload button of ${toLoad}, which ${user} loaded, is off`);
     }
-    await refusal.locator('.jp-Notification-Toast-Close').click();
-    await refusal.waitFor({ state: 'detached' });
     await page.locator(`${card(shared)}[data-state="ready"]`).waitFor();
+    await unloadIsOff(page, shared);
 
     log(`after a refresh, ${user}'s panel shows the two models and nothing of ${otherUser}'s own`);
     await page.locator(`${panel} button[aria-label="refresh"]`).click();
@@ -179,15 +214,28 @@ async function main() {
     if (direct.length) {
       throw new Error(`the page asked something other than its server's llama/ routes: ${JSON.stringify(direct.slice(0, 3))}`);
     }
-    const failed = llamaRequests.filter(r => r.status >= 400 && !/\/api\/generate$/.test(r.path));
+    // nothing refused: the panel offered no Unload the service would refuse
+    const failed = llamaRequests.filter(r => r.status >= 400);
     if (failed.length) {
       throw new Error(`llama/ requests that failed: ${JSON.stringify(failed.slice(0, 3))}`);
+    }
+    if (!llamaRequests.some(r => r.path === `/user/${user}/llama/api/me` && r.status === 200)) {
+      throw new Error(`the panel never asked api/me whether ${user} administers the service`);
+    }
+    if (await page.locator('.Toastify__toast', { hasText: 'failed' }).count()) {
+      throw new Error(`a failure notification: ${await page.locator('.Toastify__toast').first().innerText()}`);
     }
     log(`${llamaRequests.length} llama/ requests, all through /user/${user}/llama/`);
 
     await page.waitForTimeout(600);
     await page.screenshot({ path: path.join(artifacts, 'hub-panel.png') });
     log('screenshot hub-panel.png');
+
+    log(`${user} unloads ${toLoad}, which her request loaded, with its card's Unload button`);
+    await page.locator(`${card(toLoad)} button[data-action="unload"]`).click();
+    await page.locator(card(toLoad)).waitFor({ state: 'detached', timeout: 30000 });
+    await call({ op: 'check_unloaded' });
+    await page.locator(`${card(shared)}[data-state="ready"]`).waitFor();
     checkErrors();
     log('done');
   } catch (e) {

@@ -7,11 +7,15 @@ form and lands in her JupyterLab, where:
 
 * the panel shows ``tiny``, which bob loaded through the service's API with his token: the
   shared manager's ps, through alice's relay (her server's ``llama/`` routes);
-* alice loads ``other`` with its Load button and sees its memory card; the service says her
-  request loaded it; her Unload of bob's ``tiny`` is refused with the reason, as a
-  notification, and the model stays;
+* ``tiny``'s card says "loaded by another user" (never bob's name), and its Unload buttons
+  (the card's, the registered row's) are off, their tooltip saying why: another user's
+  request loaded it, only they or an admin can unload it (the panel knows alice is no admin
+  from ``api/me``); once alice's own request used it, the card says "used by you and 1 other";
+* alice loads ``other`` with its Load button and sees its memory card, "loaded by you" and an
+  Unload button that is on; the service says her request loaded it;
 * bob's own model ``bob/mine`` (``api/copy``) is not in her panel;
-* every ``llama/`` request of the page goes to her own server's relay.
+* every ``llama/`` request of the page goes to her own server's relay, and none is refused;
+* alice unloads ``other`` with its card's button; bob's ``tiny`` stays.
 
 Screenshot: ``tests/artifacts/hub-panel.png``. Needs what tests/hub needs (JupyterHub,
 configurable-http-proxy) and what tests/ui needs (the built labextension, Node.js,
@@ -126,9 +130,18 @@ def test_the_panel_through_the_hub(driver_deps: dict, hub, tmp_path: Path) -> No
             assert PRIVATE in [m["name"] for m in admin.get("api/tags").json()["models"]]
 
             def do(op: str) -> None:
-                if op == "check_loaded_by_user":  # the panel's load was alice's, at the shared manager
+                models = {m["name"]: m for m in admin.get("api/ps").json()["models"]}
+                if op == "use_shared_as_user":  # alice's own request (her token) uses bob's load
+                    with hub.client(USER) as alice:
+                        r = alice.post("api/generate", json={"model": SHARED, "stream": False})
+                        assert r.status_code == 200, r.text
                     models = {m["name"]: m for m in admin.get("api/ps").json()["models"]}
+                    assert models[SHARED]["loaded_by"] == OTHER, models
+                    assert models[SHARED]["used_by"] == sorted([USER, OTHER]), models
+                elif op == "check_loaded_by_user":  # the panel's load was alice's, at the shared manager
                     assert models[TO_LOAD]["loaded_by"] == USER, models
+                elif op == "check_unloaded":  # the panel's unload of alice's own load, and only that
+                    assert TO_LOAD not in models and SHARED in models, models
                 else:
                     raise ValueError(op)
 
