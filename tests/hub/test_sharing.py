@@ -155,6 +155,25 @@ def test_a_copy_shares_the_runner_and_a_refusal_unloads_nothing(hub):
             assert unload(admin, name).status_code == 200
 
 
+def test_streamed_openai_answers_count_their_tokens(hub):
+    """/metrics counts the tokens of streamed OpenAI answers too (the child's last event's timings)."""
+    def counted(admin) -> float:
+        for line in admin.get("metrics").text.splitlines():
+            if line.startswith('jupyter_llama_generated_tokens_total{model="tiny:latest",user="bob"}'):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    with hub.client("admin") as admin, hub.client("bob") as bob:
+        before = counted(admin)
+        for route, body in (("v1/completions", {"prompt": "hi"}),
+                            ("v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            with bob.stream("POST", route, json={"model": "tiny", "max_tokens": 3, "stream": True,
+                                                 "ignore_eos": True, **body}) as r:
+                assert r.status_code == 200
+                assert [x for x in r.iter_lines() if x][-1] == "data: [DONE]"
+        assert counted(admin) == before + 6
+
+
 def test_turns_go_round_the_users(hub):
     """One slot (num_parallel 1), held while alice queues six requests and then bob one: bob's
     waits behind at most one of hers, measured by the order of the service's turn events (the

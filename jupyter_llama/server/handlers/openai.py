@@ -11,6 +11,7 @@ Errors are in OpenAI's shape, ``{"error": {"message": ...}}``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 from jupyter_server.auth.decorator import authorized
@@ -95,10 +96,22 @@ class OpenAIHandler(LlamaHandler):
             else:
                 def frame(batch):
                     return write(b"".join([head + d.replace(alias, asked, 1) + b"\n\n" for d in batch]))
+            sink = frame
+            if self.ext.scheduler is not None and self.ext.scheduler.users is not None:
+                # A shared manager's /metrics count the tokens of streamed answers too: the
+                # child's last event carries its timings, found on its way (a bytes search an
+                # event, a parse of that one).
+                def sink(batch):
+                    for d in batch:
+                        if b'"timings"' in d:
+                            with contextlib.suppress(ValueError):
+                                self.count_tokens(json.loads(d))
+                    return frame(batch)
+
             if req.endpoint == "/v1/chat/completions":
-                await lease.runner.send_chat(req.body, frame)
+                await lease.runner.send_chat(req.body, sink)
             else:
-                await lease.runner.relay_sse(req.endpoint, req.body, frame, named=req.named)
+                await lease.runner.relay_sse(req.endpoint, req.body, sink, named=req.named)
             held = b"".join([head + named(d) + b"\n\n" for d in mend.end()]) if mend is not None else b""
             self.end_stream(SSE, held + (b"" if req.named else oai.SSE_DONE))
         finally:
