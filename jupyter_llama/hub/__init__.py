@@ -22,9 +22,13 @@ of the rest: ``pip install jupyterhub`` on the service's machine).
 from __future__ import annotations
 
 import os
-from typing import Mapping
+import weakref
+from typing import TYPE_CHECKING, Mapping
 
-__all__ = ["service_environment", "SERVICE_VARIABLES", "hub_missing"]
+if TYPE_CHECKING:
+    from tornado import web
+
+__all__ = ["service_environment", "SERVICE_VARIABLES", "hub_missing", "refuse", "refusal"]
 
 # What the Hub sets for a service it manages (and what an external service is given by hand).
 SERVICE_VARIABLES = ("JUPYTERHUB_API_TOKEN", "JUPYTERHUB_API_URL", "JUPYTERHUB_SERVICE_PREFIX")
@@ -46,3 +50,19 @@ def hub_missing() -> str | None:
         return (f"running as a JupyterHub service needs JupyterHub's Python package on this machine ({e}): "
                 "pip install jupyterhub (the Hub's own version)")
     return None
+
+
+# Why an identity provider turned a request away, in a sentence for its error page: a user the
+# Hub knows but does not give this service (jupyter_server makes any failure of ``get_user``
+# a bare 403 before the handler could say why).
+_refusals: weakref.WeakKeyDictionary[web.RequestHandler, str] = weakref.WeakKeyDictionary()
+
+
+def refuse(handler: web.RequestHandler, sentence: str) -> None:
+    """Say why ``handler``'s request is refused (see :func:`refusal`)."""
+    _refusals[handler] = sentence
+
+
+def refusal(handler: web.RequestHandler) -> str | None:
+    """The sentence :func:`refuse` gave for ``handler``'s request, if any."""
+    return _refusals.get(handler)

@@ -35,7 +35,7 @@ from tornado import web
 from tornado.httputil import url_concat
 from traitlets import Instance, default
 
-from ..server.identity import refuse
+from . import refuse
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

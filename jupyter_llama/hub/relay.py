@@ -20,16 +20,13 @@ import asyncio
 import contextlib
 import json
 import os
-from typing import TYPE_CHECKING, cast
+from typing import Any, cast
 
 import httpx
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
 from tornado.iostream import StreamClosedError
-
-if TYPE_CHECKING:
-    from ..server.app import LlamaExtension
 
 __all__ = ["RelayHandler", "relay_handlers", "relay_token"]
 
@@ -50,7 +47,7 @@ class RelayHandler(ExtensionHandlerMixin, APIHandler):
 
     @property
     def shared_url(self) -> str:
-        return cast("LlamaExtension", self.extensionapp).shared_url
+        return cast(Any, self.extensionapp).shared_url  # (LlamaExtension's: the server imports this package)
 
     def initialize(self, name: str, *args, **kwargs) -> None:
         super().initialize(name, *args, **kwargs)

@@ -14,28 +14,9 @@ server, authentication is that server's.
 
 from __future__ import annotations
 
-import weakref
-
 from jupyter_server.auth.identity import PasswordIdentityProvider
-from tornado import web
 
-__all__ = ["ApiTokenIdentityProvider", "refuse", "refusal"]
-
-# Why an identity provider turned a request away, in a sentence for its error page: a user the
-# Hub knows but does not give this service (jupyter_server makes any failure of ``get_user``
-# a bare 403 before the handler could say why).
-_refusals: weakref.WeakKeyDictionary[web.RequestHandler, str] = weakref.WeakKeyDictionary()
-
-
-def refuse(handler: web.RequestHandler, sentence: str) -> None:
-    """Say why ``handler``'s request is refused (see :func:`refusal`)."""
-    _refusals[handler] = sentence
-
-
-def refusal(handler: web.RequestHandler) -> str | None:
-    """The sentence :func:`refuse` gave for ``handler``'s request, if any."""
-    return _refusals.get(handler)
-
+__all__ = ["ApiTokenIdentityProvider"]
 
 class ApiTokenIdentityProvider(PasswordIdentityProvider):
     _api_user = None

@@ -36,11 +36,11 @@ from ...api.ollama import ndjson
 from ...config import ConfigError
 from ...engine.runner import EngineError, RequestError, RunnerCrashed
 from ...errors import Forbidden, JupyterLlamaError
+from ...hub import refusal
 from ...load_options import LoadOptionsError
 from ...models.gguf_info import GGUFError
 from ...models.store import LOCAL_KEY_FILE_HEADER, LOCAL_KEY_HEADER, ModelStore, PathNotAllowed, local_caller
 from ...scheduler import BadRequest, ModelNotFound
-from ..identity import refusal
 
 if TYPE_CHECKING:
     from ...hub.settings import LlamaHub
