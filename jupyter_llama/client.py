@@ -34,10 +34,15 @@ from typing import Any, AsyncIterator, Iterator, Mapping
 
 import httpx
 
+from . import errors
+
 __all__ = [
     "LlamaError",
     "BadRequestError",
+    "ForbiddenError",
     "ModelNotFoundError",
+    "ConflictError",
+    "QuotaExceededError",
     "ServerBusyError",
     "DoesNotFitError",
     "ServerNotFound",
@@ -76,27 +81,51 @@ class LlamaError(Exception):
         return self.message if self.status is None else f"{self.message} (HTTP {self.status})"
 
 
+# One class per status the manager answers with, its status taken from the error the manager
+# raises for it (jupyter_llama.errors), so that the two cannot disagree.
+
+
 class BadRequestError(LlamaError):
-    status = 400
+    status = errors.BadRequest.status
+
+
+class ForbiddenError(LlamaError):
+    """The server knows who asked and does not allow it (on a Hub: another user's model)."""
+
+    status = errors.Forbidden.status
 
 
 class ModelNotFoundError(LlamaError):
-    status = 404
+    status = errors.ModelNotFound.status
+
+
+class ConflictError(LlamaError):
+    """The name changed or was deleted while the request waited; asking again may work."""
+
+    status = errors.LoadCancelled.status
+
+
+class QuotaExceededError(LlamaError):
+    """Over one of the Hub admin's quotas (requests at once or a minute); the message names it."""
+
+    status = errors.QuotaExceeded.status
 
 
 class ServerBusyError(LlamaError):
-    status = 503
+    status = errors.ServerBusy.status
 
 
 class DoesNotFitError(LlamaError):
-    status = 507
+    status = errors.DoesNotFit.status
 
 
 class ServerNotFound(LlamaError):
     """No jupyter-llama server could be found; the message says how to start one."""
 
 
-_BY_STATUS = {400: BadRequestError, 404: ModelNotFoundError, 503: ServerBusyError, 507: DoesNotFitError}
+_BY_STATUS: dict[int, type[LlamaError]] = {
+    c.status: c for c in (BadRequestError, ForbiddenError, ModelNotFoundError, ConflictError, QuotaExceededError,
+                          ServerBusyError, DoesNotFitError) if c.status is not None}
 
 
 def _error(status: int | None, message: str) -> LlamaError:
