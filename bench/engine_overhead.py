@@ -27,7 +27,7 @@ import httpx
 
 from jupyter_llama.engine.binary import find_engine
 from jupyter_llama.engine.launch import build_argv
-from jupyter_llama.engine.runner import Runner, _free_port
+from jupyter_llama.engine.runner import Runner, free_port
 from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.models.synth import SynthShape, write_synthetic
 
@@ -77,7 +77,7 @@ async def ours_stream(runner: Runner, payload: dict) -> tuple[float, float, int]
 
 
 async def bare_start(binary: str, model: Path, options: LoadOptions) -> float:
-    port = _free_port()
+    port = free_port()
     argv = build_argv(binary, model, options, port=port)
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

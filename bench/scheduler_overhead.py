@@ -24,7 +24,7 @@ import httpx
 
 from jupyter_llama.engine.binary import find_engine
 from jupyter_llama.engine.launch import build_argv
-from jupyter_llama.engine.runner import _free_port
+from jupyter_llama.engine.runner import free_port
 from jupyter_llama.load_options import LoadOptions
 from jupyter_llama.models.synth import SynthShape, write_synthetic
 from jupyter_llama.scheduler import Scheduler, SchedulerSettings
@@ -34,7 +34,7 @@ REQUEST = {"prompt": "Hi", "n_predict": 1, "cache_prompt": False}
 
 
 async def bare_swap(binary: str, stop_proc: subprocess.Popen | None, model: Path) -> tuple[float, subprocess.Popen]:
-    port = _free_port()
+    port = free_port()
     argv = build_argv(binary, model, OPTS, port=port)
     t0 = time.perf_counter()
     if stop_proc is not None:
