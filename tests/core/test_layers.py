@@ -1,6 +1,6 @@
 """The package's layering, read from its source: what may import what.
 
-Base modules (errors, config, load_options, procs, private, _version) import nothing of the package above
+Base modules (errors, config, load_options, procs, private, seams, _version) import nothing of the package above
 them; the core (models, memory, engine, api, scheduler) never imports the front ends
 (server, widgets, magics, commands, cli, client, plots, embedded) and nothing below the
 scheduler imports it; no two packages import each other, and no module import cycle exists
@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "jupyter_llama"
-BASE = {"errors", "config", "load_options", "_version", "procs", "private"}
+BASE = {"errors", "config", "load_options", "_version", "procs", "private", "seams"}
 CORE = {"models", "memory", "engine", "api", "scheduler"}
 
 

@@ -23,10 +23,7 @@ was from the one module.
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import Any
-
+from ...seams import forward_settings
 from . import archs, coarse, compute, defaults, detailed, fit, kv, placement, text, weights
 from .archs import LLAMA_LIKE, MOE_ARCHS, VERIFIED_ARCHS
 from .coarse import LLAMA_SERVER_DEFAULT_BATCH, batch_surcharge, coarse_context, estimate_coarse
@@ -75,23 +72,5 @@ __all__ = [
     "rs_bytes", "tensor_devices", "weight_bytes", "with_cap_note", "within_training",
 ]
 
-_MISSING = object()
-_SEAMS = (archs, coarse, compute, defaults, detailed, fit, kv, placement, text, weights)
-
-
-class _Package(types.ModuleType):
-    """This package, whose names are also the names its seams use: setting one here (a test
-    that sets ``estimate.host_repack_rules`` or ``estimate.machine_memory``) sets it in every
-    seam module that has the same object under that name, so the functions that use it there
-    see it, as they did when the estimate was one module."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        old = self.__dict__.get(name, _MISSING)
-        if old is not _MISSING and not isinstance(old, types.ModuleType):
-            for seam in _SEAMS:
-                if seam.__dict__.get(name, _MISSING) is old:
-                    setattr(seam, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+# (a test that sets one of this package's names sets it where the seams use it: see seams.py)
+forward_settings(__name__, (archs, coarse, compute, defaults, detailed, fit, kv, placement, text, weights))

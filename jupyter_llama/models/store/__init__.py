@@ -56,13 +56,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import threading
-import types
 from typing import Any, Awaitable, Callable, Iterable
 
 from ...errors import ModelNotFound as ModelNotFound
 from ...errors import StorageFull
+from ...seams import forward_settings
 from ..gguf_info import GGUFInfo
 from ..gguf_info import read_gguf_info as read_gguf_info
 from ..names import ModelName
@@ -183,22 +182,5 @@ class ModelStore(Creating, Resolving):
         return await asyncio.to_thread(self.remove_sync, mname)
 
 
-_MISSING = object()
-_SEAMS = (access, blobs, create, errors, layout, locks, manifests, presets, prune, resolve, summary)
-
-
-class _Package(types.ModuleType):
-    """This package, whose names are also the names its seams use: setting one here (a test
-    that sets ``store.PRUNE_GRACE`` or ``store.hash_file``) sets it in every seam module that
-    has the same object under that name, as it did when the store was one module."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        old = self.__dict__.get(name, _MISSING)
-        if old is not _MISSING and not isinstance(old, types.ModuleType):
-            for seam in _SEAMS:
-                if seam.__dict__.get(name, _MISSING) is old:
-                    setattr(seam, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+# (a test that sets one of this package's names sets it where the seams use it: see seams.py)
+forward_settings(__name__, (access, blobs, create, errors, layout, locks, manifests, presets, prune, resolve, summary))
