@@ -16,7 +16,7 @@
 // and answers one line on stdin, "OK" or "ERR <message>". Exits 0 when every check passed;
 // a failure prints "FAIL <message>" and exits 1.
 import { chromium } from '../ui/node_modules/playwright-core/index.mjs';
-import { createInterface } from 'node:readline';
+import { call, log } from '../ui/protocol.mjs';
 import path from 'node:path';
 
 const hub = process.env.HUB_URL;
@@ -26,32 +26,6 @@ const artifacts = process.env.ARTIFACTS;
 const shared = process.env.SHARED_MODEL || 'tiny:latest';
 const toLoad = process.env.LOAD_MODEL || 'other:latest';
 const privateModel = process.env.PRIVATE_MODEL || 'bob/mine:latest';
-
-const stdin = createInterface({ input: process.stdin });
-const answers = [];
-let waiting = null;
-stdin.on('line', line => {
-  if (waiting) {
-    const w = waiting;
-    waiting = null;
-    w(line);
-  } else {
-    answers.push(line);
-  }
-});
-
-function log(msg) {
-  process.stdout.write(`STEP ${msg}\n`);
-}
-
-/** Ask the Python side to do something (the service's REST API, as another user). */
-async function call(what) {
-  process.stdout.write(`CALL ${JSON.stringify(what)}\n`);
-  const line = answers.length ? answers.shift() : await new Promise(r => (waiting = r));
-  if (line !== 'OK') {
-    throw new Error(`the test's ${what.op} failed: ${line}`);
-  }
-}
 
 const panel = '#jupyter-llama-panel';
 const card = name => `${panel} .jp-Llama-card[data-loaded-model="${name}"]`;

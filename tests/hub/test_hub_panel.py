@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from browser import find_chromium, need
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(480)]
 
@@ -49,26 +50,6 @@ BUILT = ROOT / "jupyter_llama" / "labextension" / "package.json"
 USER, OTHER = "alice", "bob"
 SHARED, TO_LOAD, PRIVATE = "tiny:latest", "other:latest", "bob/mine:latest"
 DRIVER_TIMEOUT = 300
-
-
-def _need(ok: bool, why: str) -> None:
-    """Skip, or fail where `make test` promises the tool (JUPYTER_LLAMA_REQUIRE_UI=1)."""
-    if ok:
-        return
-    if os.environ.get("JUPYTER_LLAMA_REQUIRE_UI") == "1":
-        pytest.fail(why)
-    pytest.skip(why)
-
-
-def _chromium() -> str | None:
-    env = os.environ.get("JUPYTER_LLAMA_CHROMIUM")
-    if env:
-        return env if os.access(env, os.X_OK) else None
-    for name in ("chromium", "chromium-browser"):
-        p = shutil.which(name)
-        if p:
-            return p
-    return None
 
 
 def _installed_labextension() -> Path | None:
@@ -87,18 +68,18 @@ def driver_deps() -> dict:
     under JUPYTER_LLAMA_REQUIRE_UI=1) that says which is missing. Module-scoped, and asked for
     before ``hub``, so a skip starts no Hub."""
     node, npm = shutil.which("node"), shutil.which("npm")
-    _need(bool(node), "Node.js is needed for the browser test")
-    chromium = _chromium()
-    _need(chromium is not None, "no Chromium: apt-get install chromium (or set JUPYTER_LLAMA_CHROMIUM)")
-    _need(importlib.util.find_spec("jupyterlab") is not None,
+    need(bool(node), "Node.js is needed for the browser test")
+    chromium = find_chromium()
+    need(chromium is not None, "no Chromium: apt-get install chromium (or set JUPYTER_LLAMA_CHROMIUM)")
+    need(importlib.util.find_spec("jupyterlab") is not None,
           "JupyterLab is not installed: the users' servers would serve no JupyterLab")
-    _need(BUILT.is_file(), "the labextension is not built: run `make labext`")
-    _need(_installed_labextension() is not None,
+    need(BUILT.is_file(), "the labextension is not built: run `make labext`")
+    need(_installed_labextension() is not None,
           "JupyterLab does not find the jupyter-llama labextension: run `make labext`")
     playwright = UI / "node_modules" / "playwright-core" / "package.json"
     if not playwright.is_file() and npm:  # (tests/ui's own test installs it on demand the same way)
         subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=UI, check=True, timeout=300)
-    _need(playwright.is_file(), "tests/ui/node_modules has no playwright-core: run `npm ci` in tests/ui")
+    need(playwright.is_file(), "tests/ui/node_modules has no playwright-core: run `npm ci` in tests/ui")
     return {"node": node, "chromium": chromium}
 
 

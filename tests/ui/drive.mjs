@@ -11,7 +11,7 @@
 // httpx) and answers one line on stdin, "OK" or "ERR <message>". Exits 0 when every check
 // passed; any failure prints "FAIL <message>" and exits 1.
 import { chromium } from 'playwright-core';
-import { createInterface } from 'node:readline';
+import { call, log } from './protocol.mjs';
 import path from 'node:path';
 
 const base = process.env.LAB_URL;
@@ -24,32 +24,6 @@ const slowUrl = process.env.SLOW_URL;
 const missingUrl = process.env.MISSING_URL;
 const liveWorker = process.env.LIVE_WORKER; // rpc:127.0.0.1:PORT of a running ggml-rpc-server
 const deadWorker = process.env.DEAD_WORKER; // rpc:127.0.0.1:PORT where nothing listens
-
-const stdin = createInterface({ input: process.stdin });
-const answers = [];
-let waiting = null;
-stdin.on('line', line => {
-  if (waiting) {
-    const w = waiting;
-    waiting = null;
-    w(line);
-  } else {
-    answers.push(line);
-  }
-});
-
-function log(msg) {
-  process.stdout.write(`STEP ${msg}\n`);
-}
-
-/** Ask the Python side to do something (the REST API from another client). */
-async function call(what) {
-  process.stdout.write(`CALL ${JSON.stringify(what)}\n`);
-  const line = answers.length ? answers.shift() : await new Promise(r => (waiting = r));
-  if (line !== 'OK') {
-    throw new Error(`the test's ${what.op} failed: ${line}`);
-  }
-}
 
 const panel = '#jupyter-llama-panel';
 const card = `${panel} .jp-Llama-card[data-loaded-model="${model}"]`;

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from browser import find_chromium, need
 
 from jupyter_llama.engine.runner import free_port
 
@@ -62,28 +63,6 @@ PRESET = {"system": "You are Mario", "parameters": {"num_predict": 3}}
 OPTIONS = {"num_ctx": 1024, "num_parallel": 1, "num_thread": 1}
 DRIVER_TIMEOUT = 360
 SLOW_SECONDS = 5.0  # how long the slow server takes to send the pulled file
-
-
-def _need(ok: bool, why: str) -> None:
-    """Skip, or fail where `make test` promises the tool (JUPYTER_LLAMA_REQUIRE_UI=1)."""
-    if ok:
-        return
-    if os.environ.get("JUPYTER_LLAMA_REQUIRE_UI") == "1":
-        pytest.fail(why)
-    pytest.skip(why)
-
-
-def _chromium() -> str | None:
-    env = os.environ.get("JUPYTER_LLAMA_CHROMIUM")
-    if env:
-        return env if os.access(env, os.X_OK) else None
-    for name in ("chromium", "chromium-browser"):
-        p = shutil.which(name)
-        if p:
-            return p
-    return None
-
-
 
 
 def _stop(proc: subprocess.Popen, timeout: float = 30) -> None:
@@ -108,10 +87,10 @@ def _alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def driver_deps() -> dict:
     node, npm = shutil.which("node"), shutil.which("npm")
-    _need(bool(node and npm), "Node.js and npm are needed for the UI test")
-    chromium = _chromium()
-    _need(chromium is not None, "no Chromium: apt-get install chromium (or set JUPYTER_LLAMA_CHROMIUM)")
-    _need(BUILT.is_file(), "the labextension is not built: run `make labext`")
+    need(bool(node and npm), "Node.js and npm are needed for the UI test")
+    chromium = find_chromium()
+    need(chromium is not None, "no Chromium: apt-get install chromium (or set JUPYTER_LLAMA_CHROMIUM)")
+    need(BUILT.is_file(), "the labextension is not built: run `make labext`")
     if not (HERE / "node_modules" / "playwright-core" / "package.json").is_file():
         subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=HERE, check=True, timeout=300)
     return {"node": node, "chromium": chromium}
