@@ -3,13 +3,15 @@
 The manager sends its child Ollama's defaults for every sampling option a request leaves
 unset (``api.options.OLLAMA_SAMPLING_DEFAULTS``; the OpenAI routes with temperature and
 top_p 1), as Ollama does, so that a client samples as it would against Ollama. Among them is
-a repeat penalty over the last 64 tokens, which llama-server's own defaults leave off; its
-sampler looks up every candidate token of the vocabulary before top-k narrows them, so its
-cost grows with the vocabulary (Gemma 3's is 262k). This bench asks one llama-server (no
-manager between) for the same greedy generations with llama-server's defaults and with
-Ollama's, turn about, at 1 and at 8 concurrent streams, and prints each side's tokens/s as
-the child reports them (its ``timings``) and the ratio. No goal: it says what the defaults
-cost, which bench/api_overhead.py keeps out of its comparison by sending every side the same.
+a repeat penalty over the last 64 tokens, which llama-server's own defaults leave off. In
+llama.cpp's order of samplers the penalty looks up every token of the vocabulary before
+top-k narrows them, so its cost grows with the vocabulary (Gemma 3's is 262k); the manager
+sends the order with top-k first. This bench asks one llama-server (no manager between) for
+the same greedy generations with llama-server's defaults, with Ollama's values in
+llama.cpp's order, and with them in the manager's order, taking turns, at 1 and at 8
+concurrent streams, and prints each side's tokens/s as the child reports them (its
+``timings``) and the ratios. No goal: it says what the defaults cost, which
+bench/api_overhead.py keeps out of its comparison by sending every side the same.
 
     .venv/bin/python bench/sampling_defaults.py [--rounds 4] [--n-predict 48] [--threads 2]
 """
@@ -33,6 +35,8 @@ from jupyter_llama.engine.binary import EngineBroken, EngineNotFound, find_engin
 from jupyter_llama.engine.runner import free_port  # noqa: E402
 
 PROMPT = "Once upon a time"
+PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "List of prime numbers: 2, 3, 5,",
+           "The the the the the"]
 STREAMS = 8
 
 
@@ -44,16 +48,26 @@ async def tokens_per_second(client: httpx.AsyncClient, url: str, sampling: dict,
 
 
 async def measure(url: str, rounds: int, n: int) -> dict[str, list[float]]:
-    sides = {"llama-server's": {}, "Ollama's": dict(OLLAMA_SAMPLING_DEFAULTS)}
+    values = {k: v for k, v in OLLAMA_SAMPLING_DEFAULTS.items() if k != "samplers"}
+    sides = {"llama-server's": {}, "Ollama's": values, "Ollama's, top-k first": dict(OLLAMA_SAMPLING_DEFAULTS)}
     out: dict[str, list[float]] = {f"{s} {k}": [] for s in sides for k in ("1", str(STREAMS))}
     async with httpx.AsyncClient(trust_env=False) as client:
         await tokens_per_second(client, url, {}, 4)  # (warm: the prompt's cache, the first allocations)
         for i in range(rounds):
-            order = list(sides.items()) if i % 2 == 0 else list(sides.items())[::-1]
+            order = list(sides.items())[i % len(sides):] + list(sides.items())[:i % len(sides)]
             for name, sampling in order:
                 out[f"{name} 1"].append(await tokens_per_second(client, url, sampling, n))
                 each = await asyncio.gather(*(tokens_per_second(client, url, sampling, n) for _ in range(STREAMS)))
                 out[f"{name} {STREAMS}"].append(sum(each))
+        # Do the two orders choose alike? Greedy answers to a few prompts, compared.
+        alike = 0
+        for prompt in PROMPTS:
+            texts = []
+            for sampling in (sides["Ollama's"], sides["Ollama's, top-k first"]):
+                body = {"prompt": prompt, "n_predict": 128, **sampling, "temperature": 0}
+                texts.append((await client.post(url, json=body, timeout=600)).json()["content"])
+            alike += texts[0] == texts[1]
+        out["alike"] = [float(alike)]
     return out
 
 
@@ -94,11 +108,15 @@ def main(argv=None) -> int:
     print(f"sampling_defaults: Gemma 3 270M Q4_K_M, one llama-server ({args.threads} threads, {STREAMS} slots), "
           f"greedy, {args.n_predict} tokens a stream, {args.rounds} rounds taking turns")
     for k in ("1", str(STREAMS)):
-        theirs, ollamas = out[f"llama-server's {k}"], out[f"Ollama's {k}"]
-        print(f"  {k} stream(s): tokens/s with llama-server's defaults {statistics.mean(theirs):.1f}, with "
-              f"Ollama's {statistics.mean(ollamas):.1f}; Ollama's / llama-server's = "
-              f"{statistics.mean(ollamas) / statistics.mean(theirs):.3f} (rounds: "
-              f"{', '.join(f'{o / t:.3f}' for o, t in zip(ollamas, theirs, strict=True))})")
+        theirs = out[f"llama-server's {k}"]
+        print(f"  {k} stream(s): tokens/s with llama-server's defaults {statistics.mean(theirs):.1f}")
+        for side in ("Ollama's", "Ollama's, top-k first"):
+            ours = out[f"{side} {k}"]
+            print(f"    with {side} {statistics.mean(ours):.1f}: / llama-server's = "
+                  f"{statistics.mean(ours) / statistics.mean(theirs):.3f} (rounds: "
+                  f"{', '.join(f'{o / t:.3f}' for o, t in zip(ours, theirs, strict=True))})")
+    print(f"  greedy answers of 128 tokens to {len(PROMPTS)} prompts, the same in both orders: "
+          f"{int(out['alike'][0])} of {len(PROMPTS)}")
     return 0
 
 

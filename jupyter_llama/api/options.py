@@ -108,6 +108,13 @@ OLLAMA_SAMPLING_DEFAULTS: dict[str, Any] = {
     "repeat_penalty": 1.1,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
+    # llama.cpp's order of its samplers, with top_k moved before the penalties: they then
+    # look at the top_k candidates, not at every token of the vocabulary (a lookup per entry
+    # a token, which a large vocabulary feels: bench/sampling_defaults.py and
+    # bench/PERFORMANCE.md say how much). The penalties only lower a recent token's logit, so the
+    # two orders choose alike unless every one of the top_k candidates was among the last
+    # repeat_last_n tokens.
+    "samplers": ["top_k", "penalties", "dry", "top_n_sigma", "typ_p", "top_p", "min_p", "xtc", "temperature"],
 }
 
 
