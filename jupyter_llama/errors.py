@@ -92,6 +92,12 @@ class BadRequest(JupyterLlamaError):
 
 
 # On a manager shared by many people (scheduler.fairness): a person's quotas and rights.
+class PayloadTooLarge(JupyterLlamaError):
+    """An upload (a blob) larger than the server takes."""
+
+    status = 413
+
+
 class QuotaExceeded(SchedulerError):
     """A person's requests at once, or in the last minute, are at their quota: try again later."""
 

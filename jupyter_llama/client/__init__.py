@@ -49,6 +49,7 @@ from .errors import (
     ServerBusyError,
     ServerNotFound,
     SettingsDiffer,
+    TooLargeError,
 )
 from .errors import _error as _error
 from .errors import _message_of as _message_of
@@ -65,6 +66,7 @@ __all__ = [
     "ModelNotFoundError",
     "ConflictError",
     "QuotaExceededError",
+    "TooLargeError",
     "ServerBusyError",
     "DoesNotFitError",
     "ServerNotFound",

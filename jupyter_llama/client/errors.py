@@ -58,6 +58,12 @@ class ConflictError(LlamaError):
     status = errors.LoadCancelled.status
 
 
+class TooLargeError(LlamaError):
+    """A body or an upload larger than the server takes; the message says its limit."""
+
+    status = errors.PayloadTooLarge.status
+
+
 class QuotaExceededError(LlamaError):
     """Over one of the Hub admin's quotas (requests at once or a minute); the message names it."""
 
@@ -77,8 +83,8 @@ class ServerNotFound(LlamaError):
 
 
 _BY_STATUS: dict[int, type[LlamaError]] = {
-    c.status: c for c in (BadRequestError, ForbiddenError, ModelNotFoundError, ConflictError, QuotaExceededError,
-                          ServerBusyError, DoesNotFitError) if c.status is not None}
+    c.status: c for c in (BadRequestError, ForbiddenError, ModelNotFoundError, ConflictError, TooLargeError,
+                          QuotaExceededError, ServerBusyError, DoesNotFitError) if c.status is not None}
 
 
 def _error(status: int | None, message: str) -> LlamaError:

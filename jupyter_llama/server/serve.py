@@ -4,7 +4,7 @@ JupyterLab (the CLI, VS Code, Ollama and OpenAI clients).
     jupyter-llama serve [--ip 127.0.0.1] [--port N] [--token T] [--no-browser] [--allow-root]
 
 It is a jupyter_server ``ServerApp`` (same auth, same config files, same runtime file that
-``client.py`` reads) with ``jupyter_llama`` enabled, other extensions left out, and none of
+``jupyter_llama.client`` reads) with ``jupyter_llama`` enabled, other extensions left out, and none of
 jupyter_server's own services but the login (:func:`manager_server_app`): its token opens
 this API and nothing else. Ollama clients point at ``http://<ip>:<port>/llama`` with the header
 ``Authorization: token <token>``; OpenAI clients at ``http://<ip>:<port>/llama/v1`` with

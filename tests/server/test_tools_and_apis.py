@@ -2,7 +2,7 @@
 Anthropic's Messages API, with the real clients, a real Jupyter server and real children.
 
 ``agent`` is a synthetic model whose chat template renders tools and reasoning and whose
-weights are wired to call the tool it is offered (models/synth.py, ``template="tools"``):
+weights are wired to call the tool it is offered (models/synth/, ``template="tools"``):
 offered ``get_weather`` (one enum argument) it answers with one call,
 ``get_weather(city="Paris")``, which llama-server parses; asked to think, it thinks. ``tiny``
 has a plain ChatML template: no tools, no thinking, no fill-in-the-middle tokens.

@@ -35,7 +35,7 @@ from ...api import ollama as oa
 from ...api.ollama import ndjson
 from ...config import ConfigError
 from ...engine.runner import EngineError, RequestError, RunnerCrashed
-from ...errors import Forbidden, JupyterLlamaError
+from ...errors import Forbidden, JupyterLlamaError, PayloadTooLarge
 from ...hub import refusal
 from ...load_options import LoadOptionsError
 from ...models.gguf_info import GGUFError
@@ -65,10 +65,6 @@ SSE = "text/event-stream"
 
 class ClientGone(Exception):
     """The client closed the connection; stop quietly."""
-
-
-class PayloadTooLarge(JupyterLlamaError):
-    status = 413
 
 
 def error_status(exc: BaseException) -> tuple[int, str]:
