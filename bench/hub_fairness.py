@@ -35,6 +35,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -104,16 +106,26 @@ async def one_user(client: httpx.AsyncClient, user: str, requests: int, concurre
         await asyncio.gather(*(ask(i) for i in range(requests)))
 
 
-async def hog_waiting(hub, admin_token: str, hog: int, slots: int) -> None:
-    """Until the hog's ``hog`` requests are all in: running, or waiting in the service's queue."""
+async def hog_queued(hub, admin_token: str, hog: int, ask_hog) -> asyncio.Task:
+    """Start the hog's ``hog`` requests (``ask_hog()``, a coroutine) and return once all of them
+    are in the service, running or queued. The model's child is stopped meanwhile (SIGSTOP,
+    then SIGCONT), so that none of them ends before the last has arrived: the others find
+    the whole queue in front of them."""
     want = f'jupyter_llama_user_requests_in_flight{{user="hog"}} {hog}'
     async with httpx.AsyncClient(base_url=hub.service_url, headers={"Authorization": f"token {admin_token}"},
                                  timeout=30.0, trust_env=False) as admin:
-        deadline = time.monotonic() + 120
-        while want not in (await admin.get("metrics")).text:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the hog's {hog} requests did not all reach the service in 120 s")
-            await asyncio.sleep(0.02)
+        pid = next(m["pid"] for m in (await admin.get("api/ps")).json()["models"])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            task = asyncio.create_task(ask_hog())
+            deadline = time.monotonic() + 120
+            while want not in (await admin.get("metrics")).text:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the hog's {hog} requests did not all reach the service in 120 s")
+                await asyncio.sleep(0.02)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    return task
 
 
 async def run(hub, users: list[str], tokens: dict[str, str], args) -> dict:
@@ -121,9 +133,8 @@ async def run(hub, users: list[str], tokens: dict[str, str], args) -> dict:
     clients = {u: user_client(hub, tokens[u], args.concurrent) for u in users}
     hog = None
     if args.hog:
-        hog = asyncio.create_task(one_user(user_client(hub, tokens["hog"], args.hog), "hog", args.hog, args.hog,
-                                           args.predict, out))
-        await hog_waiting(hub, tokens["admin"], args.hog, args.slots)
+        hog = await hog_queued(hub, tokens["admin"], args.hog, lambda: one_user(
+            user_client(hub, tokens["hog"], args.hog), "hog", args.hog, args.hog, args.predict, out))
     await asyncio.gather(*(one_user(clients[u], u, args.requests, args.concurrent, args.predict, out)
                            for u in users))
     if hog is not None:
