@@ -27,9 +27,16 @@ def cli(env, *args, timeout=180):
                           env=env, timeout=timeout)
 
 
+# The command as a terminal starts it, with Ctrl-C's signal handled: a suite started in the
+# background of a shell without job control inherits SIGINT ignored, and Python then leaves
+# it ignored in every process it starts.
+AT_A_TERMINAL = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                 "sys.argv[0] = 'jupyter-llama'; runpy.run_module('jupyter_llama.cli', run_name='__main__')")
+
+
 def answering(env, model) -> subprocess.Popen:
     """`run MODEL` with a long answer, returned once its first text is on standard output."""
-    p = subprocess.Popen([sys.executable, "-m", "jupyter_llama.cli", "run", model, *LONG_ANSWER], env=env,
+    p = subprocess.Popen([sys.executable, "-c", AT_A_TERMINAL, "run", model, *LONG_ANSWER], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     sel = selectors.DefaultSelector()
     sel.register(p.stdout, selectors.EVENT_READ)
