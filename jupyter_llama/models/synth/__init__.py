@@ -74,10 +74,7 @@ name below is importable from this package as it was from the one module.
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import Any
-
+from ...seams import forward_settings
 from . import plan, projector, shape, vocab, weights, writer
 from .projector import write_projector as write_projector
 from .shape import ARCHS, FAMILIES, TEMPLATES, TYPES, SynthShape
@@ -96,22 +93,6 @@ from .writer import write_synthetic
 __all__ = ["SynthShape", "write_synthetic", "MIN_VOCAB", "TYPES", "TEMPLATES", "CHAT_TEMPLATE", "TOOLS_TEMPLATE",
            "ARCHS", "FAMILIES", "special_token_ids"]
 
-_MISSING = object()
-_SEAMS = (plan, projector, shape, vocab, weights, writer)
-
-
-class _Package(types.ModuleType):
-    """This package, whose names are also the names its seams use: setting one here (a test
-    that sets ``synth._make_tensor``) sets it in every seam module that has the same object
-    under that name, as it did when the maker was one module."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        old = self.__dict__.get(name, _MISSING)
-        if old is not _MISSING and not isinstance(old, types.ModuleType):
-            for seam in _SEAMS:
-                if seam.__dict__.get(name, _MISSING) is old:
-                    setattr(seam, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+# (a test that sets one of this package's names, ``synth._make_tensor``, sets it where the seams use
+# it: see seams.py)
+forward_settings(__name__, (plan, projector, shape, vocab, weights, writer))
