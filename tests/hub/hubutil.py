@@ -128,6 +128,15 @@ class Hub:
             kids = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             kids = []
+        # The proxy, by the pid file the Hub writes in its folder: a Hub that crashed at start
+        # (its service failed) leaves its proxy behind, no longer its child.
+        pid_file = self.root / "jupyterhub-proxy.pid"
+        try:
+            proxy = psutil.Process(int(pid_file.read_text().strip()))
+            if "configurable-http-proxy" in " ".join(proxy.cmdline()) and proxy not in kids:
+                kids.append(proxy)
+        except (OSError, ValueError, psutil.Error):
+            pass
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -43,3 +43,33 @@ def test_hub_without_its_variables_is_said(monkeypatch, capsys):
         monkeypatch.delenv(k, raising=False)
     assert main(["--hub"]) == 2
     assert "--hub needs the Hub's service variables: JUPYTERHUB_API_TOKEN" in capsys.readouterr().err
+
+
+@pytest.mark.engine
+def test_a_wrong_quota_stops_the_service_with_its_sentence_and_leaves_nothing_running(engine, tmp_path):
+    """The admin's mistake in the service's quotas: the service refuses to start with a sentence
+    naming it (in the Hub's log), the Hub exits, and its proxy is not left behind."""
+    import psutil  # type: ignore[import-untyped]  # (psutil ships no types)
+    from hubutil import missing, start_hub
+
+    why = missing()
+    if why is not None:
+        pytest.skip(why)
+
+    (tmp_path / "models").mkdir()
+    with pytest.raises(RuntimeError) as e:
+        start_hub(tmp_path, engine_path=engine.path, models_dir=tmp_path / "models",
+                  service_config={"quotas": {"default": {"per_hour": 10}}}, timeout=120)
+    assert "LlamaHub.quotas.default: unknown quota 'per_hour'; the quotas are memory, models, concurrent, " \
+           "per_minute" in str(e.value)
+    assert not [p for p in psutil.process_iter() if _proxy_of(p, tmp_path)]
+
+
+def _proxy_of(p, root) -> bool:
+    """A configurable-http-proxy started for the Hub in ``root`` (its working folder)."""
+    import psutil  # type: ignore[import-untyped]
+
+    try:
+        return "configurable-http-proxy" in " ".join(p.cmdline()) and p.cwd() == str(root)
+    except psutil.Error:
+        return False
