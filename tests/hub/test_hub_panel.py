@@ -29,16 +29,12 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
-from typing import Callable
 
 import pytest
-from browser import find_chromium, need
+from browser import drive, find_chromium, need
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(480)]
 
@@ -130,7 +126,7 @@ def test_the_panel_through_the_hub(driver_deps: dict, hub, tmp_path: Path) -> No
                        SHARED_MODEL=SHARED, LOAD_MODEL=TO_LOAD, PRIVATE_MODEL=PRIVATE,
                        ARTIFACTS=str(ARTIFACTS), CHROMIUM=driver_deps["chromium"],
                        PROFILE=str(tmp_path / "chromium-profile"))
-            rc = _drive(driver_deps["node"], env, do, transcript)
+            rc = drive(driver_deps["node"], HERE / "drive_hub.mjs", env, do, transcript, timeout=DRIVER_TIMEOUT)
     finally:
         print("\n".join(transcript))
         hub.stop_server(USER)
@@ -140,37 +136,3 @@ def test_the_panel_through_the_hub(driver_deps: dict, hub, tmp_path: Path) -> No
     assert rc == 0, "the browser check failed:\n" + "\n".join(transcript[-15:])
     assert any(t.endswith("STEP done") for t in transcript)
     assert (ARTIFACTS / "hub-panel.png").stat().st_size > 5_000
-
-
-def _drive(node: str, env: dict, do: Callable[[str], None], transcript: list[str]) -> int:
-    """Run drive_hub.mjs, answering its CALL lines with ``do(op)``; returns its exit status."""
-    drv = subprocess.Popen([node, str(HERE / "drive_hub.mjs")], cwd=HERE, env=env, text=True,
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           start_new_session=True)
-    timer = threading.Timer(DRIVER_TIMEOUT, lambda: os.killpg(drv.pid, signal.SIGKILL))
-    timer.start()
-    started = time.monotonic()
-    try:
-        assert drv.stdout is not None and drv.stdin is not None
-        for line in drv.stdout:
-            line = line.rstrip("\n")
-            transcript.append(f"{time.monotonic() - started:6.1f}s {line}")
-            if line.startswith("CALL "):
-                try:
-                    do(json.loads(line[5:])["op"])
-                    drv.stdin.write("OK\n")
-                except Exception as e:  # noqa: BLE001 - reported to the driver, which fails
-                    drv.stdin.write(f"ERR {e!r}\n")
-                drv.stdin.flush()
-        return drv.wait(30)
-    finally:
-        timer.cancel()
-        if drv.poll() is None:
-            os.killpg(drv.pid, signal.SIGKILL)
-            drv.wait(10)
-        for pipe in (drv.stdin, drv.stdout):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:  # the driver is gone: nothing to flush into
-                    pass

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from browser import find_chromium, need
+from browser import drive, find_chromium, need
 
 from jupyter_llama.engine.runner import free_port
 
@@ -250,44 +250,21 @@ def test_lab_panel_and_notebook_widget(lab, workers, slow_server, driver_deps, t
                SLOW_URL=slow_server + "slow.gguf", MISSING_URL=slow_server + "nothing-here.gguf",
                LIVE_WORKER=workers[0], DEAD_WORKER=workers[1],
                CHROMIUM=driver_deps["chromium"], PROFILE=str(tmp_path / "chromium-profile"))
-    drv = subprocess.Popen([driver_deps["node"], str(HERE / "drive.mjs")], cwd=HERE, env=env, text=True,
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           start_new_session=True)
-    timer = threading.Timer(DRIVER_TIMEOUT, lambda: os.killpg(drv.pid, signal.SIGKILL))
-    timer.start()
     transcript: list[str] = []
-    started = time.monotonic()
+
+    def note_runners() -> None:  # the panel's own loads happen in the browser: note their runners too
+        try:
+            for m in client.get("api/ps", timeout=5).json().get("models", []):
+                if m.get("pid"):
+                    pids.add(int(m["pid"]))
+        except httpx.HTTPError:
+            pass
+
+    rc = None
     try:
-        assert drv.stdout is not None and drv.stdin is not None
-        for line in drv.stdout:
-            line = line.rstrip("\n")
-            transcript.append(f"{time.monotonic() - started:6.1f}s {line}")
-            if line.startswith("CALL "):
-                try:
-                    do(json.loads(line[5:])["op"])
-                    drv.stdin.write("OK\n")
-                except Exception as e:  # noqa: BLE001 - reported to the driver, which fails
-                    drv.stdin.write(f"ERR {e!r}\n")
-                drv.stdin.flush()
-            # the panel's own loads happen in the browser: note their runners too
-            try:
-                for m in client.get("api/ps", timeout=5).json().get("models", []):
-                    if m.get("pid"):
-                        pids.add(int(m["pid"]))
-            except httpx.HTTPError:
-                pass
-        rc = drv.wait(30)
+        rc = drive(driver_deps["node"], HERE / "drive.mjs", env, do, transcript, timeout=DRIVER_TIMEOUT,
+                   each_line=note_runners)
     finally:
-        timer.cancel()
-        if drv.poll() is None:
-            os.killpg(drv.pid, signal.SIGKILL)
-            drv.wait(10)
-        for pipe in (drv.stdin, drv.stdout):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:  # the driver is gone: nothing to flush into
-                    pass
         print("\n".join(transcript))
         # the kernel's live panel is stopped with the server; no llama-server may outlive it
         _stop(proc)
@@ -297,7 +274,7 @@ def test_lab_panel_and_notebook_widget(lab, workers, slow_server, driver_deps, t
                 time.sleep(0.1)
             assert not _alive(pid), f"llama-server {pid} outlived JupyterLab"
         log = (tmp_path / "lab.log").read_text() if (tmp_path / "lab.log").exists() else ""
-        if drv.returncode not in (0, None):
+        if rc not in (0, None):
             print("---- lab.log (tail) ----\n" + log[-6000:])
 
     assert rc == 0, "the browser check failed:\n" + "\n".join(transcript[-15:])
