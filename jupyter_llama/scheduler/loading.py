@@ -57,7 +57,8 @@ class Loading(MakingRoom):
     async def _load(self, ref: ModelRef, options: LoadOptions, keep_alive: float | None,
                     user: Who | None = None, replacing: Loaded | None = None) -> Loaded:
         """Called with the lock held: make room, start the runner, retry on OOM as Ollama does.
-        ``replacing``: the model's runner now (other options, unhealthy, or being unloaded),
+        ``options``: as :meth:`effective_options` made them (the acquire path compares those
+        with what is loaded). ``replacing``: the model's runner now (other options, unhealthy, or being unloaded),
         stopped once the load is allowed (see :meth:`_make_room`).
 
         A load the scheduler stops meanwhile (:meth:`_stop_runner`: its name changed, a
@@ -65,7 +66,6 @@ class Loading(MakingRoom):
         child has exited: no child of it outlives it, and none is started after the stop."""
         if not os.path.isfile(ref.path):  # deleted while this request waited: as if it never was
             raise ModelNotFound(ref.name, "it was deleted while this request waited")
-        options = self.effective_options(options, ref)
         options, preds, fit_source = await self._make_room(ref, options, user, replacing)
         ka = self.settings.keep_alive if keep_alive is None else keep_alive
         lo = Loaded(ref=ref, options=options, keep_alive=ka, predictions=preds, fit_source=fit_source,
