@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -123,7 +124,7 @@ def test_create_copy_delete_and_resolve_racing_on_one_name(store, ggufs):
 
     errors = run_threads(work, 8)
     assert errors == []
-    assert unexpected == [], unexpected[:3]
+    assert unexpected == [], "\n".join(f"{op}: " + "".join(traceback.format_exception(e)) for op, e in unexpected[:3])
     assert {status for _op, _kind, status in expected} <= {404, 409}
     assert counts["done"] > 0
     assert_consistent(store)

@@ -141,10 +141,18 @@ class Resolving(BlobStore, Presets):
         """
         try:
             e = self.entry(name)
-        except (InvalidName, ModelNotFound):
+        except InvalidName:  # (no store name: a path, resolved as a load resolves it)
             if not self.allow_paths or not self._looks_like_path(str(name)):
                 raise
-            return self._show_file(self.resolve_sync(str(name)), verify)  # (a path: resolved as a load resolves it)
+            return self._show_file(self.resolve_sync(str(name)), verify)
+        except ModelNotFound:
+            # a name that can also be a path ("owner/model"): a file there, or not found. (Not
+            # resolve_sync: a create racing with this could make it a store model meanwhile,
+            # which would then be shown as a file.)
+            ref = self._resolve_path(str(name).strip()) if self.allow_paths else None
+            if ref is None:
+                raise
+            return self._show_file(ref, verify)
         info = e.info
         files = []
         problems = []
@@ -196,7 +204,10 @@ class Resolving(BlobStore, Presets):
         """:meth:`show` of a GGUF file named by its path: what the file says of itself. It has
         no digest, preset or source in the store, so ``verify`` has nothing to hash it
         against: reading its header and tensor table (done to name it) is its check."""
-        st = os.stat(ref.path)
+        try:
+            st = os.stat(ref.path)
+        except FileNotFoundError:  # (removed since it was resolved)
+            raise ModelNotFound(ref.name, missing_file=ref.path) from None
         when = _dt.datetime.fromtimestamp(st.st_mtime, _dt.timezone.utc).isoformat()
         info = info_summary(ref.info)
         out = {
