@@ -22,8 +22,8 @@ difference of the two ratios with its interval (the relay's cost with the noise 
 machine's requests taken out), and the manager's CPU a token over the whole run.
 
 Usage: ``.venv/bin/python bench/single_stream_noise.py [--model gemma|synthetic] [--route ollama|openai]
-[--triples N] [--n-predict N] [--save FILE]``. With Gemma, 150 triples of 64 tokens take about 11
-minutes on two cores. Figures and what they say: bench/PERFORMANCE.md.
+[--triples N] [--n-predict N] [--save FILE]``; ``--pool FILE...`` reports saved runs together.
+With Gemma, 150 triples of 64 tokens take about 11 minutes on two cores. Figures: bench/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def ratio(rows: list[dict], num: str, den: str, picks) -> float:
     return (tn / wn) / (td / wd)
 
 
-def report(rows: list[dict], cpu_us: float, steal: float | None) -> None:
+def report(rows: list[dict], cpu_us: float | None, steal: float | None) -> None:
     n = len(rows)
     rng = random.Random(0)
     every = range(n)
@@ -91,8 +91,9 @@ def report(rows: list[dict], cpu_us: float, steal: float | None) -> None:
         draws["ours"].append(a)
         draws["again"].append(b)
         draws["diff"].append(a - b)
+    cpu = "-" if cpu_us is None else f"{cpu_us:.0f} us"
     print(f"{n} triples; steal {'-' if steal is None else f'{steal:.1%}'}; the manager's CPU a token "
-          f"(its requests' own work included) {cpu_us:.0f} us")
+          f"(its requests' own work included) {cpu}")
     print(f"{'':22} {'ratio':>7} {'95% interval':>18} {'one pair: sd':>13}")
     for side, words in (("ours", "ours / bare"), ("again", "bare again / bare")):
         pairs = [(r[side][0] / r[side][1]) / (r["bare"][0] / r["bare"][1]) for r in rows]
@@ -108,7 +109,7 @@ def report(rows: list[dict], cpu_us: float, steal: float | None) -> None:
     print(f"bare alone: {mean:.1f} tokens/s a request, sd {spread:.1%} from one request to the next")
 
 
-async def run(args) -> list[dict]:
+async def run(args) -> tuple[list[dict], float]:
     engine = find_engine()
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
@@ -147,10 +148,26 @@ async def run(args) -> list[dict]:
                 rows.append(row)
             cpu = cpu_seconds(mgr.proc.pid) - cpu0
             # (the manager's CPU counts its work for bare's requests too: none, they do not pass it)
-            report(rows, cpu / max(1, ours_tokens) * 1e6, steal_share(times0, machine_times()))
-            return rows
+            cpu_us = cpu / max(1, ours_tokens) * 1e6
+            report(rows, cpu_us, steal_share(times0, machine_times()))
+            return rows, cpu_us
         finally:
             mgr.stop()
+
+
+def pool(paths: list[str]) -> int:
+    """The report over the triples of saved runs, which must be of one model and route."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    kinds = {(r["args"]["model"], r["args"]["route"], r["args"]["n_predict"]) for r in runs}
+    if len(kinds) != 1:
+        print(f"--pool: the runs are of different models, routes or lengths ({sorted(kinds)}): pool one kind at a time",
+              file=sys.stderr)
+        return 2
+    model, route, n = kinds.pop()
+    print(f"{len(runs)} runs of the {model} model, {route} route, {n} tokens a request: {', '.join(paths)}")
+    cpus = [r["cpu_us"] for r in runs if r.get("cpu_us") is not None]
+    report([t for r in runs for t in r["triples"]], statistics.fmean(cpus) if cpus else None, None)
+    return 0
 
 
 def main() -> int:
@@ -163,12 +180,16 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="the child's -t")
     ap.add_argument("--ctx", type=int, default=512, help="context per request (num_ctx)")
     ap.add_argument("--save", metavar="FILE", help="write each triple's (tokens, seconds) per side (JSON) to FILE")
+    ap.add_argument("--pool", metavar="FILE", nargs="+",
+                    help="measure nothing: the triples of runs saved with --save (one model and route), together")
     args = ap.parse_args()
     if args.triples < 6:
         ap.error("--triples: six or more (each of the six orders once)")
-    rows = asyncio.run(run(args))
+    if args.pool:
+        return pool(args.pool)
+    rows, cpu_us = asyncio.run(run(args))
     if args.save:
-        Path(args.save).write_text(json.dumps({"args": vars(args), "triples": rows}))
+        Path(args.save).write_text(json.dumps({"args": vars(args), "triples": rows, "cpu_us": cpu_us}))
         print(f"triples written to {args.save}")
     return 0
 
