@@ -128,10 +128,13 @@ class MakingRoom(Unloading):
         event saying why: its child is gone, it was being unloaded, its options changed, or
         its health check failed."""
         changed = lo.differences(options, name)
-        if lo.runner is None or not lo.runner.alive:
-            reason, rule = "its runner is no longer running", "crash"
-        elif lo.unload_when_idle and not changed:
+        dead = lo.runner is None or not lo.runner.alive
+        if lo.unload_when_idle and (dead or not changed):
+            # (its stop, decided before this request came, may have ended its child meanwhile:
+            # that is the unload, not a crash)
             reason, rule = f"it was being unloaded ({lo.unload_when_idle})", "reload"
+        elif dead:
+            reason, rule = "its runner is no longer running", "crash"
         elif changed:
             def spelled(v) -> str:  # (None: the option left to llama.cpp's or the scheduler's choice)
                 return "automatic" if v is None else shown(v)
