@@ -200,9 +200,10 @@ class StoreLayout:
         """StoreGone when the folder, seen before, is gone; else note that it is there. A
         manager whose folder was deleted says so rather than list nothing, or make a new
         empty one the next time it writes."""
+        seen = self._root_seen  # (read before the look: a first create may make the folder meanwhile)
         if self.root.is_dir():
             self._root_seen = True
-        elif self._root_seen:
+        elif seen:
             raise StoreGone(self.root)
 
     def usable_root(self) -> str | None:
