@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -49,9 +48,10 @@ from api_overhead import (  # noqa: E402  (the sides' requests and readers are t
     cpu_seconds,
     gemma_file,
     machine_times,
-    middle_95,
+    ratio_interval,
     steal_share,
     stream,
+    tps_ratio,
 )
 
 from jupyter_llama.client import LlamaClient  # noqa: E402
@@ -71,37 +71,21 @@ def rotations(i: int) -> tuple[str, ...]:
     return orders[i % len(orders)]
 
 
-def ratio(rows: list[dict], num: str, den: str, picks) -> float:
-    """Tokens/s of ``num`` over ``den`` in the triples ``picks`` (all tokens over all wall time)."""
-    tn = sum(rows[i][num][0] for i in picks)
-    wn = sum(rows[i][num][1] for i in picks)
-    td = sum(rows[i][den][0] for i in picks)
-    wd = sum(rows[i][den][1] for i in picks)
-    return (tn / wn) / (td / wd)
-
-
 def report(rows: list[dict], cpu_us: float | None, steal: float | None) -> None:
-    n = len(rows)
-    rng = random.Random(0)
-    every = range(n)
-    draws = {"ours": [], "again": [], "diff": []}
-    for _ in range(DRAWS):  # the triples resampled: each draw's three figures from the same picks
-        picks = [rng.randrange(n) for _ in every]
-        a, b = ratio(rows, "ours", "bare", picks), ratio(rows, "again", "bare", picks)
-        draws["ours"].append(a)
-        draws["again"].append(b)
-        draws["diff"].append(a - b)
+    # (the triples as api_overhead's rounds, so that its ratio and paired bootstrap judge them)
+    sides = {side: {"rounds": [list(r[side]) for r in rows]} for side in SIDES}
+    every = range(len(rows))
     cpu = "-" if cpu_us is None else f"{cpu_us:.0f} us"
-    print(f"{n} triples; steal {'-' if steal is None else f'{steal:.1%}'}; the manager's CPU a token "
+    print(f"{len(rows)} triples; steal {'-' if steal is None else f'{steal:.1%}'}; the manager's CPU a token "
           f"(its requests' own work included) {cpu}")
     print(f"{'':22} {'ratio':>7} {'95% interval':>18} {'one pair: sd':>13}")
     for side, words in (("ours", "ours / bare"), ("again", "bare again / bare")):
-        pairs = [(r[side][0] / r[side][1]) / (r["bare"][0] / r["bare"][1]) for r in rows]
-        lo, hi = middle_95(draws[side])
-        print(f"{words:22} {ratio(rows, side, 'bare', every):7.4f} {f'[{lo:.4f}, {hi:.4f}]':>18} "
+        pairs = [tps_ratio(sides, [i], side, "bare") for i in every]
+        lo, hi = ratio_interval(sides, side, "bare", draws=DRAWS)
+        print(f"{words:22} {tps_ratio(sides, every, side, 'bare'):7.4f} {f'[{lo:.4f}, {hi:.4f}]':>18} "
               f"{statistics.stdev(pairs):13.4f}")
-    lo, hi = middle_95(draws["diff"])
-    diff = ratio(rows, "ours", "bare", every) - ratio(rows, "again", "bare", every)
+    lo, hi = ratio_interval(sides, "ours", "bare", ("again", "bare"), DRAWS)
+    diff = tps_ratio(sides, every, "ours", "bare") - tps_ratio(sides, every, "again", "bare")
     print(f"{'ours/bare - null':22} {diff:+7.4f} {f'[{lo:+.4f}, {hi:+.4f}]':>18}")
     rates = [r["bare"][0] / r["bare"][1] for r in rows]
     mean = statistics.fmean(rates)
