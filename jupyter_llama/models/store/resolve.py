@@ -149,7 +149,7 @@ class Resolving(BlobStore, Presets):
             # a name that can also be a path ("owner/model"): a file there, or not found. (Not
             # resolve_sync: a create racing with this could make it a store model meanwhile,
             # which would then be shown as a file.)
-            ref = self._resolve_path(str(name).strip()) if self.allow_paths else None
+            ref = self._resolve_path(str(name).strip())  # (None where paths are not allowed)
             if ref is None:
                 raise
             return self._show_file(ref, verify)
